@@ -1,0 +1,29 @@
+"""marl: RLOO with the policy, the reference and the reward as adapters on one base model."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# Public names resolve lazily so that `import marl` (and the CLI's --help) stays fast: torch and transformers load
+# only when a model or trainer is actually used.
+_PUBLIC = {
+    "MultiAdapterModel": "marl.model",
+    "RLOOConfig": "marl.config",
+    "RLOOTrainer": "marl.trainer",
+}
+
+if TYPE_CHECKING:
+    from marl.config import RLOOConfig
+    from marl.model import MultiAdapterModel
+    from marl.trainer import RLOOTrainer
+
+__all__ = ["MultiAdapterModel", "RLOOConfig", "RLOOTrainer", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'marl' has no attribute {name!r}")

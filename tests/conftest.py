@@ -1,0 +1,127 @@
+"""Shared fixtures: tiny real models and tokenizers built from configs and saved to disk.
+
+Every model here goes through the real ``from_pretrained`` path. Linear input features are multiples of 64 so that
+the 4-bit CPU path of bitsandbytes accepts them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests share 2 cores with other processes; one intra-op thread keeps them predictable.
+torch.set_num_threads(int(os.environ.get("MARL_TEST_THREADS", "1")))
+
+TINY_ARCHITECTURES = ("llama", "qwen2", "gpt_neox")
+
+_TRAINING_TEXT = [
+    "the movie was great and fun to watch",
+    "a dull boring film with terrible acting",
+    "good good great wonderful lovely charming",
+    "awful bad worse worst dreadful mess",
+    "an honest story, well told and moving",
+    "the plot falls apart and the jokes are stale",
+    "review of the film: a small delight",
+    "write a short review of this movie",
+]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<eos>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (CI does)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip_slow = pytest.mark.skip(reason="slow: pass --run-slow to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip_slow)
+
+
+def build_tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in well under a second, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<pad>", "<eos>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(_TRAINING_TEXT * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_config(architecture: str, vocab_size: int, pad_token_id: int, eos_token_id: int):
+    """A 2-layer config of the given family; hidden 64, MLP 128 (both multiples of the 4-bit block size)."""
+    from transformers import GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id,
+        tie_word_embeddings=False,
+    )
+    if architecture == "llama":
+        return LlamaConfig(num_key_value_heads=2, **common)
+    if architecture == "qwen2":
+        return Qwen2Config(num_key_value_heads=2, **common)
+    if architecture == "gpt_neox":
+        return GPTNeoXConfig(**common)
+    raise ValueError(f"unknown tiny architecture {architecture!r}; known: {TINY_ARCHITECTURES}")
+
+
+def save_tiny_model(directory: Path, architecture: str = "llama", seed: int = 0) -> Path:
+    """Build a tiny causal LM + tokenizer with a fixed seed and save both to ``directory``."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    config = build_tiny_config(architecture, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_model_factory(architecture="llama") -> Path`` of a saved tiny model (built once per session)."""
+    cache: dict[str, Path] = {}
+
+    def make(architecture: str = "llama") -> Path:
+        if architecture not in cache:
+            cache[architecture] = save_tiny_model(tmp_path_factory.mktemp(f"tiny-{architecture}"), architecture)
+        return cache[architecture]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
