@@ -25,7 +25,7 @@ import random
 import shutil
 import tempfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -279,23 +279,29 @@ def build_preference_pairs(dataset: datasets.Dataset, seed: int = 0) -> datasets
     return datasets.Dataset.from_dict({name: [column[i] for i in order] for name, column in pairs.items()})
 
 
-def build_rl_prompts(dataset: datasets.Dataset, num_words: int = 4, seed: int = 0) -> datasets.Dataset:
+def build_rl_prompts(
+    dataset: datasets.Dataset, num_words: int = 4, seed: int = 0, exclude: Collection[str] = ()
+) -> datasets.Dataset:
     """Plain-text prompts: the first ``num_words`` words of each snippet ("continue the review" task).
 
     Four words usually stop before the critic's verdict ("The movie is a ..."), so the continuation can go
     either way and the policy has to learn to make it positive. Snippets of ``num_words`` words or fewer are
     skipped, duplicate prompts are dropped and the order is shuffled with ``seed``. Output column: ``prompt``.
+    Different snippets can open with the same generic words ("One of the most"): pass the training prompts as
+    ``exclude`` when building held-out prompts to keep the two sets disjoint.
 
     Example:
-        >>> prompts = build_rl_prompts(split_rotten_tomatoes()["rl"], num_words=4)
-        >>> len(prompts[0]["prompt"].split())
+        >>> parts = split_rotten_tomatoes()
+        >>> train_prompts = build_rl_prompts(parts["rl"], num_words=4)
+        >>> eval_prompts = build_rl_prompts(parts["eval"], num_words=4, exclude=set(train_prompts["prompt"]))
+        >>> len(train_prompts[0]["prompt"].split())
         4
     """
     import datasets
 
     if num_words < 1:
         raise ValueError(f"num_words must be at least 1, got {num_words}")
-    seen: set[str] = set()
+    seen: set[str] = set(exclude)
     prompts: list[str] = []
     for text in dataset["text"]:
         words = text.split()

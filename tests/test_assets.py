@@ -246,6 +246,16 @@ def test_rl_prompts_are_short_unique_prefixes(reviews) -> None:
         assets.build_rl_prompts(rl_part, num_words=0)
 
 
+def test_held_out_prompts_can_exclude_training_prompts(reviews) -> None:
+    parts = assets.split_rotten_tomatoes(reviews)
+    train = set(assets.build_rl_prompts(parts["rl"], num_words=4)["prompt"])
+    unfiltered = set(assets.build_rl_prompts(parts["eval"], num_words=4)["prompt"])
+    held_out = set(assets.build_rl_prompts(parts["eval"], num_words=4, exclude=train)["prompt"])
+    assert unfiltered & train, "generic openings repeat across movies; the test needs one to be meaningful"
+    assert not held_out & train
+    assert held_out == unfiltered - train
+
+
 # --- judge --------------------------------------------------------------------------------------------------
 
 
