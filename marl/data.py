@@ -1,0 +1,315 @@
+"""Prompt datasets and user-supplied scoring functions for the command-line tools.
+
+- :func:`load_prompt_dataset` turns ``--dataset_name`` into a ``datasets.Dataset`` with a ``prompt``
+  column: the bundled Rotten Tomatoes prompts, a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file or a
+  folder of them, or a dataset hub name (the only case that may reach the network, because the user named it).
+- :func:`load_reward_fn` and :func:`load_judge` import ``module:function`` (or ``path/to/file.py:function``)
+  and wrap it so that a wrong number of scores, or scores that are not finite numbers, fail at once with the
+  function's name in the message instead of deep inside training.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
+
+ROTTEN_TOMATOES = "rotten-tomatoes"
+# Splits of the bundled prompts: RL training prompts, and held-out prompts from other movies.
+ROTTEN_TOMATOES_SPLITS = {"train": "rl", "test": "eval", "eval": "eval", "validation": "eval"}
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+class DataError(ValueError):
+    """A dataset or a user function cannot be used; the message says why and what to change."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompt datasets
+
+
+def rotten_tomatoes_prompts(split: str = "train", num_words: int = 4, seed: int = 0) -> datasets.Dataset:
+    """Bundled "continue the review" prompts: the first ``num_words`` words of Rotten Tomatoes snippets.
+
+    ``train`` prompts come from the ``rl`` movies of :func:`marl.assets.split_rotten_tomatoes`; ``test``
+    (alias ``eval``/``validation``) prompts come from the held-out ``eval`` movies and never repeat a training
+    prompt. The reward-adapter pairs come from a third set of movies, so the three never overlap.
+
+    Example:
+        >>> train, held_out = rotten_tomatoes_prompts("train"), rotten_tomatoes_prompts("test")
+        >>> set(train["prompt"]).isdisjoint(held_out["prompt"])
+        True
+    """
+    from marl import assets
+
+    if split not in ROTTEN_TOMATOES_SPLITS:
+        raise DataError(
+            f"{ROTTEN_TOMATOES!r} has the splits {sorted(ROTTEN_TOMATOES_SPLITS)}, not {split!r}: "
+            "pass one of them with --dataset_train_split"
+        )
+    parts = assets.split_rotten_tomatoes(seed=seed)
+    train = assets.build_rl_prompts(parts["rl"], num_words=num_words, seed=seed)
+    if ROTTEN_TOMATOES_SPLITS[split] == "rl":
+        return train
+    exclude = set(train["prompt"])
+    return assets.build_rl_prompts(parts["eval"], num_words=num_words, seed=seed, exclude=exclude)
+
+
+def load_prompt_dataset(
+    dataset_name: str,
+    split: str = "train",
+    prompt_column: str = "prompt",
+    *,
+    seed: int = 0,
+    max_prompts: int | None = None,
+) -> datasets.Dataset:
+    """Load prompts from ``dataset_name`` and return them with the prompt text in a column named ``prompt``.
+
+    ``dataset_name`` is ``"rotten-tomatoes"`` (bundled, offline), a local ``.json``/``.jsonl``/``.csv``/
+    ``.parquet`` file, a folder of such files (split names come from file names such as ``train.jsonl``),
+    or a dataset hub name. Prompts may be plain strings or conversations (lists of ``{"role", "content"}``).
+    ``max_prompts`` keeps the first that many rows.
+
+    Example:
+        >>> prompts = load_prompt_dataset("prompts.jsonl", prompt_column="question")  # doctest: +SKIP
+        >>> prompts.column_names
+        ['prompt']
+    """
+    if dataset_name == ROTTEN_TOMATOES:
+        dataset = rotten_tomatoes_prompts(split, seed=seed)
+    else:
+        dataset = _load_local_or_hub(dataset_name, split)
+    dataset = _select_prompt_column(dataset, prompt_column, dataset_name)
+    if len(dataset) == 0:
+        raise DataError(f"split {split!r} of {dataset_name!r} is empty: pick another --dataset_train_split")
+    if max_prompts is not None:
+        dataset = dataset.select(range(min(max_prompts, len(dataset))))
+    return dataset
+
+
+def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:
+    import datasets
+
+    path = Path(dataset_name).expanduser()
+    if path.is_file():
+        builder = FILE_BUILDERS.get(_suffix(path))
+        if builder is None:
+            raise DataError(
+                f"{path} has an unknown dataset file type {path.suffix!r}: use one of "
+                f"{', '.join(sorted(FILE_BUILDERS))} (or a folder of such files)"
+            )
+        loaded = datasets.load_dataset(builder, data_files={split: str(path)})
+        return loaded[split]
+    if path.is_dir():
+        files = [f for f in sorted(path.rglob("*")) if f.is_file() and not f.name.startswith(".")]
+        builders = {FILE_BUILDERS[_suffix(f)] for f in files if _suffix(f) in FILE_BUILDERS}
+        if not builders:
+            raise DataError(
+                f"the folder {path} holds no dataset file: put {', '.join(sorted(FILE_BUILDERS))} files in it"
+            )
+        if len(builders) > 1:
+            raise DataError(
+                f"the folder {path} mixes dataset file types ({', '.join(sorted(builders))}): keep one type"
+            )
+        loaded = datasets.load_dataset(str(path))
+        return _pick_split(loaded, split, dataset_name)
+    if _looks_like_path(dataset_name):
+        raise DataError(f"no such dataset file or folder: {path}")
+    try:
+        loaded = datasets.load_dataset(dataset_name)
+    except Exception as error:
+        raise DataError(
+            f"could not load the dataset {dataset_name!r} from the hub ({type(error).__name__}: {error}). "
+            f"Offline, pass a local file or folder, or {ROTTEN_TOMATOES!r} for the bundled prompts"
+        ) from error
+    return _pick_split(loaded, split, dataset_name)
+
+
+def _suffix(path: Path) -> str:
+    return path.suffix.lower()
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).suffix.lower() in {*FILE_BUILDERS, ".txt", ".tsv"}
+
+
+def _pick_split(loaded: datasets.DatasetDict, split: str, dataset_name: str) -> datasets.Dataset:
+    if split not in loaded:
+        raise DataError(
+            f"{dataset_name!r} has no split {split!r}; its splits are {sorted(loaded)}: "
+            "pass one with --dataset_train_split"
+        )
+    return loaded[split]
+
+
+def _select_prompt_column(
+    dataset: datasets.Dataset, prompt_column: str, dataset_name: str
+) -> datasets.Dataset:
+    if prompt_column not in dataset.column_names:
+        raise DataError(
+            f"{dataset_name!r} has no column {prompt_column!r}; its columns are {dataset.column_names}. "
+            "Name the column that holds the prompts with --prompt_column"
+        )
+    dataset = dataset.select_columns([prompt_column])
+    if prompt_column != "prompt":
+        dataset = dataset.rename_column(prompt_column, "prompt")
+    for index, prompt in enumerate(dataset["prompt"][:100]):
+        if not _is_prompt(prompt):
+            raise DataError(
+                f"row {index} of column {prompt_column!r} in {dataset_name!r} is {prompt!r}, not a prompt: "
+                "prompts must be non-empty strings or lists of {'role', 'content'} messages. "
+                "Name another column with --prompt_column"
+            )
+    return dataset
+
+
+def _is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(value.strip())
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(message, dict) and {"role", "content"} <= message.keys() for message in value)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# User functions: reward functions and judges
+
+
+def import_function(spec: str, flag: str) -> Callable[..., Any]:
+    """Import ``module:function`` or ``path/to/file.py:function``; ``flag`` names the option in errors.
+
+    Example:
+        >>> import_function("math:fsum", "--reward_fn")([1.0, 2.0])
+        3.0
+    """
+    module_name, separator, function_name = spec.rpartition(":")
+    if not separator or not module_name or not function_name:
+        raise DataError(f"{flag} {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name).expanduser())
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as error:
+        raise DataError(
+            f"{flag} {spec!r}: could not import {module_name!r} ({type(error).__name__}: {error}). "
+            "Check the name, that the module is on PYTHONPATH (or pass a .py file path), and that it imports"
+        ) from error
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise DataError(f"{flag} {spec!r}: module {module_name!r} has no attribute {function_name!r}")
+    if not callable(function):
+        raise DataError(f"{flag} {spec!r}: {function_name!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def _import_file(path: Path):
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    module_name = f"marl_user_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_scores(scores: Any, expected: int, name: str) -> list[float]:
+    """``scores`` as a list of floats; raise, naming ``name``, unless it is ``expected`` finite numbers.
+
+    Accepts lists, tuples, numpy arrays and 1-D torch tensors.
+
+    Example:
+        >>> check_scores([1, 0.5], 2, "my_reward")
+        [1.0, 0.5]
+    """
+    if hasattr(scores, "tolist") and not isinstance(scores, list | tuple):
+        scores = scores.tolist()
+    if not isinstance(scores, list | tuple):
+        raise DataError(
+            f"{name} returned a {type(scores).__name__}; it must return a list of {expected} numbers, "
+            "one per completion"
+        )
+    if len(scores) != expected:
+        raise DataError(
+            f"{name} returned {len(scores)} scores for {expected} completions; "
+            "it must return one per completion"
+        )
+    values = []
+    for index, score in enumerate(scores):
+        if isinstance(score, bool) or not isinstance(score, numbers.Real):
+            raise DataError(f"{name} returned {score!r} at position {index}; scores must be numbers")
+        if not math.isfinite(score):
+            raise DataError(f"{name} returned {score!r} at position {index}; scores must be finite numbers")
+        values.append(float(score))
+    return values
+
+
+class CheckedRewardFunction:
+    """A user reward function ``fn(prompts, completions) -> scores`` whose output is checked on every call.
+
+    Example:
+        >>> reward = CheckedRewardFunction(lambda prompts, texts: [len(t) for t in texts], "length")
+        >>> reward(["Say hi"], ["hi!"])
+        [3.0]
+    """
+
+    def __init__(self, function: Callable[..., Any], name: str) -> None:
+        self.function = function
+        self.name = name
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **kwargs: Any) -> list[float]:
+        return check_scores(self.function(prompts, completions, **kwargs), len(completions), self.name)
+
+    def __repr__(self) -> str:
+        return f"CheckedRewardFunction({self.name})"
+
+
+class CheckedJudge:
+    """A judge ``fn(texts) -> scores`` (higher is better) whose output is checked on every call.
+
+    Example:
+        >>> judge = CheckedJudge(lambda texts: [t.count("!") for t in texts], "excitement")
+        >>> judge(["wow!", "ok"])
+        [1.0, 0.0]
+    """
+
+    def __init__(self, function: Callable[[Sequence[str]], Any], name: str) -> None:
+        self.function = function
+        self.name = name
+
+    def __call__(self, texts: Sequence[str]) -> list[float]:
+        return check_scores(self.function(list(texts)), len(texts), self.name)
+
+
+def load_reward_fn(spec: str) -> CheckedRewardFunction:
+    """Import ``--reward_fn module:function``: called as ``function(prompts, completions)`` → one number each.
+
+    Example:
+        >>> reward = load_reward_fn("my_rewards:length_bonus")  # doctest: +SKIP
+    """
+    return CheckedRewardFunction(import_function(spec, "--reward_fn"), f"reward function {spec!r}")
+
+
+def load_judge(spec: str | None) -> CheckedJudge:
+    """Import ``--judge module:function``, called as ``function(texts)``; ``None`` gives the VADER judge.
+
+    Example:
+        >>> load_judge(None)(["a wonderful film"])[0] > 0
+        True
+    """
+    if spec is None:
+        from marl.assets import gold_judge_scores
+
+        return CheckedJudge(gold_judge_scores, "the VADER judge")
+    return CheckedJudge(import_function(spec, "--judge"), f"judge {spec!r}")
