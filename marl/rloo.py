@@ -1,0 +1,248 @@
+"""RLOO math as pure functions on tensors.
+
+Layout: a rollout holds ``k`` completions for each of ``P`` prompts in **k-major** order: row ``j * P + i``
+is sample ``j`` of prompt ``i``, and ``tensor.view(k, P)`` puts the samples of one prompt in one column.
+
+Names follow Ahmadian et al. (2024), "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
+from Human Feedback in LLMs": the whole completion is one action, its reward is the reward-model score minus a
+KL penalty against the reference policy, and the baseline of a completion is the mean reward of the other
+``k - 1`` completions of the same prompt (leave-one-out).
+
+Example:
+    >>> import torch
+    >>> rewards = torch.tensor([1.0, 2.0, 3.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    >>> leave_one_out_advantages(rewards, k=4)[0].item()
+    -4.0
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Added to standard deviations so that a batch of identical values normalises to zeros instead of NaN.
+STD_EPSILON = 1e-8
+
+
+def truncate_after_stop_token(
+    responses: torch.Tensor, stop_token_id: int, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace every token after the first ``stop_token_id`` of each row by ``pad_token_id``.
+
+    The stop token itself is kept: it is part of the action and the reward model sees it.
+
+    Returns:
+        ``(truncated_responses, contains_stop)``; ``contains_stop[b]``: row ``b`` has a stop token.
+
+    Example:
+        >>> truncate_after_stop_token(torch.tensor([[5, 1, 7, 8]]), stop_token_id=1, pad_token_id=0)
+        (tensor([[5, 1, 0, 0]]), tensor([True]))
+    """
+    lengths = response_lengths(responses, stop_token_id)
+    positions = torch.arange(responses.shape[1], device=responses.device)
+    after_stop = positions[None, :] >= lengths[:, None]
+    contains_stop = (responses == stop_token_id).any(dim=1)
+    return responses.masked_fill(after_stop, pad_token_id), contains_stop
+
+
+def response_lengths(responses: torch.Tensor, stop_token_id: int | None) -> torch.Tensor:
+    """Number of valid tokens per row: up to and including the first stop token, or the whole row without one.
+
+    Lengths come from positions, not from comparing tokens with the pad id, so a pad id equal to the EOS id
+    cannot hide the EOS (the reward would then be read one token early).
+
+    Example:
+        >>> response_lengths(torch.tensor([[5, 1, 1, 1], [5, 6, 7, 8]]), stop_token_id=1)
+        tensor([2, 4])
+    """
+    batch, length = responses.shape
+    full = torch.full((batch,), length, dtype=torch.long, device=responses.device)
+    if stop_token_id is None:
+        return full
+    is_stop = responses == stop_token_id
+    first_stop = is_stop.int().argmax(dim=1)
+    return torch.where(is_stop.any(dim=1), first_stop + 1, full)
+
+
+def response_mask(lengths: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Boolean ``[B, response_length]`` mask of the valid tokens given per-row lengths.
+
+    Example:
+        >>> response_mask(torch.tensor([1, 3]), 3)
+        tensor([[ True, False, False],
+                [ True,  True,  True]])
+    """
+    positions = torch.arange(response_length, device=lengths.device)
+    return positions[None, :] < lengths[:, None]
+
+
+def apply_missing_eos_penalty(
+    scores: torch.Tensor, contains_eos: torch.Tensor, penalty: float
+) -> torch.Tensor:
+    """Subtract ``penalty`` from the score of every completion that does not contain EOS.
+
+    Example:
+        >>> apply_missing_eos_penalty(torch.tensor([1.0, 1.0]), torch.tensor([True, False]), 2.0)
+        tensor([ 1., -1.])
+    """
+    return scores - penalty * (~contains_eos).to(scores.dtype)
+
+
+def standardize(values: torch.Tensor) -> torch.Tensor:
+    """Z-score over the whole tensor (unbiased standard deviation; a single value maps to 0).
+
+    Example:
+        >>> standardize(torch.tensor([1.0, 3.0]))
+        tensor([-0.7071,  0.7071])
+    """
+    if values.numel() < 2:
+        return torch.zeros_like(values)
+    return (values - values.mean()) / (values.std() + STD_EPSILON)
+
+
+def normalize_and_clip_rewards(scores: torch.Tensor, clip_range: float) -> torch.Tensor:
+    """Z-score the scores over the batch, then clip them to ``[-clip_range, clip_range]``.
+
+    Example:
+        >>> normalize_and_clip_rewards(torch.tensor([0.0, 0.0, 0.0, 100.0]), clip_range=1.0)
+        tensor([-0.5000, -0.5000, -0.5000,  1.0000])
+    """
+    return standardize(scores).clamp(-clip_range, clip_range)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-row sum over the valid positions; invalid positions contribute 0 even if they hold NaN or inf.
+
+    Example:
+        >>> masked_sum(torch.tensor([[1.0, float("nan")]]), torch.tensor([[True, False]]))
+        tensor([1.])
+    """
+    return torch.where(mask, values, torch.zeros_like(values)).sum(dim=1)
+
+
+def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-completion KL estimate ``Σ_t (logp_t − ref_logp_t)`` over valid tokens, shape ``[B]``.
+
+    Example:
+        >>> mask = torch.tensor([[True, False]])
+        >>> sequence_kl(torch.tensor([[-1.0, -1.0]]), torch.tensor([[-2.0, -5.0]]), mask)
+        tensor([1.])
+    """
+    return masked_sum(logprobs - ref_logprobs, mask)
+
+
+def rlhf_rewards(
+    scores: torch.Tensor, seq_kl: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold the sequence-level KL penalty into the reward.
+
+    Returns:
+        ``(rlhf_reward, non_score_reward)`` with ``non_score_reward = −kl_coef · seq_kl`` and
+        ``rlhf_reward = scores + non_score_reward``.
+
+    Example:
+        >>> rlhf_rewards(torch.tensor([1.0]), torch.tensor([2.0]), kl_coef=0.1)
+        (tensor([0.8000]), tensor([-0.2000]))
+    """
+    non_score_reward = -kl_coef * seq_kl
+    return scores + non_score_reward, non_score_reward
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """RLOO advantage: a completion's reward minus the mean of the other ``k − 1`` samples of its prompt.
+
+    ``rewards`` is k-major, length ``k · P``.
+
+    Example:
+        >>> leave_one_out_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]), k=2)
+        tensor([-2., -3.,  2.,  3.])
+    """
+    if k < 2:
+        raise ValueError(f"leave-one-out needs k >= 2 samples per prompt, got k={k}")
+    if rewards.numel() % k != 0:
+        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of k={k}")
+    per_prompt = rewards.view(k, -1)
+    baseline = (per_prompt.sum(dim=0, keepdim=True) - per_prompt) / (k - 1)
+    return (per_prompt - baseline).flatten()
+
+
+def normalize_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """Z-score the advantages over the batch.
+
+    Example:
+        >>> normalize_advantages(torch.tensor([-2.0, 2.0]))
+        tensor([-0.7071,  0.7071])
+    """
+    return standardize(advantages)
+
+
+class PolicyLoss(NamedTuple):
+    """Output of :func:`clipped_policy_loss`; every field except ``loss`` is detached, shape ``[B]``."""
+
+    loss: torch.Tensor
+    ratio: torch.Tensor
+    log_ratio: torch.Tensor
+    clipped: torch.Tensor
+
+
+def clipped_policy_loss(
+    new_seq_logprob: torch.Tensor,
+    old_seq_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    cliprange: float,
+) -> PolicyLoss:
+    """PPO clipped surrogate on the sequence ratio ``ρ = exp(Σ new_logp − Σ old_logp)``.
+
+    ``loss = mean(max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)))``. With ``ρ = 1`` (one epoch, one mini-batch) clipping
+    is inactive and the gradient equals REINFORCE's ``−A · ∇ log π(completion)``.
+
+    ``clipped[b]`` is True where the clipped branch is strictly larger (that sample gives no gradient).
+
+    Example:
+        >>> zero = torch.tensor([0.0])
+        >>> out = clipped_policy_loss(zero, zero, torch.tensor([2.0]), cliprange=0.2)
+        >>> out.loss.item(), out.ratio.item()
+        (-2.0, 1.0)
+    """
+    log_ratio = new_seq_logprob - old_seq_logprob
+    ratio = torch.exp(log_ratio)
+    unclipped_loss = -advantages * ratio
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = torch.max(unclipped_loss, clipped_loss).mean()
+    return PolicyLoss(
+        loss=loss,
+        ratio=ratio.detach(),
+        log_ratio=log_ratio.detach(),
+        clipped=(clipped_loss > unclipped_loss).detach(),
+    )
+
+
+def token_level_k3_kl(
+    new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Per-token k3 KL estimator ``exp(ref − new) − (ref − new) − 1`` on valid tokens, else 0; ``[B, T]``.
+
+    k3 is non-negative and unbiased for KL(π‖π_ref) under samples from π. With ``token_level_kl=True`` the
+    trainer adds ``kl_coef · Σ_t k3_t`` (mean over completions) to the loss instead of folding KL into the
+    reward.
+
+    Example:
+        >>> token_level_k3_kl(torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([[True]]))
+        tensor([[0.]])
+    """
+    log_ratio_ref = ref_logprobs - new_logprobs
+    k3 = torch.exp(log_ratio_ref) - log_ratio_ref - 1.0
+    return torch.where(mask, k3, torch.zeros_like(k3))
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the valid positions only (0 when there are none).
+
+    Example:
+        >>> masked_mean(torch.tensor([[1.0, 3.0, -1.0]]), torch.tensor([[True, True, False]]))
+        tensor(2.)
+    """
+    count = mask.sum()
+    total = torch.where(mask, values, torch.zeros_like(values)).sum()
+    return total / count.clamp(min=1)
