@@ -1,0 +1,449 @@
+"""``RLOOConfig``: every setting of an RLOO run in one dataclass that ``HfArgumentParser`` turns into a CLI.
+
+Field names and meanings follow the RLOO trainer that TRL users know (v0.11–v0.21); the model fields
+describe the one shared base and its adapters. Settings that cannot work are rejected when the config is
+built, with an error that names the problem and the fix. Checks that need the dataset or the model run in
+``RLOOTrainer``.
+
+Example:
+    >>> config = RLOOConfig(rloo_k=4, per_device_train_batch_size=8, total_episodes=64)
+    >>> sizes = config.batch_sizes(world_size=1, dataset_length=100)
+    >>> sizes.local_batch_size, sizes.prompts_per_process, sizes.num_total_batches
+    (8, 2, 8)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+    from marl.model import MultiAdapterModel
+
+QUANTIZATION_CHOICES = ("4bit", "8bit")
+REFERENCE_CHOICES = ("auto", "base", "initial-policy")
+# Trackers that accelerate can log to ("none" turns trackers off; metrics.jsonl is always written).
+REPORT_TO_CHOICES = (
+    "none",
+    "all",
+    "tensorboard",
+    "wandb",
+    "trackio",
+    "aim",
+    "comet_ml",
+    "mlflow",
+    "clearml",
+    "dvclive",
+    "swanlab",
+)
+SCHEDULER_CHOICES = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """Batch arithmetic of a run; one *update* is one rollout plus its optimisation.
+
+    ``local_batch_size`` counts completions per process per update; ``batch_size`` counts them over all
+    processes.
+    """
+
+    world_size: int
+    local_batch_size: int
+    batch_size: int
+    prompts_per_process: int
+    prompts_per_update: int
+    local_mini_batch_size: int
+    mini_batch_size: int
+    micro_batch_size: int
+    total_episodes: int
+    num_total_batches: int
+    optimizer_steps_per_update: int
+    total_optimizer_steps: int
+
+
+@dataclass
+class RLOOConfig:
+    """Configuration of :class:`marl.RLOOTrainer` (RLOO fields) and of the shared base model (model fields).
+
+    Example:
+        >>> from transformers import HfArgumentParser
+        >>> (config,) = HfArgumentParser(RLOOConfig).parse_args_into_dataclasses(["--rloo_k", "4"])
+        >>> config.rloo_k, config.kl_coef
+        (4, 0.05)
+    """
+
+    # --- run ---
+    output_dir: str = field(
+        default="rloo-output",
+        metadata={"help": "Folder for metrics.jsonl, samples, checkpoints and the final policy adapter."},
+    )
+    seed: int = field(default=42, metadata={"help": "Seed of the data order, sampling and initialisation."})
+
+    # --- model: one base, adapters as views (used by RLOOConfig.load_model) ---
+    model_name_or_path: str = field(
+        default="smollm2-135m-instruct",
+        metadata={
+            "help": "Base model: the embedded id, a local folder, or a hub id already in the local cache."
+        },
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata={
+            "help": "Load the base in '4bit' (NF4) or '8bit' through bitsandbytes; unset for no quantization."
+        },
+    )
+    reward_adapter: str | None = field(
+        default=None,
+        metadata={"help": "Folder of the frozen reward LoRA + score head (a PEFT SEQ_CLS adapter)."},
+    )
+    policy_adapter: str | None = field(
+        default=None,
+        metadata={
+            "help": "Start the policy from this PEFT adapter folder (e.g. an SFT adapter), not a new LoRA."
+        },
+    )
+    reference: str = field(
+        default="auto",
+        metadata={
+            "help": "KL reference: 'base' (adapters disabled), 'initial-policy' (frozen copy of the starting "
+            "policy adapter), or 'auto' (initial-policy when --policy_adapter is given, else base)."
+        },
+    )
+    lora_r: int = field(default=16, metadata={"help": "Rank of a new policy LoRA."})
+    lora_alpha: int = field(default=32, metadata={"help": "Scaling alpha of a new policy LoRA."})
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={
+            "help": "Dropout of a new policy LoRA. Above 0 the update sees a different model than the "
+            "rollout, so the first ratio of an update is no longer 1."
+        },
+    )
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={
+            "help": "Modules of a new policy LoRA: 'all-linear' or module names such as q_proj v_proj."
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in the backward pass to save memory."}
+    )
+    bf16: bool = field(
+        default=False, metadata={"help": "bfloat16 compute (mixed precision through accelerate)."}
+    )
+    fp16: bool = field(
+        default=False, metadata={"help": "float16 compute (mixed precision through accelerate)."}
+    )
+
+    # --- batch arithmetic ---
+    rloo_k: int = field(default=2, metadata={"help": "Completions sampled per prompt (k >= 2)."})
+    per_device_train_batch_size: int = field(
+        default=8, metadata={"help": "Completions per micro-batch of the update, per process."}
+    )
+    gradient_accumulation_steps: int = field(
+        default=1, metadata={"help": "Micro-batches accumulated into one optimizer step."}
+    )
+    num_mini_batches: int = field(
+        default=1, metadata={"help": "Mini-batches (optimizer steps) per PPO epoch."}
+    )
+    num_ppo_epochs: int = field(
+        default=4,
+        metadata={"help": "Passes over each rollout batch. 1 epoch and 1 mini-batch is plain REINFORCE."},
+    )
+    total_episodes: int | None = field(
+        default=None,
+        metadata={"help": "Completions to train on in total; default num_train_epochs × len(train_dataset)."},
+    )
+    num_train_epochs: float = field(
+        default=3.0, metadata={"help": "Used only when total_episodes is unset (see there)."}
+    )
+    local_rollout_forward_batch_size: int = field(
+        default=64,
+        metadata={"help": "Rows per chunk of the rollout's generation and no-grad forward passes."},
+    )
+
+    # --- optimisation ---
+    learning_rate: float = field(
+        default=5e-5, metadata={"help": "AdamW learning rate of the policy adapter."}
+    )
+    lr_scheduler_type: str = field(
+        default="linear",
+        metadata={"help": f"Schedule over all optimizer steps: one of {', '.join(SCHEDULER_CHOICES)}."},
+    )
+    warmup_steps: int = field(
+        default=0, metadata={"help": "Warm-up optimizer steps (overrides warmup_ratio)."}
+    )
+    warmup_ratio: float = field(
+        default=0.0, metadata={"help": "Warm-up as a fraction of all optimizer steps."}
+    )
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay."})
+    max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clip the policy gradient to this global norm; 0 disables clipping."}
+    )
+
+    # --- RLOO ---
+    kl_coef: float = field(default=0.05, metadata={"help": "Weight of the KL penalty against the reference."})
+    cliprange: float = field(default=0.2, metadata={"help": "PPO clip range of the sequence ratio."})
+    temperature: float = field(
+        default=0.7, metadata={"help": "Sampling temperature; log-probs use the same temperature."}
+    )
+    response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
+    stop_token: str | None = field(
+        default=None,
+        metadata={"help": "'eos': a completion ends at the tokenizer's EOS token. Unset: no stop token."},
+    )
+    stop_token_id: int | None = field(
+        default=None, metadata={"help": "A completion ends at this token id (exclusive with --stop_token)."}
+    )
+    missing_eos_penalty: float | None = field(
+        default=None,
+        metadata={"help": "Subtract this from the score of completions that do not contain the stop token."},
+    )
+    normalize_reward: bool = field(
+        default=False,
+        metadata={"help": "Z-score the scores over the batch, then clip to ±reward_clip_range."},
+    )
+    reward_clip_range: float = field(default=10.0, metadata={"help": "Clip range of normalised scores."})
+    normalize_advantage: bool = field(
+        default=False, metadata={"help": "Z-score the advantages over the batch."}
+    )
+    token_level_kl: bool = field(
+        default=False,
+        metadata={
+            "help": "Add kl_coef × the per-token k3 KL estimate to the loss instead of folding the sequence "
+            "KL into the reward."
+        },
+    )
+
+    # --- logging and checkpoints ---
+    logging_steps: int = field(default=1, metadata={"help": "Log metrics every this many updates."})
+    report_to: list[str] = field(
+        default_factory=lambda: ["none"],
+        metadata={"help": f"Trackers for the metrics: {', '.join(REPORT_TO_CHOICES)}."},
+    )
+    num_sample_generations: int = field(
+        default=10, metadata={"help": "Sample tables printed and saved over the run; 0 disables them."}
+    )
+    save_steps: int = field(default=500, metadata={"help": "Checkpoint every this many updates; 0 disables."})
+    save_total_limit: int | None = field(
+        default=None, metadata={"help": "Keep at most this many checkpoints (oldest removed first)."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [self.lora_target_modules]
+        if self.quantization in ("", "none", "None"):
+            self.quantization = None
+        self._validate()
+
+    def _validate(self) -> None:
+        def fail(problem: str, fix: str) -> None:
+            raise ValueError(f"{problem}. {fix}")
+
+        if self.rloo_k < 2:
+            fail(
+                f"rloo_k={self.rloo_k}: leave-one-out needs at least 2 completions per prompt",
+                "Set --rloo_k 2 or more",
+            )
+        for name in (
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "num_mini_batches",
+            "num_ppo_epochs",
+            "local_rollout_forward_batch_size",
+            "response_length",
+            "logging_steps",
+            "lora_r",
+        ):
+            if getattr(self, name) < 1:
+                fail(f"{name}={getattr(self, name)} must be a positive integer", f"Set --{name} to 1 or more")
+        local_batch_size = (
+            self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        )
+        if local_batch_size % self.rloo_k != 0:
+            fail(
+                "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = "
+                f"{local_batch_size} completions per update is not a multiple of rloo_k={self.rloo_k}, so "
+                "completions cannot be grouped by prompt",
+                f"Make {local_batch_size} a multiple of {self.rloo_k} (e.g. --per_device_train_batch_size "
+                f"{self.rloo_k * max(1, self.per_device_train_batch_size // self.rloo_k)})",
+            )
+        if self.total_episodes is not None and self.total_episodes < 1:
+            fail(
+                f"total_episodes={self.total_episodes} must be positive",
+                "Set it to 1 or more, or leave it unset",
+            )
+        if self.total_episodes is None and self.num_train_epochs <= 0:
+            fail(
+                f"num_train_epochs={self.num_train_epochs} must be positive", "Set --num_train_epochs above 0"
+            )
+        if self.learning_rate < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            fail(
+                "learning_rate, weight_decay and max_grad_norm must be non-negative", "Fix the negative value"
+            )
+        if self.lr_scheduler_type not in SCHEDULER_CHOICES:
+            fail(f"unknown lr_scheduler_type {self.lr_scheduler_type!r}", f"Use one of {SCHEDULER_CHOICES}")
+        if self.warmup_steps < 0 or not 0.0 <= self.warmup_ratio < 1.0:
+            fail(
+                "warmup_steps must be >= 0 and warmup_ratio in [0, 1)", "Fix --warmup_steps / --warmup_ratio"
+            )
+        if self.kl_coef < 0:
+            fail(f"kl_coef={self.kl_coef} must be >= 0", "Set --kl_coef 0 to train without the KL penalty")
+        if self.cliprange <= 0:
+            fail(f"cliprange={self.cliprange} must be > 0", "Use e.g. --cliprange 0.2")
+        if self.temperature <= 0:
+            fail(
+                f"temperature={self.temperature} must be > 0 (sampling is required)",
+                "Use e.g. --temperature 0.7",
+            )
+        if self.stop_token not in (None, "eos"):
+            fail(
+                f"stop_token={self.stop_token!r} is not supported",
+                "Use --stop_token eos or --stop_token_id ID",
+            )
+        if self.stop_token is not None and self.stop_token_id is not None:
+            fail("stop_token and stop_token_id are both set", "Set only one of them")
+        if self.missing_eos_penalty is not None and self.stop_token is None and self.stop_token_id is None:
+            fail(
+                "missing_eos_penalty is set without a stop token: all would count as missing EOS",
+                "Add --stop_token eos (or --stop_token_id ID)",
+            )
+        if self.normalize_reward and self.reward_clip_range <= 0:
+            fail(f"reward_clip_range={self.reward_clip_range} must be > 0", "Use e.g. --reward_clip_range 10")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
+            fail(f"quantization={self.quantization!r} is unknown", "Use 4bit, 8bit, or leave it unset")
+        if self.reference not in REFERENCE_CHOICES:
+            fail(f"reference={self.reference!r} is unknown", f"Use one of {REFERENCE_CHOICES}")
+        if self.reference == "initial-policy" and self.policy_adapter is None:
+            fail(
+                "reference='initial-policy' needs a starting policy adapter",
+                "Pass --policy_adapter DIR, or use --reference base",
+            )
+        if not 0.0 <= self.lora_dropout < 1.0:
+            fail(f"lora_dropout={self.lora_dropout} must be in [0, 1)", "Use e.g. --lora_dropout 0.0")
+        if self.bf16 and self.fp16:
+            fail("bf16 and fp16 are both set", "Choose one mixed-precision type")
+        unknown = [name for name in self.report_to if name not in REPORT_TO_CHOICES]
+        if unknown:
+            fail(f"unknown report_to {unknown}", f"Use any of {REPORT_TO_CHOICES}")
+        if "none" in self.report_to and len(self.report_to) > 1:
+            fail(
+                f"report_to={self.report_to} mixes 'none' with trackers", "Use either 'none' or tracker names"
+            )
+        if self.num_sample_generations < 0 or self.save_steps < 0:
+            fail("num_sample_generations and save_steps must be >= 0", "Use 0 to disable them")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            fail(
+                f"save_total_limit={self.save_total_limit} must be >= 1",
+                "Leave it unset to keep all checkpoints",
+            )
+
+    @property
+    def trackers(self) -> list[str]:
+        """Tracker names for ``Accelerator(log_with=...)``; empty when reporting is off."""
+        return [] if self.report_to == ["none"] else list(self.report_to)
+
+    @property
+    def mixed_precision(self) -> str:
+        """``"bf16"``, ``"fp16"`` or ``"no"``, as ``accelerate.Accelerator`` expects."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+
+    def batch_sizes(self, world_size: int, dataset_length: int) -> BatchSizes:
+        """Derived batch arithmetic for ``world_size`` processes and a dataset of ``dataset_length`` prompts.
+
+        Example:
+            >>> config = RLOOConfig(per_device_train_batch_size=4, num_mini_batches=2, total_episodes=100)
+            >>> sizes = config.batch_sizes(world_size=2, dataset_length=10)
+            >>> sizes.prompts_per_update, sizes.num_total_batches, sizes.total_optimizer_steps
+            (8, 7, 56)
+        """
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be >= 1")
+        if dataset_length < 1:
+            raise ValueError("the training dataset is empty. Pass a dataset with at least one prompt")
+        local_batch_size = (
+            self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        )
+        batch_size = local_batch_size * world_size
+        total_episodes = (
+            self.total_episodes
+            if self.total_episodes is not None
+            else max(1, int(self.num_train_epochs * dataset_length))
+        )
+        num_total_batches = math.ceil(total_episodes / batch_size)
+        optimizer_steps_per_update = self.num_ppo_epochs * self.num_mini_batches
+        return BatchSizes(
+            world_size=world_size,
+            local_batch_size=local_batch_size,
+            batch_size=batch_size,
+            prompts_per_process=local_batch_size // self.rloo_k,
+            prompts_per_update=batch_size // self.rloo_k,
+            local_mini_batch_size=local_batch_size // self.num_mini_batches,
+            mini_batch_size=batch_size // self.num_mini_batches,
+            micro_batch_size=self.per_device_train_batch_size * world_size,
+            total_episodes=total_episodes,
+            num_total_batches=num_total_batches,
+            optimizer_steps_per_update=optimizer_steps_per_update,
+            total_optimizer_steps=num_total_batches * optimizer_steps_per_update,
+        )
+
+    def policy_lora_config(self) -> LoraConfig:
+        """The ``peft.LoraConfig`` of a new policy adapter built from the ``lora_*`` fields.
+
+        Example:
+            >>> RLOOConfig(lora_r=8).policy_lora_config().r
+            8
+        """
+        from peft import LoraConfig
+
+        target: str | list[str] = (
+            "all-linear" if self.lora_target_modules == ["all-linear"] else list(self.lora_target_modules)
+        )
+        return LoraConfig(
+            r=self.lora_r,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=target,
+            task_type="CAUSAL_LM",
+        )
+
+    def load_model(self, **overrides: Any) -> MultiAdapterModel:
+        """Build the :class:`marl.MultiAdapterModel` these model fields describe.
+
+        ``overrides`` go to ``MultiAdapterModel.from_pretrained`` (e.g. ``device=...``).
+
+        Example:
+            >>> config = RLOOConfig(model_name_or_path="path/to/base", quantization="4bit")
+            >>> model = config.load_model()  # doctest: +SKIP
+        """
+        import torch
+
+        from marl.model import MultiAdapterModel
+
+        dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+        arguments: dict[str, Any] = dict(
+            quantization=self.quantization,
+            reward_adapter=self.reward_adapter,
+            policy_adapter=self.policy_adapter
+            if self.policy_adapter is not None
+            else self.policy_lora_config(),
+            reference=self.reference,
+            dtype=dtype,
+            gradient_checkpointing=self.gradient_checkpointing,
+        )
+        arguments.update(overrides)
+        return MultiAdapterModel.from_pretrained(self.model_name_or_path, **arguments)
