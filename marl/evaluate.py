@@ -1,0 +1,435 @@
+"""``marl evaluate``: does the trained policy beat its base on held-out prompts, and by honest measures?
+
+For every prompt both the base (the reference view of the same loaded model: adapters disabled) and the policy
+sample one completion with the same sampling settings and seeds. Each completion gets
+
+- the reward adapter's score (what the policy was trained to raise),
+- the judge's score of prompt + completion (VADER by default, independent of every model here; ``--judge
+  module:function`` plugs in another),
+- its length in tokens (up to and including the first EOS),
+- for the policy, its KL to the reference: the sum over completion tokens of ``log p_policy − log p_ref``
+  (temperature-scaled, as in training), whose mean estimates KL(policy ‖ reference).
+
+The win rate pairs the two completions of each prompt: a higher judge score wins, a tie counts half. Reward
+hacking shows up as a reward-adapter gain without a judge gain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from marl.data import CheckedJudge
+    from marl.model import MultiAdapterModel
+
+RESULTS_FILE = "eval_results.json"
+COMPLETIONS_FILE = "eval_completions.jsonl"
+
+
+@dataclass
+class EvaluateArguments:
+    """Command-line arguments of ``marl evaluate``."""
+
+    policy_adapter: str | None = field(
+        default=None,
+        metadata={"help": "Policy adapter folder (from train-rloo). Unset: evaluate the base alone."},
+    )
+    model_name_or_path: str = field(
+        default="smollm2-135m-instruct",
+        metadata={
+            "help": "Base model: the embedded id, a local folder or a hub id already in the local cache."
+        },
+    )
+    reward_adapter: str | None = field(
+        default=None, metadata={"help": "Reward adapter folder; its mean score is reported when given."}
+    )
+    quantization: str | None = field(default=None, metadata={"help": "Load the base in '4bit' or '8bit'."})
+    dataset_name: str = field(
+        default="rotten-tomatoes",
+        metadata={
+            "help": "Prompts: 'rotten-tomatoes', a local .json/.jsonl/.csv/.parquet file or folder, "
+            "or a hub name."
+        },
+    )
+    dataset_split: str = field(default="test", metadata={"help": "Split of held-out prompts."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
+    num_prompts: int = field(default=200, metadata={"help": "Evaluate on the first this many prompts."})
+    response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
+    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (use the training one)."})
+    batch_size: int = field(default=32, metadata={"help": "Prompts per generation batch."})
+    seed: int = field(default=0, metadata={"help": "Seed of the sampling (same for base and policy)."})
+    judge: str | None = field(
+        default=None,
+        metadata={"help": "Judge 'module:function' called as function(texts) -> numbers; unset: VADER."},
+    )
+    output_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": f"Where {RESULTS_FILE} and {COMPLETIONS_FILE} go; default: the policy adapter folder."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.quantization in ("", "none", "None"):
+            self.quantization = None
+        if self.num_prompts < 1 or self.batch_size < 1 or self.response_length < 1:
+            raise ValueError("num_prompts, batch_size and response_length must be positive: fix the flag")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} must be > 0: evaluation samples like training")
+        if self.output_dir is None and self.policy_adapter is None:
+            raise ValueError("evaluating the base alone needs --output_dir for the results")
+
+
+@dataclass
+class ModelScores:
+    """Mean scores of one model's completions (``None`` where nothing was measured)."""
+
+    reward_score: float | None
+    judge_score: float
+    length: float
+    kl: float | None
+
+
+@dataclass
+class Comparison:
+    """Policy vs base under the judge, paired by prompt."""
+
+    win_rate: float
+    wins: int
+    ties: int
+    losses: int
+
+
+def win_rate(policy_scores: list[float], base_scores: list[float]) -> Comparison:
+    """Fraction of prompts where the policy's judge score beats the base's; a tie counts half.
+
+    Example:
+        >>> win_rate([0.9, 0.1, 0.5], [0.2, 0.3, 0.5])
+        Comparison(win_rate=0.5, wins=1, ties=1, losses=1)
+    """
+    if len(policy_scores) != len(base_scores) or not policy_scores:
+        raise ValueError(
+            "win_rate needs the same, non-zero number of policy and base scores (one per prompt)"
+        )
+    wins = sum(p > b for p, b in zip(policy_scores, base_scores, strict=True))
+    ties = sum(p == b for p, b in zip(policy_scores, base_scores, strict=True))
+    losses = len(policy_scores) - wins - ties
+    return Comparison((wins + 0.5 * ties) / len(policy_scores), wins, ties, losses)
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> dict[str, torch.Tensor]:
+    """Left-padded ids of plain-text prompts, or of conversations through the chat template.
+
+    Example:
+        >>> batch = encode_prompts(tokenizer, ["The movie is"])  # doctest: +SKIP
+    """
+    texts = [
+        prompt
+        if isinstance(prompt, str)
+        else tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        for prompt in prompts
+    ]
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+@dataclass
+class Samples:
+    """One model's completions for a list of prompts, with their measurements."""
+
+    completions: list[str] = field(default_factory=list)
+    reward_scores: list[float] = field(default_factory=list)
+    judge_scores: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    kls: list[float] = field(default_factory=list)
+
+    def means(self) -> ModelScores:
+        return ModelScores(
+            reward_score=_mean(self.reward_scores) if self.reward_scores else None,
+            judge_score=_mean(self.judge_scores),
+            length=_mean(self.lengths),
+            kl=_mean(self.kls) if self.kls else None,
+        )
+
+
+def _mean(values: list[float] | list[int]) -> float:
+    return float(sum(values) / len(values))
+
+
+def _sample_batch(
+    model: MultiAdapterModel,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: dict[str, torch.Tensor],
+    *,
+    under_policy: bool,
+    response_length: int,
+    temperature: float,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one completion per prompt; returns (completion ids with padding after EOS, valid-token mask)."""
+    import torch
+
+    from marl.rloo import response_lengths, response_mask
+
+    generation = dict(
+        max_new_tokens=response_length,
+        do_sample=True,
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    input_ids = batch["input_ids"].to(model.device)
+    attention_mask = batch["attention_mask"].to(model.device)
+    torch.manual_seed(seed)
+    if under_policy:
+        output = model.generate(input_ids, attention_mask, **generation)
+    else:
+        # The base is the reference view of the same model (adapters disabled), not a second copy.
+        with model.reference(), torch.no_grad():
+            output = model.peft_model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, **generation
+            )
+    completions = output[:, input_ids.shape[1] :]
+    lengths = response_lengths(completions, tokenizer.eos_token_id)
+    mask = response_mask(lengths, completions.shape[1])
+    return completions.masked_fill(~mask, tokenizer.pad_token_id), mask
+
+
+def _measure(
+    model: MultiAdapterModel,
+    tokenizer: PreTrainedTokenizerBase,
+    batch: dict[str, torch.Tensor],
+    completions: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    with_kl: bool,
+    temperature: float,
+) -> dict[str, list[float]]:
+    import torch
+
+    from marl.rloo import masked_sum
+
+    prompt_ids = batch["input_ids"].to(completions.device)
+    input_ids = torch.cat([prompt_ids, completions], dim=1)
+    attention_mask = torch.cat([batch["attention_mask"].to(mask.device), mask.long()], dim=1)
+    measured: dict[str, list[float]] = {"lengths": mask.sum(dim=1).tolist()}
+    if model.has_reward_adapter:
+        measured["reward_scores"] = model.compute_reward_score(input_ids, attention_mask).tolist()
+    if with_kl:
+        start = prompt_ids.shape[1]
+        with torch.no_grad():
+            with model.policy():
+                policy_logprobs = model.token_logprobs(
+                    input_ids, attention_mask, response_start=start, temperature=temperature
+                )
+            with model.reference():
+                reference_logprobs = model.token_logprobs(
+                    input_ids, attention_mask, response_start=start, temperature=temperature
+                )
+        measured["kls"] = masked_sum(policy_logprobs - reference_logprobs, mask).tolist()
+    return measured
+
+
+def generate_and_score(
+    model: MultiAdapterModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[Any],
+    judge: CheckedJudge,
+    *,
+    with_policy: bool = True,
+    response_length: int = 53,
+    temperature: float = 0.7,
+    batch_size: int = 32,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Samples]:
+    """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of the policy.
+
+    Both models see the same prompts in the same batches with the same seed per batch.
+
+    Example:
+        >>> judge = load_judge(None)
+        >>> samples = generate_and_score(model, tokenizer, ["The film is"], judge)  # doctest: +SKIP
+        >>> samples["policy"].means().judge_score  # doctest: +SKIP
+    """
+    from tqdm.auto import tqdm
+
+    names = ["base", "policy"] if with_policy else ["base"]
+    samples = {name: Samples() for name in names}
+    starts = range(0, len(prompts), batch_size)
+    for batch_index, start in enumerate(tqdm(starts, desc="evaluating", unit="batch", disable=not progress)):
+        batch_prompts = prompts[start : start + batch_size]
+        batch = encode_prompts(tokenizer, batch_prompts)
+        for name in names:
+            completions, mask = _sample_batch(
+                model,
+                tokenizer,
+                batch,
+                under_policy=name == "policy",
+                response_length=response_length,
+                temperature=temperature,
+                seed=seed + batch_index,
+            )
+            measured = _measure(
+                model, tokenizer, batch, completions, mask, with_kl=name == "policy", temperature=temperature
+            )
+            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+            judged = [_prompt_text(prompt) + text for prompt, text in zip(batch_prompts, texts, strict=True)]
+            record = samples[name]
+            record.completions.extend(texts)
+            record.judge_scores.extend(judge(judged))
+            record.lengths.extend(int(n) for n in measured["lengths"])
+            record.reward_scores.extend(measured.get("reward_scores", []))
+            record.kls.extend(measured.get("kls", []))
+    return samples
+
+
+def _prompt_text(prompt: Any) -> str:
+    # The judge reads what a reader would: the prompt's text followed by the completion.
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"] + "\n"
+
+
+def summarize(samples: dict[str, Samples]) -> dict[str, Any]:
+    """Means per model and, with a policy, the judge win rate of the policy over the base.
+
+    Example:
+        >>> summary = summarize(samples)  # doctest: +SKIP
+        >>> summary["comparison"]["win_rate"]  # doctest: +SKIP
+    """
+    summary: dict[str, Any] = {name: asdict(record.means()) for name, record in samples.items()}
+    if "policy" in samples:
+        comparison = win_rate(samples["policy"].judge_scores, samples["base"].judge_scores)
+        summary["comparison"] = asdict(comparison)
+    return summary
+
+
+def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out prompts"):
+    """A rich table of :func:`summarize`'s output: one row per model."""
+    from rich.table import Table
+
+    def show(value: float | None, digits: int = 3) -> str:
+        return (
+            "—"
+            if value is None or (isinstance(value, float) and math.isnan(value))
+            else f"{value:.{digits}f}"
+        )
+
+    table = Table(title=title)
+    for column in (
+        "model",
+        "reward-adapter score",
+        "judge score",
+        "judge win rate vs base",
+        "KL to ref",
+        "length",
+    ):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name in ("base", "policy"):
+        if name not in summary:
+            continue
+        scores = summary[name]
+        win = "—"
+        if name == "policy":
+            comparison = summary["comparison"]
+            win = (
+                f"{comparison['win_rate']:.1%} ({comparison['wins']}W {comparison['ties']}T "
+                f"{comparison['losses']}L)"
+            )
+        kl = scores["kl"] if name == "policy" else None
+        table.add_row(
+            name,
+            show(scores["reward_score"]),
+            show(scores["judge_score"]),
+            win,
+            show(kl),
+            show(scores["length"], 1),
+        )
+    return table
+
+
+def write_results(
+    output_dir: str | Path,
+    summary: dict[str, Any],
+    samples: dict[str, Samples],
+    prompts: list[Any],
+    settings: dict[str, Any],
+) -> Path:
+    """Write ``eval_results.json`` (settings + summary) and ``eval_completions.jsonl`` (every completion)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    results_path = output_dir / RESULTS_FILE
+    results_path.write_text(json.dumps({"settings": settings, **summary}, indent=2) + "\n")
+    with (output_dir / COMPLETIONS_FILE).open("w") as handle:
+        for index, prompt in enumerate(prompts):
+            row: dict[str, Any] = {"prompt": prompt}
+            for name, record in samples.items():
+                row[name] = {
+                    "completion": record.completions[index],
+                    "judge_score": record.judge_scores[index],
+                    "reward_score": record.reward_scores[index] if record.reward_scores else None,
+                    "length": record.lengths[index],
+                    **({"kl": record.kls[index]} if record.kls else {}),
+                }
+            handle.write(json.dumps(row) + "\n")
+    return results_path
+
+
+def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
+    """Load ONE model (base + policy adapter + reward adapter), compare policy and base, print and save.
+
+    Example:
+        >>> arguments = EvaluateArguments(policy_adapter="runs/rloo", reward_adapter="adapters/rm")
+        >>> run_evaluation(arguments)  # doctest: +SKIP
+    """
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from marl.data import load_judge, load_prompt_dataset
+    from marl.model import MultiAdapterModel
+
+    console = Console()
+    judge = load_judge(arguments.judge)
+    prompts = load_prompt_dataset(
+        arguments.dataset_name,
+        arguments.dataset_split,
+        arguments.prompt_column,
+        max_prompts=arguments.num_prompts,
+    )["prompt"]
+    start = time.perf_counter()
+    model = MultiAdapterModel.from_pretrained(
+        arguments.model_name_or_path,
+        quantization=arguments.quantization,
+        reward_adapter=arguments.reward_adapter,
+        policy_adapter=arguments.policy_adapter,
+        reference="base",
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    samples = generate_and_score(
+        model,
+        tokenizer,
+        prompts,
+        judge,
+        with_policy=arguments.policy_adapter is not None,
+        response_length=arguments.response_length,
+        temperature=arguments.temperature,
+        batch_size=arguments.batch_size,
+        seed=arguments.seed,
+    )
+    summary = summarize(samples)
+    settings = {**asdict(arguments), "judge": arguments.judge or "vader", "num_prompts": len(prompts)}
+    settings["seconds"] = round(time.perf_counter() - start, 1)
+    output_dir = arguments.output_dir or arguments.policy_adapter
+    results_path = write_results(output_dir, summary, samples, prompts, settings)
+    console.print(results_table(summary, title=f"Evaluation on {len(prompts)} held-out prompts"))
+    console.print(f"results written to {results_path}")
+    return summary

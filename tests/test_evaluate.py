@@ -1,0 +1,124 @@
+"""``marl evaluate`` on a tiny model: win rate, KL to the reference, and the JSON it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from marl.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation, win_rate
+
+PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls", "good good great"]
+
+
+def test_win_rate_counts_ties_as_half():
+    comparison = win_rate([1.0, 0.0, 0.5, 0.2], [0.0, 1.0, 0.5, 0.1])
+    assert (comparison.wins, comparison.ties, comparison.losses) == (2, 1, 1)
+    assert comparison.win_rate == pytest.approx(2.5 / 4)
+    with pytest.raises(ValueError, match="one per prompt"):
+        win_rate([1.0], [1.0, 2.0])
+
+
+def save_reward_adapter(base_dir, directory):
+    """A PEFT SEQ_CLS adapter (LoRA + score head), the layout RewardTrainer writes."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(1)
+    classifier = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1)
+    get_peft_model(
+        classifier, LoraConfig(task_type="SEQ_CLS", r=4, target_modules="all-linear")
+    ).save_pretrained(directory)
+    return directory
+
+
+def save_policy_adapter(base_dir, directory, scale):
+    """A policy adapter whose LoRA B matrices are random times ``scale`` (0 gives the base model exactly)."""
+    from marl.model import MultiAdapterModel
+
+    model = MultiAdapterModel.from_pretrained(str(base_dir))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, parameter in model.peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn_like(parameter) * scale)
+    model.save_policy_adapter(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def eval_setup(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+    return {
+        "base": str(tiny_llama_dir),
+        "prompts": str(prompts),
+        "reward": str(save_reward_adapter(tiny_llama_dir, root / "reward")),
+        "identity_policy": str(save_policy_adapter(tiny_llama_dir, root / "identity", 0.0)),
+        "trained_policy": str(save_policy_adapter(tiny_llama_dir, root / "trained", 0.3)),
+        "root": root,
+    }
+
+
+def evaluate(setup, policy, output_dir, **overrides):
+    arguments = EvaluateArguments(
+        policy_adapter=policy,
+        model_name_or_path=setup["base"],
+        reward_adapter=setup["reward"],
+        dataset_name=setup["prompts"],
+        dataset_split="train",
+        prompt_column="text",
+        num_prompts=len(PROMPTS),
+        response_length=6,
+        batch_size=3,
+        output_dir=str(output_dir),
+        **overrides,
+    )
+    return run_evaluation(arguments)
+
+
+def test_policy_equal_to_base_ties_everywhere_with_zero_kl(eval_setup, tmp_path):
+    summary = evaluate(eval_setup, eval_setup["identity_policy"], tmp_path)
+    # Same seeds and the same distribution give the same samples: every prompt is a tie, KL is exactly 0.
+    assert summary["comparison"] == {"win_rate": 0.5, "wins": 0, "ties": len(PROMPTS), "losses": 0}
+    assert summary["policy"]["kl"] == 0.0
+    assert summary["policy"]["reward_score"] == pytest.approx(summary["base"]["reward_score"], abs=1e-5)
+
+
+def test_results_json_and_completions_file(eval_setup, tmp_path):
+    summary = evaluate(eval_setup, eval_setup["trained_policy"], tmp_path)
+    results = json.loads((tmp_path / RESULTS_FILE).read_text())
+    assert results["settings"]["num_prompts"] == len(PROMPTS)
+    assert results["settings"]["judge"] == "vader"
+    assert results["policy"] == summary["policy"] and results["comparison"] == summary["comparison"]
+    assert set(results["base"]) == {"reward_score", "judge_score", "length", "kl"}
+    assert results["base"]["kl"] is None
+    rows = [json.loads(line) for line in (tmp_path / COMPLETIONS_FILE).read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == PROMPTS
+    # The means in the JSON are the means of the per-prompt rows.
+    for name in ("base", "policy"):
+        for key in ("judge_score", "reward_score", "length"):
+            mean = sum(row[name][key] for row in rows) / len(rows)
+            assert results[name][key] == pytest.approx(mean)
+    assert results["policy"]["kl"] == pytest.approx(sum(row["policy"]["kl"] for row in rows) / len(rows))
+    assert results["policy"]["kl"] != 0.0
+    assert all(1 <= row["policy"]["length"] <= 6 for row in rows)
+
+
+def test_custom_judge_is_used(eval_setup, tmp_path, monkeypatch):
+    (tmp_path / "length_judge.py").write_text("def judge(texts):\n    return [len(t) for t in texts]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    summary = evaluate(eval_setup, eval_setup["trained_policy"], tmp_path / "out", judge="length_judge:judge")
+    rows = [json.loads(line) for line in (tmp_path / "out" / COMPLETIONS_FILE).read_text().splitlines()]
+    assert rows[0]["policy"]["judge_score"] == len(rows[0]["prompt"] + rows[0]["policy"]["completion"])
+    assert (
+        json.loads((tmp_path / "out" / RESULTS_FILE).read_text())["settings"]["judge"] == "length_judge:judge"
+    )
+    assert 0.0 <= summary["comparison"]["win_rate"] <= 1.0
+
+
+def test_base_alone_needs_an_output_dir():
+    with pytest.raises(ValueError, match="--output_dir"):
+        EvaluateArguments(policy_adapter=None)
