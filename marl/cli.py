@@ -1,31 +1,227 @@
 """The ``marl`` command: ``marl train-rloo``, ``marl train-reward``, ``marl evaluate`` and ``marl demo``.
 
-Each subcommand imports its heavy modules (torch, transformers) only when it runs, so ``marl --help`` is fast.
+Each subcommand parses its own flags with ``HfArgumentParser`` (through TRL's ``TrlParser``, so ``--config
+file.yaml`` supplies defaults that command-line flags override, as in TRL's scripts) and imports torch and
+transformers only when it runs, so ``marl --help`` is fast. ``examples/train_rloo_adapter.py`` is a thin
+wrapper around :func:`train_rloo_main`.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import shutil
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from marl.config import RLOOConfig
 
 COMMANDS: dict[str, str] = {
     "train-rloo": "RLOO: train a policy LoRA against a reward adapter (or a reward function)",
     "train-reward": "train a reward LoRA + score head on the base from chosen/rejected pairs",
     "evaluate": "compare a policy adapter with its base on held-out prompts",
-    "demo": "offline end-to-end demo on the embedded SmolLM2-135M-Instruct and Rotten Tomatoes prompts",
+    "demo": "offline end-to-end demo on the embedded SmolLM2-135M-Instruct and Rotten Tomatoes",
 }
 
+# What a previous run leaves in its output folder; finding any of these means the folder holds a run.
+RUN_FILES = ("metrics.jsonl", "adapter_config.json", "adapter_model.safetensors", "run_args.json")
+RUN_DIR_PATTERNS = ("checkpoint-*",)
 
-def _demo(argv: list[str], prog: str) -> None:
-    from marl.demo import DemoArguments, run_demo
 
-    parser = argparse.ArgumentParser(prog=prog, description=COMMANDS["demo"])
-    parser.add_argument("--num_prompts", type=int, default=DemoArguments.num_prompts)
-    parser.add_argument("--max_new_tokens", type=int, default=DemoArguments.max_new_tokens)
-    parser.add_argument("--temperature", type=float, default=DemoArguments.temperature)
-    parser.add_argument("--seed", type=int, default=DemoArguments.seed)
-    run_demo(DemoArguments(**vars(parser.parse_args(argv))))
+class UsageError(ValueError):
+    """Flags that cannot work together; the message says which and how to fix them."""
+
+
+@dataclass
+class ScriptArguments:
+    """Flags of ``train-rloo`` beyond :class:`marl.RLOOConfig`: data, reward function, output folder."""
+
+    dataset_name: str = field(
+        default="rotten-tomatoes",
+        metadata={
+            "help": "Prompts: 'rotten-tomatoes' (bundled), a local .json/.jsonl/.csv/.parquet file or "
+            "folder, or a dataset hub name (the only option that reaches the network)."
+        },
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
+    reward_fn: str | None = field(
+        default=None,
+        metadata={
+            "help": "Instead of --reward_adapter: 'module:function' (or 'file.py:function') called as "
+            "function(prompts, completions) -> one number per completion."
+        },
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Replace the previous run in --output_dir (its metrics, checkpoints and adapter)."},
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={"help": "Continue a run from this checkpoint folder, or 'latest' for the newest one."},
+    )
+
+
+def _parser(dataclass_types: list[type], prog: str):
+    from trl import TrlParser
+
+    return TrlParser(dataclass_types, prog=prog)
+
+
+def parse_train_rloo_args(
+    argv: Sequence[str] | None = None, prog: str = "marl train-rloo"
+) -> tuple[ScriptArguments, RLOOConfig]:
+    """Parse ``train-rloo`` flags (and ``--config file.yaml``) into script arguments and an ``RLOOConfig``.
+
+    ``--reward-adapter`` and every other flag also work with dashes instead of underscores.
+
+    Example:
+        >>> script, config = parse_train_rloo_args(["--reward-adapter", "rm", "--rloo_k", "4"])
+        >>> config.reward_adapter, config.rloo_k
+        ('rm', 4)
+    """
+    from marl.config import RLOOConfig
+
+    script, config = _parser([ScriptArguments, RLOOConfig], prog).parse_args_and_config(
+        list(sys.argv[1:] if argv is None else argv)
+    )
+    if script.reward_fn is None and config.reward_adapter is None:
+        raise UsageError(
+            "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) or "
+            "--reward_fn module:function"
+        )
+    if script.reward_fn is not None and config.reward_adapter is not None:
+        raise UsageError("both --reward_adapter and --reward_fn are set: the reward comes from one of them")
+    if script.resume_from_checkpoint is not None and script.overwrite_output_dir:
+        raise UsageError(
+            "--resume_from_checkpoint continues the run in --output_dir while --overwrite_output_dir would "
+            "delete it: pass only one"
+        )
+    return script, config
+
+
+def previous_run_files(output_dir: str | Path) -> list[Path]:
+    """Files and checkpoint folders of an earlier run in ``output_dir`` (empty if there is none).
+
+    Example:
+        >>> previous_run_files("/nonexistent")
+        []
+    """
+    directory = Path(output_dir)
+    if not directory.is_dir():
+        return []
+    found = [directory / name for name in RUN_FILES if (directory / name).exists()]
+    for pattern in RUN_DIR_PATTERNS:
+        found.extend(sorted(directory.glob(pattern)))
+    return found
+
+
+def check_output_dir(output_dir: str | Path, *, overwrite: bool, resuming: bool) -> list[Path]:
+    """Refuse to write over a previous run unless ``overwrite`` or ``resuming``; return that run's files.
+
+    Example:
+        >>> check_output_dir("/nonexistent/run", overwrite=False, resuming=False)
+        []
+    """
+    directory = Path(output_dir)
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--output_dir {directory} is a file: pass a folder")
+    previous = previous_run_files(directory)
+    if previous and not (overwrite or resuming):
+        names = ", ".join(path.name for path in previous[:5])
+        raise UsageError(
+            f"--output_dir {directory} already holds a run ({names}). Pass another --output_dir, "
+            "--overwrite_output_dir to replace that run, or --resume_from_checkpoint to continue it"
+        )
+    return [] if resuming else previous
+
+
+def remove_previous_run(files: Sequence[Path]) -> None:
+    """Delete the files and checkpoint folders of a previous run; nothing else in the folder is touched."""
+    for path in files:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
+    """Check the output folder, load data, reward and ONE model, print the memory card, build the trainer.
+
+    Example:
+        >>> script, config = parse_train_rloo_args(["--reward_adapter", "rm", "--output_dir", "runs/a"])
+        >>> trainer = build_rloo_trainer(script, config)  # doctest: +SKIP
+        >>> trainer.train()  # doctest: +SKIP
+    """
+    from accelerate import PartialState
+    from rich.console import Console
+    from transformers import AutoTokenizer
+
+    from marl.data import load_prompt_dataset, load_reward_fn
+    from marl.trainer import RLOOTrainer
+
+    state = PartialState()
+    # Every process checks before any of them writes, so that all of them refuse together.
+    previous = check_output_dir(
+        config.output_dir,
+        overwrite=script.overwrite_output_dir,
+        resuming=script.resume_from_checkpoint is not None,
+    )
+    state.wait_for_everyone()
+    if state.is_main_process:
+        remove_previous_run(previous)
+    reward_fn = load_reward_fn(script.reward_fn) if script.reward_fn else None
+    train_dataset = load_prompt_dataset(
+        script.dataset_name, script.dataset_train_split, script.prompt_column, seed=config.seed
+    )
+    model = config.load_model()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    if state.is_main_process:
+        console = Console()
+        if command:
+            console.print(f"[bold]{command}[/bold]")
+        console.print(model.memory_report())
+    return RLOOTrainer(config, model, tokenizer, train_dataset, reward_fn=reward_fn)
+
+
+def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-rloo") -> Any:
+    """Entry point of ``marl train-rloo`` and ``examples/train_rloo_adapter.py``; returns the trainer.
+
+    Bad flags, data, reward functions or adapters end the program with a one-line error before training.
+
+    Example:
+        >>> train_rloo_main(["--reward_adapter", "rm", "--output_dir", "runs/a"])  # doctest: +SKIP
+    """
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        script, config = parse_train_rloo_args(words, prog)
+        trainer = build_rloo_trainer(script, config, command=shlex.join([prog, *words]))
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        raise SystemExit(f"{prog}: error: {error}") from error
+    trainer.train(resume_from_checkpoint=script.resume_from_checkpoint)
+    return trainer
+
+
+# ----------------------------------------------------------------------------------------------------
+# Other subcommands
+
+
+def evaluate_main(argv: Sequence[str] | None = None, prog: str = "marl evaluate") -> dict[str, Any]:
+    """Entry point of ``marl evaluate``.
+
+    Example:
+        >>> evaluate_main(["--policy_adapter", "runs/a", "--reward_adapter", "rm"])  # doctest: +SKIP
+    """
+    from marl.evaluate import EvaluateArguments, run_evaluation
+
+    (arguments,) = _parser([EvaluateArguments], prog).parse_args_and_config(
+        list(sys.argv[1:] if argv is None else argv)
+    )
+    return run_evaluation(arguments)
 
 
 def _train_reward(argv: list[str], prog: str) -> None:
@@ -34,17 +230,17 @@ def _train_reward(argv: list[str], prog: str) -> None:
     train_reward_main(argv, prog=prog)
 
 
-def _not_ready(name: str) -> Callable[[list[str], str], None]:
-    def run(argv: list[str], prog: str) -> None:
-        raise SystemExit(f"{prog}: not available in this version of marl yet")
+def _demo(argv: list[str], prog: str) -> None:
+    from marl.demo import DemoArguments, run_demo
 
-    return run
+    (arguments,) = _parser([DemoArguments], prog).parse_args_and_config(argv)
+    run_demo(arguments)
 
 
-HANDLERS: dict[str, Callable[[list[str], str], None]] = {
-    "train-rloo": _not_ready("train-rloo"),
+HANDLERS: dict[str, Callable[[list[str], str], Any]] = {
+    "train-rloo": train_rloo_main,
     "train-reward": _train_reward,
-    "evaluate": _not_ready("evaluate"),
+    "evaluate": evaluate_main,
     "demo": _demo,
 }
 
@@ -53,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: it lists the subcommands; each subcommand parses its own flags."""
     parser = argparse.ArgumentParser(
         prog="marl",
-        description="RLHF with RLOO on one base model: policy, reference and reward as adapters.",
+        description="RLHF with RLOO on one base model: policy, reference and reward as adapters. "
+        "Run `marl COMMAND --help` for a command's flags.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, help_text in COMMANDS.items():
@@ -65,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``marl`` console script.
 
     Example:
-        >>> main(["demo", "--num_prompts", "2"])  # doctest: +SKIP
+        >>> main(["evaluate", "--policy_adapter", "runs/a"])  # doctest: +SKIP
     """
     arguments = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
