@@ -1,0 +1,143 @@
+"""``marl`` argument parsing, YAML configs and the output-folder guard (no model needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from marl.cli import (
+    UsageError,
+    check_output_dir,
+    main,
+    parse_train_rloo_args,
+    previous_run_files,
+    remove_previous_run,
+    train_rloo_main,
+)
+
+
+@pytest.mark.parametrize("flag", ["--reward-adapter", "--reward_adapter"])
+def test_reward_adapter_flag_with_dashes_or_underscores(flag):
+    script, config = parse_train_rloo_args(
+        [flag, "rm-dir", "--rloo-k", "4", "--per_device_train_batch_size", "8"]
+    )
+    assert config.reward_adapter == "rm-dir"
+    assert config.rloo_k == 4 and config.per_device_train_batch_size == 8
+    assert script.dataset_name == "rotten-tomatoes" and script.reward_fn is None
+
+
+def test_every_rloo_config_field_is_a_flag():
+    from dataclasses import fields
+
+    from marl.config import RLOOConfig
+
+    script, config = parse_train_rloo_args(
+        [
+            "--reward_fn",
+            "rewards:score",
+            "--quantization",
+            "4bit",
+            "--lora_target_modules",
+            "q_proj",
+            "v_proj",
+            "--kl_coef",
+            "0.1",
+            "--normalize_advantage",
+            "--stop_token",
+            "eos",
+            "--total_episodes",
+            "64",
+        ]
+    )
+    assert script.reward_fn == "rewards:score"
+    assert config.quantization == "4bit" and config.lora_target_modules == ["q_proj", "v_proj"]
+    assert config.kl_coef == 0.1 and config.normalize_advantage is True
+    assert config.stop_token == "eos" and config.total_episodes == 64
+    help_text = subprocess.run(
+        [sys.executable, "-m", "marl.cli", "train-rloo", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    for config_field in fields(RLOOConfig):
+        assert f"--{config_field.name}" in help_text
+
+
+def test_yaml_config_sets_defaults_that_flags_override(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(
+        "reward_adapter: adapters/rm\nrloo_k: 4\nlearning_rate: 1.0e-4\ndataset_name: prompts.jsonl\n"
+        "prompt_column: question\nlora_target_modules: [q_proj, k_proj]\n"
+    )
+    script, config = parse_train_rloo_args(["--config", str(config_file), "--rloo_k", "2"])
+    assert config.reward_adapter == "adapters/rm" and config.learning_rate == 1e-4
+    assert config.rloo_k == 2  # the flag wins over the file
+    assert config.lora_target_modules == ["q_proj", "k_proj"]
+    assert (script.dataset_name, script.prompt_column) == ("prompts.jsonl", "question")
+
+
+def test_yaml_config_with_an_unknown_key_fails(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("reward_adapter: rm\nnot_a_setting: 3\n")
+    with pytest.raises(ValueError, match="not_a_setting"):
+        parse_train_rloo_args(["--config", str(config_file)])
+
+
+def test_a_reward_is_required_and_only_one(capsys):
+    with pytest.raises(UsageError, match=r"--reward_adapter DIR.*--reward_fn"):
+        parse_train_rloo_args([])
+    with pytest.raises(UsageError, match="both --reward_adapter and --reward_fn"):
+        parse_train_rloo_args(["--reward_adapter", "rm", "--reward_fn", "m:f"])
+    with pytest.raises(SystemExit, match="marl train-rloo: error: no reward"):
+        train_rloo_main([])
+
+
+def test_invalid_config_values_fail_with_a_one_line_error():
+    with pytest.raises(SystemExit, match=r"rloo_k=1.*--rloo_k 2"):
+        train_rloo_main(["--reward_adapter", "rm", "--rloo_k", "1"])
+
+
+def test_output_dir_with_a_previous_run_is_refused(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint-2").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(
+        UsageError, match=r"already holds a run.*--overwrite_output_dir.*--resume_from_checkpoint"
+    ):
+        check_output_dir(run, overwrite=False, resuming=False)
+    assert check_output_dir(run, overwrite=False, resuming=True) == []
+    previous = check_output_dir(run, overwrite=True, resuming=False)
+    assert sorted(p.name for p in previous) == ["checkpoint-2", "metrics.jsonl"]
+    remove_previous_run(previous)
+    assert previous_run_files(run) == []
+    assert (run / "notes.txt").read_text() == "mine"  # the user's own files stay
+
+
+def test_output_dir_guard_through_the_command(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="already holds a run"):
+        train_rloo_main(["--reward_adapter", "rm", "--output_dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="pass only one"):
+        train_rloo_main(
+            ["--reward_adapter", "rm", "--overwrite_output_dir", "--resume_from_checkpoint", "latest"]
+        )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert check_output_dir(empty, overwrite=False, resuming=False) == []
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(UsageError, match="is a file"):
+        check_output_dir(a_file, overwrite=False, resuming=False)
+
+
+def test_top_level_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("train-rloo", "train-reward", "evaluate", "demo"):
+        assert command in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train-ppo"])
+    assert exit_info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
