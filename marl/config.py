@@ -47,8 +47,6 @@ SCHEDULER_CHOICES = (
     "constant",
     "constant_with_warmup",
     "inverse_sqrt",
-    "cosine_with_min_lr",
-    "warmup_stable_decay",
 )
 
 
