@@ -150,6 +150,9 @@ class RLOOTrainer:
             )
 
         self.accelerator = Accelerator(
+            # a model on the CPU trains on the CPU (also under torchrun, where accelerate would otherwise
+            # ignore the launcher on machines without a GPU)
+            cpu=model.device.type == "cpu",
             mixed_precision=config.mixed_precision,
             log_with=config.trackers or None,
             project_dir=config.output_dir,
@@ -184,8 +187,8 @@ class RLOOTrainer:
             self.sample_every = 0
 
         base = model.peft_model.get_base_model()
-        if config.gradient_checkpointing and not base.is_gradient_checkpointing:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if config.gradient_checkpointing and not base.is_activation_checkpointing:
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self._synchronise_policy_weights()
 
         self.policy_parameters = model.policy_parameters()

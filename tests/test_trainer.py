@@ -1,0 +1,335 @@
+"""RLOOTrainer on tiny real models: ratio check, metrics, checkpoints and resume, guards, reward adapter."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+
+PROMPTS = ["the movie", "a film about", "review:", "good", "bad acting", "the plot", "write a", "an honest"]
+
+RLOO_METRICS = {
+    "eps",
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "objective/rlhf_reward",
+    "objective/scores",
+    "policy/approxkl_avg",
+    "policy/clipfrac_avg",
+    "loss/policy_avg",
+    "policy/entropy_avg",
+    "val/ratio",
+    "val/ratio_var",
+    "val/num_eos_tokens",
+    "lr",
+    "episode",
+}
+
+
+def count_e(prompts: list[str], completions: list[str]) -> list[float]:
+    return [float(completion.count("e")) for completion in completions]
+
+
+def prompt_dataset(prompts=PROMPTS) -> datasets.Dataset:
+    return datasets.Dataset.from_dict({"prompt": list(prompts)})
+
+
+def tiny_config(output_dir: Path, **overrides) -> RLOOConfig:
+    settings = dict(
+        output_dir=str(output_dir),
+        rloo_k=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_mini_batches=2,
+        num_ppo_epochs=2,
+        total_episodes=48,  # 3 updates of 16 completions
+        learning_rate=1e-2,
+        response_length=6,
+        lora_r=4,
+        lora_alpha=8,
+        num_sample_generations=0,
+        save_steps=0,
+        seed=3,
+    )
+    settings.update(overrides)
+    return RLOOConfig(**settings)
+
+
+def build(model_dir: Path, config: RLOOConfig, reward_fn=count_e, dataset=None, **model_overrides):
+    config.model_name_or_path = str(model_dir)
+    torch.manual_seed(0)  # the fresh LoRA's initialisation
+    model = config.load_model(**model_overrides)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return RLOOTrainer(config, model, tokenizer, dataset or prompt_dataset(), reward_fn=reward_fn)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, tmp_path):
+    config = tiny_config(
+        tmp_path / "run", stop_token="eos", missing_eos_penalty=1.0, num_sample_generations=3
+    )
+    config.gradient_checkpointing = True
+    # a model loaded without checkpointing: the trainer turns it on
+    trainer = build(tiny_llama_dir, config, gradient_checkpointing=False)
+    assert trainer.model.peft_model.get_base_model().is_activation_checkpointing
+    history = trainer.train()
+
+    # old log-probs come from the rollout's forward pass (2 epochs × 2 mini-batches): two passes compared
+    assert len(trainer.first_microbatch_ratios) == 3
+    for ratio in trainer.first_microbatch_ratios:
+        assert abs(ratio - 1.0) < 1e-4
+    # the policy moved: later micro-batches see ratios away from 1
+    assert any(record["val/ratio_var"] > 0 for record in history)
+
+    records = read_metrics(tmp_path / "run")
+    assert records == history
+    assert [record["update"] for record in records] == [1, 2, 3]
+    for record in records:
+        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps"}
+        assert record["objective/entropy"] > 0
+        assert record["policy/entropy_avg"] > 0
+        assert 0 <= record["val/num_eos_tokens"] <= 16
+        assert 0 <= record["policy/clipfrac_avg"] <= 1
+        assert record["objective/rlhf_reward"] == pytest.approx(
+            record["objective/scores"] + record["objective/non_score_reward"], abs=1e-5
+        )
+        assert record["objective/non_score_reward"] == pytest.approx(-0.05 * record["objective/kl"], abs=1e-6)
+        assert record["skipped_optimizer_steps"] == 0
+    assert [record["episode"] for record in records] == [16, 32, 48]
+    assert trainer.state.global_step == 3 * 2 * 2
+    assert records[-1]["lr"] == pytest.approx(0.0)  # linear schedule over all 12 optimizer steps
+
+    samples = sorted((tmp_path / "run" / "samples").glob("update_*.jsonl"))
+    assert [path.name for path in samples] == [
+        "update_000001.jsonl",
+        "update_000002.jsonl",
+        "update_000003.jsonl",
+    ]
+    first = json.loads(samples[0].read_text().splitlines()[0])
+    assert set(first) == {"prompt", "completion", "score"}
+    assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+def test_reinforce_setting_uses_ratio_one_exactly(tiny_llama_dir, tmp_path):
+    config = tiny_config(tmp_path / "run", num_ppo_epochs=1, num_mini_batches=1, total_episodes=16)
+    history = build(tiny_llama_dir, config).train()
+    assert history[0]["val/ratio"] == 1.0
+    assert history[0]["val/ratio_var"] == 0.0
+    assert history[0]["policy/clipfrac_avg"] == 0.0
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_llama_dir, tmp_path):
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    config = tiny_config(full_dir, total_episodes=64, save_steps=2, save_total_limit=1)
+    build(tiny_llama_dir, config).train()
+    uninterrupted = read_metrics(full_dir)
+    assert [path.name for path in sorted(full_dir.glob("checkpoint-*"))] == ["checkpoint-4"]  # pruned to 1
+    assert not list(full_dir.glob(".checkpoint-*"))
+
+    # the same run, checkpointed at update 2 and interrupted there
+    interrupted = tiny_config(resumed_dir, total_episodes=64, save_steps=2)
+    build(tiny_llama_dir, interrupted).train()
+    for path in resumed_dir.glob("checkpoint-4"):
+        for file in path.iterdir():
+            file.unlink()
+        path.rmdir()
+    (resumed_dir / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps(record) + "\n" for record in read_metrics(resumed_dir)[:3]
+        )  # crashed after update 3
+    )
+
+    trainer = build(tiny_llama_dir, tiny_config(resumed_dir, total_episodes=64, save_steps=2))
+    trainer.train(resume_from_checkpoint=True)
+    resumed = read_metrics(resumed_dir)
+    assert [record["update"] for record in resumed] == [1, 2, 3, 4]
+    for expected, actual in zip(uninterrupted, resumed, strict=True):
+        expected.pop("eps")
+        actual.pop("eps")
+        assert actual == expected
+
+
+def test_resume_errors_are_clear(tiny_llama_dir, tmp_path):
+    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"))
+    with pytest.raises(FileNotFoundError, match="no checkpoint-N"):
+        trainer.train(resume_from_checkpoint=True)
+    with pytest.raises(FileNotFoundError, match="not a checkpoint"):
+        trainer.train(resume_from_checkpoint=tmp_path)
+
+
+def test_non_finite_reward_skips_the_update_and_continues(tiny_llama_dir, tmp_path):
+    calls = []
+
+    def flaky(prompts, completions):
+        calls.append(1)
+        scores = count_e(prompts, completions)
+        if len(calls) == 1:
+            scores[0] = math.nan
+        return scores
+
+    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"), reward_fn=flaky)
+    before = [parameter.detach().clone() for parameter in trainer.model.policy_parameters()]
+    with pytest.warns(RuntimeWarning, match="non-finite reward"):
+        history = trainer.train()
+    assert [record["skipped_optimizer_steps"] for record in history] == [4, 4, 4]
+    assert "val/ratio" not in history[0]
+    assert "val/ratio" in history[1]
+    assert trainer.state.global_step == 12
+    after = trainer.model.policy_parameters()
+    assert any(not torch.equal(old, new) for old, new in zip(before, after, strict=True))
+    assert all(math.isfinite(value) for value in after[0].flatten().tolist())
+
+
+def test_token_level_kl_changes_training(tiny_llama_dir, tmp_path):
+    weights = {}
+    for token_level in (False, True):
+        config = tiny_config(tmp_path / str(token_level), token_level_kl=token_level, kl_coef=0.5)
+        trainer = build(tiny_llama_dir, config)
+        history = trainer.train()
+        weights[token_level] = torch.cat([p.detach().flatten() for p in trainer.model.policy_parameters()])
+    # same rollout at update 1 (same seed), different losses from then on
+    assert not torch.equal(weights[False], weights[True])
+    assert history[0]["objective/rlhf_reward"] == pytest.approx(
+        history[0]["objective/scores"] + history[0]["objective/non_score_reward"], abs=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    ("reward_fn", "error", "message"),
+    [
+        (lambda prompts, completions: [1.0], ValueError, "returned 1 scores for 8 completions"),
+        (lambda prompts, completions: ["good"] * len(completions), TypeError, "must be real numbers"),
+        (lambda prompts, completions: None, TypeError, "one number per completion"),
+    ],
+)
+def test_reward_fn_output_is_validated(tiny_llama_dir, tmp_path, reward_fn, error, message):
+    config = tiny_config(tmp_path / "run", per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    trainer = build(tiny_llama_dir, config, reward_fn=reward_fn)
+    with pytest.raises(error, match=message):
+        trainer.train()
+
+
+def test_reward_fn_sees_prompts_and_conversations_render_with_the_chat_template(tiny_llama_dir, tmp_path):
+    seen = {}
+
+    def record(prompts, completions):
+        seen["prompts"] = prompts
+        return [0.0] * len(completions)
+
+    conversations = datasets.Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": text}]} for text in PROMPTS[:4]]
+    )
+    config = tiny_config(tmp_path / "run", total_episodes=16)
+    build(tiny_llama_dir, config, reward_fn=record, dataset=conversations).train()
+    assert len(seen["prompts"]) == 16
+    assert all(
+        prompt.startswith("<|user|>") and prompt.endswith("<|assistant|>") for prompt in seen["prompts"]
+    )
+    # k-major: the second half repeats the first half's prompts in the same order
+    assert seen["prompts"][:8] == seen["prompts"][8:]
+
+
+def test_dataset_and_reward_validation(tiny_llama_dir, tmp_path):
+    config = tiny_config(tmp_path / "run", model_name_or_path=str(tiny_llama_dir))
+    torch.manual_seed(0)
+    model = config.load_model()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"no 'prompt' or 'input_ids' column.*rename_column"):
+        RLOOTrainer(config, model, tokenizer, datasets.Dataset.from_dict({"text": ["a"]}), reward_fn=count_e)
+    with pytest.raises(ValueError, match="empty"):
+        RLOOTrainer(config, model, tokenizer, datasets.Dataset.from_dict({"prompt": []}), reward_fn=count_e)
+    long_prompt = " ".join(["movie"] * 300)
+    with pytest.raises(ValueError, match=r"exceed the model's context of 256 tokens.*--response_length"):
+        RLOOTrainer(config, model, tokenizer, prompt_dataset([long_prompt, "short"]), reward_fn=count_e)
+    with pytest.raises(ValueError, match="must be a string or a list"):
+        RLOOTrainer(
+            config, model, tokenizer, datasets.Dataset.from_dict({"prompt": [[1, 2]]}), reward_fn=count_e
+        )
+    with pytest.raises(ValueError, match="no reward adapter and no reward_fn"):
+        RLOOTrainer(config, model, tokenizer, prompt_dataset())
+    ids_only = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7], [8, 9]]})
+    trainer = RLOOTrainer(config, model, tokenizer, ids_only, reward_fn=count_e)
+    assert [ids for ids, _ in trainer.train_prompts] == [[5, 6, 7], [8, 9]]
+
+
+def save_reward_adapter(model_dir: Path, directory: Path) -> Path:
+    """A SEQ_CLS LoRA + score head on the tiny base, saved the way TRL's RewardTrainer saves one."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(1)
+    classifier = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
+    peft_model = get_peft_model(classifier, LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)  # a trained-looking adapter, not the identity
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+def reward_state(model: MultiAdapterModel) -> dict[str, bytes]:
+    state = {
+        name: parameter.detach().cpu().numpy().tobytes()
+        for name, parameter in model.peft_model.named_parameters()
+        if f".{MultiAdapterModel.REWARD_ADAPTER}." in name
+    }
+    for name, parameter in model.score_head.named_parameters():
+        state[f"score_head.{name}"] = parameter.detach().cpu().numpy().tobytes()
+    return state
+
+
+@pytest.mark.parametrize("quantization", [None, "4bit"])
+def test_reward_adapter_and_head_are_byte_identical_after_training(tiny_llama_dir, tmp_path, quantization):
+    adapter = save_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    config = tiny_config(
+        tmp_path / "run",
+        quantization=quantization,
+        reward_adapter=str(adapter),
+        total_episodes=32,
+        stop_token="eos",
+    )
+    trainer = build(tiny_llama_dir, config, reward_fn=None)
+    assert trainer.model.quantization == quantization
+    before = reward_state(trainer.model)
+    policy_before = [parameter.detach().clone() for parameter in trainer.model.policy_parameters()]
+    history = trainer.train()
+    assert reward_state(trainer.model) == before
+    policy_after = trainer.model.policy_parameters()
+    assert any(not torch.equal(old, new) for old, new in zip(policy_before, policy_after, strict=True))
+    scores = [record["objective/scores"] for record in history]
+    assert all(math.isfinite(score) for score in scores)
+    assert len(set(scores)) > 1  # the reward adapter really scores the completions
+
+
+def test_tensorboard_tracker_and_eval_samples(tiny_llama_dir, tmp_path):
+    config = tiny_config(
+        tmp_path / "run", total_episodes=16, report_to="tensorboard", num_sample_generations=1
+    )
+    config.model_name_or_path = str(tiny_llama_dir)
+    torch.manual_seed(0)
+    model = config.load_model()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    held_out = prompt_dataset(["held out one", "held out two"])
+    trainer = RLOOTrainer(
+        config, model, tokenizer, prompt_dataset(), eval_dataset=held_out, reward_fn=count_e
+    )
+    trainer.train()
+    assert list((tmp_path / "run").rglob("events.out.tfevents.*"))
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "samples" / "update_000001.jsonl").read_text().splitlines()
+    ]
+    assert [row["prompt"] for row in rows] == ["held out one", "held out two"]
+    assert all(row["score"] == row["completion"].count("e") for row in rows)
