@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
@@ -40,6 +40,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 from marl.logprobs import entropy_from_logits, selective_log_softmax
+
+if TYPE_CHECKING:
+    from marl.memory import MemoryReport
 
 QUANTIZATION_MODES = (None, "4bit", "8bit")
 REFERENCE_MODES = ("auto", "base", "initial-policy")
@@ -606,7 +609,7 @@ class MultiAdapterModel:
         config.base_model_name_or_path = self.name_or_path
         config.save_pretrained(str(directory))
 
-    def memory_report(self):
+    def memory_report(self) -> MemoryReport:
         """What each part costs in memory, and what separate model copies would cost (the "memory card").
 
         Example:

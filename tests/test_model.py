@@ -23,9 +23,10 @@ QUANTIZATIONS = (None, "8bit", "4bit")
 def train_reward_adapter(base_dir: Path, output_dir: Path) -> Path:
     """A reward adapter made the way users make one: TRL's RewardTrainer with a SEQ_CLS LoRA, a few steps."""
     from datasets import Dataset
+    from transformers import AutoTokenizer
     from trl import RewardConfig, RewardTrainer
 
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
     pairs = Dataset.from_dict(
         {
             "chosen": ["good great film", "a lovely charming story", "wonderful and moving"] * 4,
@@ -545,3 +546,174 @@ def test_base_weights_exist_once(tiny_llama_dir, reward_adapter_factory):
         model.token_logprobs(ids, mask, response_start=2)
     del base
     gc.collect()
+
+
+def test_memory_report_counts_the_reward_head(llama_model):
+    report = llama_model.memory_report()
+    assert report.score_head_bytes == 64 * 4  # Linear(64, 1) without bias, float32
+    assert set(report.adapter_bytes) == {"policy", "reward"}
+    assert "score head" in str(report)
+
+
+# ---------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("quantization", [None, "4bit"])
+def test_gradient_checkpointing_gives_the_same_gradients(quantization, tiny_llama_dir):
+    ids, mask = padded_batch("left")
+    gradients = []
+    for checkpointing in (False, True):
+        model = MultiAdapterModel.from_pretrained(
+            tiny_llama_dir,
+            quantization=quantization,
+            gradient_checkpointing=checkpointing,
+            policy_adapter=LoraConfig(r=4, init_lora_weights=False),
+            reference="base",
+        )
+        assert model.peft_model.get_base_model().is_activation_checkpointing == checkpointing
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.policy_parameters():
+                p.normal_(std=0.05)
+        model.train()
+        with model.policy():
+            model.token_logprobs(ids, mask, response_start=2).sum().backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.policy_parameters()]))
+    torch.testing.assert_close(gradients[1], gradients[0], rtol=1e-4, atol=1e-6)
+
+
+def test_bfloat16_compute_dtype(tiny_llama_dir, reward_adapter_factory):
+    model = MultiAdapterModel.from_pretrained(
+        tiny_llama_dir, dtype=torch.bfloat16, reward_adapter=reward_adapter_factory("llama")
+    )
+    assert model.dtype == torch.bfloat16 and model.score_head.weight.dtype == torch.bfloat16
+    ids, mask = padded_batch("right")
+    assert model.compute_reward_score(ids, mask).dtype == torch.float32
+    with model.reference(), torch.no_grad():
+        assert model.token_logprobs(ids, mask, response_start=2).dtype == torch.float32
+
+
+# ---------------------------------------------------------------------- process memory
+
+_MEMORY_PROBE = """
+import ctypes, gc, json, sys
+import torch
+from peft import LoraConfig
+from marl.model import MultiAdapterModel
+
+def memory(model_dir):
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    anonymous = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon")) * 1024
+    mapped, current = 0, None
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if not fields[0].endswith(":"):
+            current = fields[5] if len(fields) >= 6 else None
+        elif fields[0] == "Rss:" and current and current.startswith(model_dir):
+            mapped += int(fields[1]) * 1024
+    return anonymous, mapped
+
+model_dir, quantization, reward_dir = sys.argv[1], sys.argv[2] or None, sys.argv[3]
+ids = torch.tensor([[5, 6, 7, 8]])
+mask = torch.ones_like(ids)
+anonymous_before, mapped_before = memory(model_dir)
+model = MultiAdapterModel.from_pretrained(
+    model_dir, quantization=quantization, reward_adapter=reward_dir,
+    policy_adapter=LoraConfig(r=8, init_lora_weights=False),
+)
+with torch.no_grad():
+    for view in (model.policy(), model.reference()):
+        with view:
+            model.token_logprobs(ids, mask, response_start=1)
+model.compute_reward_score(ids, mask)
+anonymous_after, mapped_after = memory(model_dir)
+report = model.memory_report()
+print(json.dumps({"anonymous": anonymous_after - anonymous_before, "mapped": mapped_after - mapped_before,
+                  "base": report.base_bytes, "total": report.total_bytes}))
+"""
+
+
+@pytest.fixture(scope="module")
+def medium_llama(tmp_path_factory) -> tuple[Path, Path]:
+    """A 21M-parameter llama (85 MB in float32): big enough for process memory to show one copy or three."""
+    from transformers import LlamaConfig
+
+    directory = tmp_path_factory.mktemp("medium-llama")
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory, train_reward_adapter(directory, tmp_path_factory.mktemp("medium-reward"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", [None, "4bit"])
+def test_process_memory_after_load_is_one_base(quantization, medium_llama, tmp_path):
+    """Growth of resident memory (anonymous + pages of the checkpoint mapped by the model) after loading the
+    base with policy, reference and reward adapters, and using all three, stays near ONE base.
+
+    Separate copies would need 3x the base. A quantized load keeps the float32 checkpoint file mapped
+    (transformers reads it through mmap); those are reclaimable page-cache pages, not a model copy, so for a
+    quantized base only anonymous memory is compared.
+    """
+    import subprocess
+    import sys
+
+    model_dir, reward_dir = medium_llama
+    probe = tmp_path / "probe.py"
+    probe.write_text(_MEMORY_PROBE)
+    result = subprocess.run(
+        [sys.executable, str(probe), str(model_dir), quantization or "", str(reward_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    growth = numbers["anonymous"] + (numbers["mapped"] if quantization is None else 0)
+    assert 0.8 * numbers["base"] < growth < 1.5 * numbers["total"], numbers
+
+
+# ---------------------------------------------------------------------- the bundled model
+
+
+@pytest.mark.slow
+def test_bundled_smollm2_in_4bit_loads_scores_and_switches(tmp_path):
+    from transformers import AutoTokenizer
+
+    from marl.assets import EMBEDDED_MODEL_ID, resolve_model_path
+
+    base_dir = Path(resolve_model_path(EMBEDDED_MODEL_ID))
+    reward_dir = train_reward_adapter(base_dir, tmp_path / "reward")
+    model = MultiAdapterModel.from_pretrained(
+        EMBEDDED_MODEL_ID, quantization="4bit", reward_adapter=reward_dir
+    )
+    assert model.peft_model.get_base_model().is_loaded_in_4bit
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["a wonderful, moving film", "dull"], return_tensors="pt", padding=True)
+    scores = model.compute_reward_score(batch["input_ids"], batch["attention_mask"])
+    assert scores.shape == (2,) and torch.isfinite(scores).all()
+    before = _snapshot(model)
+    with model.use_adapter("reward"), model.reference(), torch.no_grad():
+        ref = model.token_logprobs(batch["input_ids"], batch["attention_mask"], response_start=1)
+    assert _snapshot(model) == before
+    with model.policy(), torch.no_grad():
+        policy = model.token_logprobs(batch["input_ids"], batch["attention_mask"], response_start=1)
+    torch.testing.assert_close(policy, ref, rtol=0, atol=1e-5)  # fresh LoRA: policy == base at the start
+    report = model.memory_report()
+    assert report.base_bytes < 0.5 * report.base_parameters * 4  # well under float32 size
+    out = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=4, do_sample=False)
+    assert out.shape[1] == batch["input_ids"].shape[1] + 4
