@@ -694,6 +694,8 @@ class RLOOTrainer:
                 **dataclasses.asdict(self.state),
                 "prompts_consumed": self.state.update * self.sizes.prompts_per_update,
                 "world_size": accelerator.num_processes,
+                "batch_size": self.sizes.batch_size,
+                "num_total_batches": self.sizes.num_total_batches,
                 "first_microbatch_ratios": self.first_microbatch_ratios,
             }
             (staging / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2))
@@ -733,6 +735,13 @@ class RLOOTrainer:
                 f"{path} was written by {saved['world_size']} processes but this run has "
                 f"{self.accelerator.num_processes}; resume with the same number of processes"
             )
+        planned = (self.sizes.batch_size, self.sizes.num_total_batches)
+        if (saved["batch_size"], saved["num_total_batches"]) != planned:
+            raise ValueError(
+                f"{path} belongs to a run of {saved['num_total_batches']} updates of {saved['batch_size']} "
+                f"completions, this config plans {planned[1]} updates of {planned[0]}; resume with the batch "
+                "settings, total_episodes and dataset of the original run"
+            )
         weights = load_file(str(path / SAFETENSORS_WEIGHTS_NAME), device=str(self.accelerator.device))
         result = set_peft_model_state_dict(
             self.model.peft_model, weights, adapter_name=MultiAdapterModel.POLICY_ADAPTER
@@ -754,6 +763,17 @@ class RLOOTrainer:
         )
         if self.accelerator.is_main_process:
             self._truncate_metrics_file()
+
+    def _refuse_to_mix_runs(self) -> None:
+        """A fresh run never appends to, or prunes, the metrics and checkpoints of an earlier run."""
+        earlier = _list_checkpoints(self.output_dir) + [
+            path for path in (self.output_dir / METRICS_FILE,) if path.exists()
+        ]
+        if earlier:
+            raise FileExistsError(
+                f"{self.output_dir} already holds a run ({', '.join(path.name for path in earlier[:3])}). "
+                "Continue it with train(resume_from_checkpoint=True), or choose another output_dir"
+            )
 
     def _truncate_metrics_file(self) -> None:
         """Drop records written after the checkpoint: the resumed run writes those updates again."""
@@ -785,6 +805,8 @@ class RLOOTrainer:
         set_seed(config.seed + accelerator.process_index * PROCESS_SEED_STRIDE)
         if resume_from_checkpoint:
             self._load_checkpoint(resume_from_checkpoint)
+        else:
+            self._refuse_to_mix_runs()
         if accelerator.is_main_process:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "rloo_config.json").write_text(

@@ -166,6 +166,11 @@ def test_resume_errors_are_clear(tiny_llama_dir, tmp_path):
         trainer.train(resume_from_checkpoint=True)
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
         trainer.train(resume_from_checkpoint=tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"update": 1}\n')
+    with pytest.raises(FileExistsError, match=r"already holds a run.*choose another output_dir"):
+        trainer.train()
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"update": 1}\n'
 
 
 def test_non_finite_reward_skips_the_update_and_continues(tiny_llama_dir, tmp_path):
