@@ -28,8 +28,14 @@ COMMANDS: dict[str, str] = {
 }
 
 # What a previous run leaves in its output folder; finding any of these means the folder holds a run.
-RUN_FILES = ("metrics.jsonl", "adapter_config.json", "adapter_model.safetensors", "run_args.json")
-RUN_DIR_PATTERNS = ("checkpoint-*",)
+RUN_FILES = (
+    "metrics.jsonl",
+    "rloo_config.json",
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "samples",
+)
+RUN_DIR_PATTERNS = ("checkpoint-*", ".checkpoint-*.tmp")
 
 
 class UsageError(ValueError):
@@ -48,6 +54,12 @@ class ScriptArguments:
         },
     )
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split of held-out prompts for the periodic sample tables (default: training prompts)."
+        },
+    )
     prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
     reward_fn: str | None = field(
         default=None,
@@ -62,7 +74,7 @@ class ScriptArguments:
     )
     resume_from_checkpoint: str | None = field(
         default=None,
-        metadata={"help": "Continue a run from this checkpoint folder, or 'latest' for the newest one."},
+        metadata={"help": "Continue the run in --output_dir from this checkpoint folder, or 'latest'."},
     )
 
 
@@ -178,6 +190,11 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     train_dataset = load_prompt_dataset(
         script.dataset_name, script.dataset_train_split, script.prompt_column, seed=config.seed
     )
+    eval_dataset = None
+    if script.dataset_test_split is not None:
+        eval_dataset = load_prompt_dataset(
+            script.dataset_name, script.dataset_test_split, script.prompt_column, seed=config.seed
+        )
     model = config.load_model()
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     if state.is_main_process:
@@ -185,7 +202,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         if command:
             console.print(f"[bold]{command}[/bold]")
         console.print(model.memory_report())
-    return RLOOTrainer(config, model, tokenizer, train_dataset, reward_fn=reward_fn)
+    return RLOOTrainer(config, model, tokenizer, train_dataset, eval_dataset, reward_fn=reward_fn)
 
 
 def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-rloo") -> Any:
@@ -199,10 +216,11 @@ def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-r
     words = list(sys.argv[1:] if argv is None else argv)
     try:
         script, config = parse_train_rloo_args(words, prog)
-        trainer = build_rloo_trainer(script, config, command=shlex.join([prog, *words]))
+        trainer = build_rloo_trainer(script, config, command=f"{prog} {shlex.join(words)}")
     except (ValueError, FileNotFoundError, ImportError) as error:
         raise SystemExit(f"{prog}: error: {error}") from error
-    trainer.train(resume_from_checkpoint=script.resume_from_checkpoint)
+    resume = script.resume_from_checkpoint
+    trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
     return trainer
 
 

@@ -267,6 +267,7 @@ class CheckedRewardFunction:
     def __init__(self, function: Callable[..., Any], name: str) -> None:
         self.function = function
         self.name = name
+        self.__name__ = name
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **kwargs: Any) -> list[float]:
         return check_scores(self.function(prompts, completions, **kwargs), len(completions), self.name)

@@ -131,14 +131,23 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> di
     Example:
         >>> batch = encode_prompts(tokenizer, ["The movie is"])  # doctest: +SKIP
     """
-    texts = [
-        prompt
-        if isinstance(prompt, str)
-        else tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        for prompt in prompts
-    ]
-    tokenizer.padding_side = "left"
-    return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    import torch
+
+    # Tokenised exactly as RLOOTrainer does, so that evaluation prompts look like training prompts.
+    rows = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            rows.append(tokenizer(prompt)["input_ids"])
+        else:
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, ids in enumerate(rows):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
 @dataclass
