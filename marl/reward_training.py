@@ -8,9 +8,10 @@ the LoRA weights.
 
 Input format. Plain-text pairs are scored as plain text followed by the tokenizer's EOS token (what
 RewardTrainer does), which is what the RL loop scores: the prompt followed by the completion, ending in EOS
-when the policy stopped. The score is read at the last non-padding token; when pad == eos (SmolLM2), that is
-the last text token. Conversational pairs (lists of ``{"role", "content"}`` messages) go through the
-tokenizer's chat template.
+when the policy stopped. The score is read AT that EOS, as ``MultiAdapterModel.compute_reward_score``
+reads it; for a tokenizer whose pad token is its EOS token (SmolLM2), training pads with another special token
+so that the EOS is not mistaken for padding. Conversational pairs (lists of ``{"role", "content"}``
+messages) go through the tokenizer's chat template.
 
 After training, this module scores every held-out pair itself and reports the pairwise accuracy, the fraction
 of pairs with ``score(chosen) > score(rejected)``, before and after training.
@@ -212,8 +213,7 @@ def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype, g
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    _pad_with_a_token_other_than_eos(tokenizer)
     device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
     model = AutoModelForSequenceClassification.from_pretrained(
         path,
@@ -228,6 +228,26 @@ def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype, g
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
         keep_4bit_weights_differentiable_on_cpu(model)
     return model, tokenizer
+
+
+def _pad_with_a_token_other_than_eos(tokenizer) -> None:
+    # The classifier pools at the last token that is not the pad id. With pad == eos (SmolLM2) the EOS that
+    # ends every text would count as padding and the score would be read one token earlier, while the RL loop
+    # (MultiAdapterModel.compute_reward_score) reads it AT the EOS, the last attended token. Padding with
+    # another special token makes training read where RL reads. Which token pads does not matter otherwise:
+    # padded positions are masked out.
+    if tokenizer.pad_token is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return
+    candidates = [tokenizer.unk_token, *tokenizer.all_special_tokens]
+    for token in candidates:
+        if token is not None and tokenizer.convert_tokens_to_ids(token) != tokenizer.eos_token_id:
+            tokenizer.pad_token = token
+            return
+    raise ValueError(
+        "the tokenizer's only special token is its EOS token, so the reward could not be read at the EOS "
+        "that ends each text; add a pad token to the tokenizer (tokenizer.add_special_tokens({'pad_token': "
+        "...}) and save it with the base) and train again"
+    )
 
 
 def keep_4bit_weights_differentiable_on_cpu(model) -> int:
@@ -407,7 +427,7 @@ def train_reward_adapter(
             per_device_train_batch_size=batch_size,
             max_length=max_length,
             seed=seed,
-            gradient_checkpointing=gradient_checkpointing,
+            activation_checkpointing=gradient_checkpointing,
             bf16=dtype == torch.bfloat16,
             logging_steps=logging_steps,
             save_strategy="no",
@@ -551,7 +571,7 @@ from marl import MultiAdapterModel
 model = MultiAdapterModel.from_pretrained("{summary["base_model"]}", reward_adapter="path/to/this/folder")
 ```
 
-It scores plain text followed by EOS, read at the last non-padding token.
+It scores plain text followed by the EOS token, read at that EOS (the last attended token).
 
 | | |
 |---|---|

@@ -262,3 +262,64 @@ def test_lora_last_layers_limits_the_adapter_to_the_top_layers(tiny_llama_dir: P
         train_reward_adapter(
             str(tiny_llama_dir), train, held_out, tmp_path / "x", quantization=None, lora_last_layers=3
         )
+
+
+@pytest.fixture(scope="module")
+def tiny_base_padding_with_eos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with SmolLM2's tokenizer convention: the pad token is the EOS token."""
+    from conftest import save_tiny_model
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory = save_tiny_model(tmp_path_factory.mktemp("pad-is-eos"))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(directory)
+    config = AutoConfig.from_pretrained(directory)
+    config.pad_token_id = tokenizer.eos_token_id
+    config.save_pretrained(directory)
+    return directory
+
+
+def test_pad_token_is_moved_off_eos_for_training() -> None:
+    from conftest import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    reward_training._pad_with_a_token_other_than_eos(tokenizer)
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert tokenizer.pad_token == "<unk>"
+
+
+def test_training_reads_the_score_where_the_rl_model_reads_it(
+    tiny_base_padding_with_eos: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    from marl.model import MultiAdapterModel
+
+    train, held_out = _plain_pairs()
+    output = tmp_path / "rm"
+    summary = train_reward_adapter(
+        str(tiny_base_padding_with_eos), train, held_out, output, quantization=None, **FAST
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base_padding_with_eos)
+    model = MultiAdapterModel.from_pretrained(str(tiny_base_padding_with_eos), reward_adapter=output)
+    texts = [text + tokenizer.eos_token for text in [*held_out["chosen"], *held_out["rejected"]]]
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    assert (batch["input_ids"][:, -1] == tokenizer.eos_token_id).all(), "right padding with pad == eos"
+    rl_scores = model.compute_reward_score(batch["input_ids"], batch["attention_mask"])
+    chosen, rejected = rl_scores.chunk(2)
+    assert (chosen > rejected).float().mean().item() == summary["eval_accuracy"] == 1.0
+
+    # The same texts scored the way the adapter was trained (padded with a different token) agree exactly.
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    reward_training._pad_with_a_token_other_than_eos(tokenizer)
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_base_padding_with_eos, num_labels=1)
+    base.config.pad_token_id = tokenizer.pad_token_id
+    trained_view = PeftModel.from_pretrained(base, output).eval()
+    batch = tokenizer(texts, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        training_scores = trained_view(**batch).logits.squeeze(-1)
+    torch.testing.assert_close(training_scores, rl_scores, rtol=1e-4, atol=1e-5)
