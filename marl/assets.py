@@ -58,8 +58,8 @@ def marl_home() -> Path:
     """Cache directory: ``$MARL_HOME``, else ``$XDG_CACHE_HOME/marl``, else ``~/.cache/marl``.
 
     Example:
-        >>> str(marl_home()).endswith("marl") or "MARL_HOME" in os.environ
-        True
+        >>> marl_home()  # with neither variable set  # doctest: +SKIP
+        PosixPath('/home/me/.cache/marl')
     """
     if os.environ.get("MARL_HOME"):
         return Path(os.environ["MARL_HOME"]).expanduser()
