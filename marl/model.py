@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import re
 import warnings
@@ -39,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from marl.logprobs import entropy_from_logits, selective_log_softmax
+from marl.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, selective_log_softmax
 
 if TYPE_CHECKING:
     from marl.memory import MemoryReport
@@ -269,6 +270,8 @@ class MultiAdapterModel:
 
         if quantization == "4bit":
             _keep_4bit_layers_differentiable_on_cpu(base)
+        if quantization == "8bit":
+            _silence_int8_cast_notice()
         gc_kwargs = {"use_reentrant": False}
         if quantization is not None:
             base = prepare_model_for_kbit_training(
@@ -533,15 +536,12 @@ class MultiAdapterModel:
         batch, steps = targets.shape
         flat_hidden = hidden.reshape(batch * steps, -1)
         flat_targets = targets.reshape(-1)
-        step = chunk_size or 1024
+        step = chunk_size or DEFAULT_CHUNK_SIZE
         logprob_pieces, entropy_pieces = [], []
         for start in range(0, flat_hidden.shape[0], step):
             logits = self._logits(flat_hidden[start : start + step])
-            logprob_pieces.append(
-                selective_log_softmax(
-                    logits, flat_targets[start : start + step], temperature, chunk_size=step
-                )
-            )
+            chunk_targets = flat_targets[start : start + step].to(logits.device)
+            logprob_pieces.append(selective_log_softmax(logits, chunk_targets, temperature, chunk_size=step))
             if with_entropy:
                 entropy_pieces.append(entropy_from_logits(logits, temperature, chunk_size=step))
         logprobs = torch.cat(logprob_pieces).reshape(batch, steps)
@@ -621,6 +621,19 @@ class MultiAdapterModel:
 
 
 # ---------------------------------------------------------------------- adapter helpers
+
+
+class _DropInt8CastNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("MatMul8bitLt: inputs will be cast")
+
+
+def _silence_int8_cast_notice() -> None:
+    """LLM.int8 computes in float16 and logs that it casts the inputs, on every layer of every forward. The
+    cast is the documented behaviour of 8-bit mode, so the notice is dropped (once per process)."""
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _DropInt8CastNotice) for f in logger.filters):
+        logger.addFilter(_DropInt8CastNotice())
 
 
 def _keep_4bit_layers_differentiable_on_cpu(model: nn.Module) -> None:
@@ -787,6 +800,11 @@ def _attach_reward_adapter(
         raise ValueError(
             f"reward adapter {directory}: weights that match no module of this base: "
             f"{result.unexpected_keys[:5]}"
+        )
+    missing = [key for key in result.missing_keys if f".{adapter_name}." in key and "lora_" in key]
+    if missing:
+        raise ValueError(
+            f"reward adapter {directory} is incomplete: no weights for {missing[:5]}; re-save it"
         )
     for name, parameter in peft_model.named_parameters():
         if f".{adapter_name}." in name:

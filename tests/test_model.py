@@ -190,6 +190,7 @@ def test_load_score_switch_and_train_step(
     assert scores.shape == (3,) and torch.isfinite(scores).all()
 
     reward_before = {n: p.detach().clone() for n, p in model.peft_model.named_parameters() if ".reward." in n}
+    head_before = model.score_head.weight.detach().clone()
     optimizer = torch.optim.AdamW(model.policy_parameters(), lr=1e-2)
     model.train()
     with model.policy():
@@ -204,6 +205,7 @@ def test_load_score_switch_and_train_step(
     for name, parameter in model.peft_model.named_parameters():
         if ".reward." in name:
             assert torch.equal(parameter, reward_before[name])
+    assert torch.equal(model.score_head.weight, head_before)
     with model.policy(), torch.no_grad():
         updated = model.token_logprobs(ids, mask, response_start=2)
     with model.reference(), torch.no_grad():
@@ -717,3 +719,48 @@ def test_bundled_smollm2_in_4bit_loads_scores_and_switches(tmp_path):
     assert report.base_bytes < 0.5 * report.base_parameters * 4  # well under float32 size
     out = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=4, do_sample=False)
     assert out.shape[1] == batch["input_ids"].shape[1] + 4
+
+
+def test_reward_validation_incomplete_adapter(tiny_llama_dir, reward_adapter_factory, tmp_path):
+    adapter = _copy_adapter(reward_adapter_factory("llama"), tmp_path / "incomplete")
+    _edit_weights(adapter, lambda s: s.pop("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"))
+    with pytest.raises(ValueError, match="is incomplete"):
+        MultiAdapterModel.from_pretrained(tiny_llama_dir, reward_adapter=adapter)
+
+
+def test_reward_head_bias_and_modules_to_save_keys(
+    tiny_llama_dir, reward_adapter_factory, tmp_path, llama_model
+):
+    """The head is found by its exact key (also PEFT's modules_to_save form) and its bias is applied."""
+    adapter = _copy_adapter(reward_adapter_factory("llama"), tmp_path / "biased")
+
+    def rename_and_add_bias(state):
+        state["base_model.model.score.modules_to_save.default.weight"] = state.pop(
+            "base_model.model.score.weight"
+        )
+        state["base_model.model.score.modules_to_save.default.bias"] = torch.tensor([0.75])
+
+    _edit_weights(adapter, rename_and_add_bias)
+    model = MultiAdapterModel.from_pretrained(tiny_llama_dir, reward_adapter=adapter)
+    assert model.reward_head_info.has_bias
+    ids, mask = padded_batch("right")
+    torch.testing.assert_close(
+        model.compute_reward_score(ids, mask),
+        llama_model.compute_reward_score(ids, mask) + 0.75,
+        rtol=0,
+        atol=1e-6,
+    )
+
+
+def test_generate_restores_train_mode_and_adapter(llama_model):
+    llama_model.train()
+    try:
+        with llama_model.use_adapter("reward"):
+            out = llama_model.generate(
+                *padded_batch("left"), max_new_tokens=2, do_sample=False, pad_token_id=0
+            )
+            assert llama_model.peft_model.active_adapter == "reward"
+        assert out.shape[1] == 8 and not out.requires_grad
+        assert all(m.training for m in llama_model.peft_model.modules())
+    finally:
+        llama_model.eval()
