@@ -52,7 +52,7 @@ from transformers import get_scheduler
 
 from marl import rloo
 from marl.config import RLOOConfig
-from marl.model import SAFETENSORS_WEIGHTS_NAME, MultiAdapterModel
+from marl.model import SAFETENSORS_WEIGHTS_NAME, MultiAdapterModel, position_ids_from_mask
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -159,6 +159,13 @@ class RLOOTrainer:
             step_scheduler_with_optimizer=False,
         )
         self._check_device()
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.accelerator.num_processes:
+            raise RuntimeError(
+                f"launched as {launched} processes but accelerate runs {self.accelerator.num_processes}: an "
+                "accelerate state was created earlier for another device. On CPU, launch with "
+                "`accelerate launch --cpu ...`, or create PartialState(cpu=True) before loading the model"
+            )
 
         self.pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -315,16 +322,26 @@ class RLOOTrainer:
         device = self.accelerator.device
         return input_ids.to(device), attention_mask.to(device)
 
-    def _sample_completions(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """Sampled completions ``[rows, response_length]``, right-padded, in rollout-batch-size chunks."""
-        config = self.config
+    def _sample_completions(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, samples_per_prompt: int
+    ) -> torch.Tensor:
+        """``samples_per_prompt`` sampled completions of every prompt, k-major, ``[k * P, response_length]``.
+
+        Each prompt is prefilled ONCE: its KV cache is copied to its k samples, instead of running the prompt
+        through the model k times. Prompts go in chunks of ``local_rollout_forward_batch_size`` sampled rows.
+        Completions are right-padded to ``response_length``.
+        """
+        config, k = self.config, samples_per_prompt
+        prompts_per_chunk = max(1, config.local_rollout_forward_batch_size // k)
         pieces = []
-        for start in range(0, prompt_ids.shape[0], config.local_rollout_forward_batch_size):
-            end = start + config.local_rollout_forward_batch_size
+        for start in range(0, prompt_ids.shape[0], prompts_per_chunk):
+            ids = prompt_ids[start : start + prompts_per_chunk]
+            mask = prompt_mask[start : start + prompts_per_chunk]
             with self.accelerator.autocast():
                 output = self.model.generate(
-                    prompt_ids[start:end],
-                    prompt_mask[start:end],
+                    ids.repeat_interleave(k, dim=0),
+                    mask.repeat_interleave(k, dim=0),
+                    past_key_values=self._shared_prompt_cache(ids, mask, k),
                     max_new_tokens=config.response_length,
                     do_sample=True,
                     temperature=config.temperature,
@@ -333,12 +350,32 @@ class RLOOTrainer:
                     eos_token_id=self.stop_token_id,
                     pad_token_id=self.pad_token_id,
                 )
-            responses = output[:, prompt_ids.shape[1] :]
+            responses = output[:, ids.shape[1] :]
             missing = config.response_length - responses.shape[1]
             if missing > 0:
                 responses = torch.nn.functional.pad(responses, (0, missing), value=self.pad_token_id)
-            pieces.append(responses)
-        return torch.cat(pieces)
+            # generate ran prompt-major (row i * k + j); the rollout layout is k-major (row j * P + i)
+            pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
+        return torch.cat(pieces, dim=1).reshape(k * prompt_ids.shape[0], -1)
+
+    def _shared_prompt_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int):
+        """KV cache of all prompt tokens but the last (generate feeds that one), repeated ``copies`` times.
+
+        ``None`` (generate prefills by itself) when there is nothing to share: one copy or one-token prompts.
+        """
+        if copies == 1 or prompt_ids.shape[1] < 2:
+            return None
+        with self.model.policy(), torch.no_grad(), self.accelerator.autocast():
+            prefill = self.model.peft_model(
+                input_ids=prompt_ids[:, :-1],
+                attention_mask=prompt_mask[:, :-1],
+                position_ids=position_ids_from_mask(prompt_mask[:, :-1]),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        cache = prefill.past_key_values
+        cache.batch_repeat_interleave(copies)
+        return cache
 
     def _forward_logprobs(
         self, query_responses: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
@@ -404,11 +441,11 @@ class RLOOTrainer:
         config = self.config
         k = config.rloo_k
         prompt_ids, prompt_mask = self._left_pad([ids for ids, _ in prompt_rows])
+        self.model.eval()
+        responses = self._sample_completions(prompt_ids, prompt_mask, k)
         # k-major: the prompt block is repeated k times, so row j * P + i is sample j of prompt i.
         prompt_ids, prompt_mask = prompt_ids.repeat(k, 1), prompt_mask.repeat(k, 1)
         prompt_texts = [text for _, text in prompt_rows] * k
-        self.model.eval()
-        responses = self._sample_completions(prompt_ids, prompt_mask)
         if self.stop_token_id is not None:
             responses, contains_stop = rloo.truncate_after_stop_token(
                 responses, self.stop_token_id, self.pad_token_id
@@ -661,7 +698,7 @@ class RLOOTrainer:
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             prompt_ids, prompt_mask = self._left_pad([ids for ids, _ in prompt_rows])
-            responses = self._sample_completions(prompt_ids, prompt_mask)
+            responses = self._sample_completions(prompt_ids, prompt_mask, samples_per_prompt=1)
         if self.stop_token_id is not None:
             responses, _ = rloo.truncate_after_stop_token(responses, self.stop_token_id, self.pad_token_id)
         lengths = rloo.response_lengths(responses, self.stop_token_id)

@@ -338,3 +338,27 @@ def test_tensorboard_tracker_and_eval_samples(tiny_llama_dir, tmp_path):
     ]
     assert [row["prompt"] for row in rows] == ["held out one", "held out two"]
     assert all(row["score"] == row["completion"].count("e") for row in rows)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])
+def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory, tmp_path, architecture):
+    """Each prompt is prefilled once for its k samples; at a near-zero temperature sampling is greedy, so the
+    completions must equal those of generate() on the prompts repeated k times (k-major)."""
+    model_dir = tiny_model_factory(architecture)
+    trainer = build(model_dir, tiny_config(tmp_path / "run", temperature=1e-4, response_length=5))
+    with torch.no_grad():
+        for name, parameter in trainer.model.peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.2)  # a policy that differs from the base
+    prompt_ids, prompt_mask = trainer._left_pad([[5, 6, 7, 8], [9, 10], [11, 12, 13]])
+    shared = trainer._sample_completions(prompt_ids, prompt_mask, samples_per_prompt=3)
+    repeated = trainer.model.generate(
+        prompt_ids.repeat(3, 1),
+        prompt_mask.repeat(3, 1),
+        max_new_tokens=5,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=trainer.pad_token_id,
+    )[:, prompt_ids.shape[1] :]
+    assert shared.shape == (9, 5)
+    assert torch.equal(shared, repeated)
