@@ -195,8 +195,7 @@ class MultiAdapterModel:
 
         Args:
             model_name_or_path: a local model folder, a hub id already in the local cache, or the embedded
-            model id
-                ``"smollm2-135m-instruct"`` (see ``marl.assets.resolve_model_path``).
+                model id ``"smollm2-135m-instruct"`` (see ``marl.assets.resolve_model_path``).
             quantization: ``None`` (compute dtype), ``"4bit"`` (NF4 with double quantization) or ``"8bit"``
                 (LLM.int8), through bitsandbytes. Quantized bases go through
                 ``prepare_model_for_kbit_training`` before the policy adapter is attached.
@@ -204,17 +203,18 @@ class MultiAdapterModel:
                 (task ``SEQ_CLS``: LoRA on inner layers + score head). Optional: without it,
                 :meth:`compute_reward_score` is unavailable and rewards must come from elsewhere.
             policy_adapter: ``None`` (fresh LoRA, see :func:`default_policy_lora_config`), a
-            ``LoraConfig``, or a
-                PEFT adapter directory to continue training (loaded trainable).
+                ``LoraConfig``, or a PEFT adapter directory to continue training (loaded trainable).
             reference: ``"base"`` (adapters disabled), ``"initial-policy"`` (frozen copy of the policy
-            adapter's
-                starting weights) or ``"auto"``: base when the policy starts as the identity (fresh LoRA with
-                zero-initialised B), initial-policy otherwise (e.g. an SFT adapter directory).
+                adapter's starting weights) or ``"auto"``: base when the policy starts as the identity
+                (fresh LoRA with zero-initialised B), initial-policy otherwise (e.g. an SFT adapter).
             dtype: compute dtype; default bfloat16 on CUDA, float32 on CPU.
             device_map: passed to ``from_pretrained``; default: the current CUDA device if there is one,
-            else CPU. gradient_checkpointing: recompute activations in the backward pass (non-reentrant) to
-            save memory. allow_pickle: accept adapters stored only as pickled ``adapter_model.bin``
-            (pickles can run code). trust_remote_code: passed to ``from_pretrained``.
+                else CPU.
+            gradient_checkpointing: recompute activations in the backward pass (non-reentrant) to save
+                memory; active in train mode.
+            allow_pickle: accept adapters stored only as pickled ``adapter_model.bin`` (unpickling can run
+                code, so only for sources you trust).
+            trust_remote_code: passed to ``from_pretrained``.
 
         Example:
             >>> model = MultiAdapterModel.from_pretrained("smollm2-135m-instruct", quantization="4bit")
@@ -228,8 +228,7 @@ class MultiAdapterModel:
         if policy_adapter is not None and not isinstance(policy_adapter, (LoraConfig, str, os.PathLike)):
             raise TypeError(
                 "policy_adapter must be None (fresh LoRA), a peft.LoraConfig, or a PEFT adapter directory; "
-                "got "
-                f"{type(policy_adapter).__name__}"
+                f"got {type(policy_adapter).__name__}"
             )
         # Validate adapter directories before the (possibly slow) base load.
         policy_dir = None
@@ -272,17 +271,14 @@ class MultiAdapterModel:
             _keep_4bit_layers_differentiable_on_cpu(base)
         if quantization == "8bit":
             _silence_int8_cast_notice()
-        gc_kwargs = {"use_reentrant": False}
         if quantization is not None:
-            base = prepare_model_for_kbit_training(
-                base,
-                use_gradient_checkpointing=gradient_checkpointing,
-                gradient_checkpointing_kwargs=gc_kwargs,
-            )
+            # Freezes the base and upcasts its non-quantized parameters (norms, embeddings) to float32.
+            base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
         else:
             base.requires_grad_(False)
-            if gradient_checkpointing:
-                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+        if gradient_checkpointing:
+            # Non-reentrant checkpointing needs no input-gradient hook, for quantized and plain bases alike.
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
         # Policy adapter (trainable).
         if policy_dir is not None:
@@ -567,8 +563,7 @@ class MultiAdapterModel:
         if self.score_head is None:
             raise RuntimeError(
                 "no reward adapter is loaded; pass reward_adapter=<PEFT dir from RewardTrainer> to "
-                "from_pretrained, "
-                "or compute rewards with a reward function"
+                "from_pretrained, or compute rewards with a reward function"
             )
         with self.use_adapter(self.REWARD_ADAPTER), self._inference():
             hidden = self._hidden_states(input_ids, attention_mask)
