@@ -196,6 +196,27 @@ def test_non_finite_reward_skips_the_update_and_continues(tiny_llama_dir, tmp_pa
     assert all(math.isfinite(value) for value in after[0].flatten().tolist())
 
 
+def test_non_finite_loss_skips_the_step_and_training_continues(tiny_llama_dir, tmp_path):
+    calls = []
+
+    def overflowing(prompts, completions):
+        # finite rewards whose leave-one-out difference overflows float32: an infinite advantage and loss
+        calls.append(1)
+        if len(calls) == 1:
+            return [3e38] + [-3e38] * (len(completions) - 1)
+        return count_e(prompts, completions)
+
+    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"), reward_fn=overflowing)
+    with pytest.warns(RuntimeWarning, match="non-finite loss"):
+        history = trainer.train()
+    # the steps whose mini-batch held an overflowing sample (1 to all 4 of update 1) are skipped, no others
+    assert 1 <= history[0]["skipped_optimizer_steps"] <= 4
+    assert history[-1]["skipped_optimizer_steps"] == history[0]["skipped_optimizer_steps"]
+    assert all(math.isfinite(record["loss/policy_avg"]) for record in history[1:])
+    for parameter in trainer.model.policy_parameters():
+        assert torch.isfinite(parameter).all()
+
+
 def test_token_level_kl_changes_training(tiny_llama_dir, tmp_path):
     weights = {}
     for token_level in (False, True):
