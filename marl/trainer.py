@@ -91,7 +91,8 @@ class Rollout:
     attention_mask: torch.Tensor  # [B, prompt_length + response_length]; 0 on padding and after the stop
     prompt_length: int
     response_mask: torch.Tensor  # [B, response_length] bool, valid completion tokens
-    contains_stop: torch.Tensor  # [B] bool
+    contains_stop: torch.Tensor  # [B] bool, the stop token ends the completion
+    contains_eos: torch.Tensor  # [B] bool, an EOS token among the valid tokens (for val/num_eos_tokens)
     completions: list[str]
     logprobs: torch.Tensor  # [B, response_length] float32, policy at rollout time
     ref_logprobs: torch.Tensor  # [B, response_length] float32
@@ -456,6 +457,12 @@ class RLOOTrainer:
         response_mask = rloo.response_mask(lengths, responses.shape[1])
         query_responses = torch.cat([prompt_ids, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
+        eos_token_id = self.tokenizer.eos_token_id
+        contains_eos = (
+            ((responses == eos_token_id) & response_mask).any(dim=1)
+            if eos_token_id is not None
+            else torch.zeros_like(contains_stop)
+        )
         completions = self.tokenizer.batch_decode(
             [row[:length].tolist() for row, length in zip(responses, lengths.tolist(), strict=True)],
             skip_special_tokens=True,
@@ -469,6 +476,7 @@ class RLOOTrainer:
             prompt_length=prompt_ids.shape[1],
             response_mask=response_mask,
             contains_stop=contains_stop,
+            contains_eos=contains_eos,
             completions=completions,
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,
@@ -616,8 +624,8 @@ class RLOOTrainer:
                 shaped["non_score_reward"].sum(),
                 shaped["rlhf_reward"].sum(),
                 shaped["scores"].sum(),
-                rollout.contains_stop.sum(),
-                torch.tensor(rollout.contains_stop.numel(), device=rollout.contains_stop.device),
+                rollout.contains_eos.sum(),
+                torch.tensor(rollout.contains_eos.numel(), device=rollout.contains_eos.device),
             ]
         ).to(torch.float64)
         rollout_sums = self.accelerator.reduce(rollout_sums, reduction="sum")

@@ -383,3 +383,17 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
     )[:, prompt_ids.shape[1] :]
     assert shared.shape == (9, 5)
     assert torch.equal(shared, repeated)
+
+
+def test_missing_eos_penalty_and_eos_count_agree(tiny_llama_dir, tmp_path):
+    def zero(prompts, completions):
+        return [0.0] * len(completions)
+
+    config = tiny_config(
+        tmp_path / "run", stop_token="eos", missing_eos_penalty=1.0, response_length=40, temperature=2.0
+    )
+    history = build(tiny_llama_dir, config, reward_fn=zero).train()
+    # every completion without EOS scores −1, every completion with EOS scores 0
+    for record in history:
+        assert record["objective/scores"] == pytest.approx(-(16 - record["val/num_eos_tokens"]) / 16)
+    assert sum(record["val/num_eos_tokens"] for record in history) > 0
