@@ -323,6 +323,7 @@ def pairwise_accuracy(model, tokenized_pairs, pad_token_id: int, batch_size: int
     """
     import torch
     from torch.nn.utils.rnn import pad_sequence
+    from tqdm.auto import tqdm
 
     was_training = model.training
     model.eval()
@@ -330,7 +331,8 @@ def pairwise_accuracy(model, tokenized_pairs, pad_token_id: int, batch_size: int
     wins = 0
     try:
         with torch.no_grad():
-            for start in range(0, len(tokenized_pairs), batch_size):
+            starts = range(0, len(tokenized_pairs), batch_size)
+            for start in tqdm(starts, desc="Scoring held-out pairs", unit="batch", leave=False):
                 rows = tokenized_pairs[start : start + batch_size]
                 sequences = [torch.tensor(ids) for ids in rows["chosen_ids"] + rows["rejected_ids"]]
                 input_ids = pad_sequence(sequences, batch_first=True, padding_value=pad_token_id).to(device)
