@@ -1,82 +1,252 @@
-"""The end-to-end demo behind ``marl demo``: embedded SmolLM2-135M-Instruct, 4-bit, Rotten Tomatoes prompts.
+"""``marl demo``: the whole pipeline, offline, on the embedded SmolLM2-135M-Instruct loaded in 4-bit.
 
-Everything runs offline from installed packages (see :mod:`marl.assets`).
+1. Reward: the reward adapter shipped in ``adapters/smollm2-135m-rotten-tomatoes-reward`` (LoRA + score head
+   trained on fresh-vs-rotten critic snippets), or rebuilt with ``--train_reward``.
+2. RLOO: a policy LoRA on the same 4-bit base learns to continue Rotten Tomatoes review openings ("The film
+   is a ...") so that the reward adapter likes them; the reference is the base with adapters disabled.
+3. Evaluation on held-out prompts from other movies: base vs policy under the reward adapter and under VADER,
+   a rule-based judge that no model here was trained on, so a policy that fools the reward adapter without
+   becoming more positive shows up as a missed target.
+4. A PNG of the training curves next to the policy adapter, and a verdict table against the targets.
+
+Prompts for RL, prompts for evaluation and the reward pairs come from three disjoint sets of movies
+(:func:`marl.assets.split_rotten_tomatoes`).
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REWARD_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-reward"
+SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "adapters"
+CURVES_FILE = "training_curves.png"
+DEMO_SUMMARY_FILE = "demo_summary.json"
+
+# Targets of the demo: total under 15 minutes; VADER win rate >= 70% on >= 200 held-out prompts.
+TARGET_SECONDS = 15 * 60
+TARGET_WIN_RATE = 0.70
+TARGET_EVAL_PROMPTS = 200
 
 
 @dataclass
 class DemoArguments:
-    """Settings of ``marl demo``."""
+    """Settings of ``marl demo``; the defaults are the tuned demo (the README quotes its measured numbers)."""
 
-    num_prompts: int = 4
-    max_new_tokens: int = 24
-    temperature: float = 0.7
-    seed: int = 0
+    output_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Folder of this run. Default: a new marl-demo/run-<time> folder in the current one."
+        },
+    )
+    train_reward: bool = field(
+        default=False,
+        metadata={
+            "help": "Rebuild the reward adapter with its recipe (into <output_dir>/reward) and use it."
+        },
+    )
+    reward_adapter: str = field(
+        default=str(SHIPPED_ADAPTERS_DIR / REWARD_ADAPTER_NAME),
+        metadata={"help": "Reward adapter folder (ignored with --train_reward)."},
+    )
+    total_episodes: int = field(default=1536, metadata={"help": "Completions to train on (RLOO episodes)."})
+    rloo_k: int = field(default=4, metadata={"help": "Completions per prompt."})
+    per_device_train_batch_size: int = field(default=64, metadata={"help": "Completions per update."})
+    num_ppo_epochs: int = field(default=1, metadata={"help": "Passes over each rollout."})
+    learning_rate: float = field(default=3e-4, metadata={"help": "Policy LoRA learning rate."})
+    kl_coef: float = field(default=0.05, metadata={"help": "KL penalty weight."})
+    response_length: int = field(default=24, metadata={"help": "Maximum new tokens per completion."})
+    temperature: float = field(
+        default=0.7, metadata={"help": "Sampling temperature (training and evaluation)."}
+    )
+    num_eval_prompts: int = field(
+        default=TARGET_EVAL_PROMPTS, metadata={"help": "Held-out prompts to evaluate."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of data order, sampling and initialisation."})
 
 
-def sample_base_completions(arguments: DemoArguments) -> list[tuple[str, str]]:
-    """Load the embedded base in 4-bit NF4 and sample one completion per held-out Rotten Tomatoes prompt.
+def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter: str):
+    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default policy LoRA, EOS stops."""
+    from marl.assets import EMBEDDED_MODEL_ID
+    from marl.config import RLOOConfig
+
+    return RLOOConfig(
+        output_dir=str(output_dir),
+        seed=arguments.seed,
+        model_name_or_path=EMBEDDED_MODEL_ID,
+        quantization="4bit",
+        reward_adapter=reward_adapter,
+        rloo_k=arguments.rloo_k,
+        per_device_train_batch_size=arguments.per_device_train_batch_size,
+        num_ppo_epochs=arguments.num_ppo_epochs,
+        total_episodes=arguments.total_episodes,
+        learning_rate=arguments.learning_rate,
+        kl_coef=arguments.kl_coef,
+        response_length=arguments.response_length,
+        temperature=arguments.temperature,
+        stop_token="eos",
+        local_rollout_forward_batch_size=arguments.per_device_train_batch_size,
+        num_sample_generations=4,
+        save_steps=0,
+    )
+
+
+def _default_output_dir() -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("marl-demo") / f"run-{stamp}"
+
+
+def _rebuild_reward_adapter(output_dir: Path, seed: int) -> str:
+    from marl.reward_training import RewardAdapterArguments, run
+
+    reward_dir = output_dir / "reward"
+    run(RewardAdapterArguments(output_dir=str(reward_dir), seed=seed), command="marl demo --train_reward")
+    return str(reward_dir)
+
+
+def verdict_rows(
+    summary: dict[str, Any], seconds: float, num_prompts: int
+) -> list[tuple[str, str, str, bool]]:
+    """``(check, target, measured, passed)`` rows of the demo's verdict.
 
     Example:
-        >>> pairs = sample_base_completions(DemoArguments(num_prompts=2))  # doctest: +SKIP
+        >>> summary = {"base": {"reward_score": 0.1, "judge_score": 0.0},
+        ...            "policy": {"reward_score": 0.9, "judge_score": 0.4},
+        ...            "comparison": {"win_rate": 0.8}, "judge_reward_correlation": 0.5}
+        >>> [row[3] for row in verdict_rows(summary, 600.0, 200)]
+        [True, True, True, True]
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
-    from marl import assets
-
-    model_path = assets.resolve_model_path(assets.EMBEDDED_MODEL_ID)
-    quantization_config = BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.float32,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quantization_config)
-    model.eval()
-    prompts = assets.build_rl_prompts(assets.split_rotten_tomatoes()["eval"], seed=arguments.seed)
-    prompts = prompts["prompt"][: arguments.num_prompts]
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    torch.manual_seed(arguments.seed)
-    with torch.no_grad():
-        output = model.generate(
-            **batch,
-            max_new_tokens=arguments.max_new_tokens,
-            do_sample=True,
-            temperature=arguments.temperature,
-            top_k=0,
-            top_p=1.0,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    completions = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    return list(zip(prompts, completions, strict=True))
+    base, policy = summary["base"], summary["policy"]
+    reward_gain = policy["reward_score"] - base["reward_score"]
+    judge_gain = policy["judge_score"] - base["judge_score"]
+    win = summary["comparison"]["win_rate"]
+    return [
+        ("total time", f"< {TARGET_SECONDS // 60} min", f"{seconds / 60:.1f} min", seconds < TARGET_SECONDS),
+        (
+            "held-out prompts",
+            f">= {TARGET_EVAL_PROMPTS}",
+            str(num_prompts),
+            num_prompts >= TARGET_EVAL_PROMPTS,
+        ),
+        ("VADER win rate, policy vs base", f">= {TARGET_WIN_RATE:.0%}", f"{win:.1%}", win >= TARGET_WIN_RATE),
+        (
+            "no reward hacking: VADER rises with the adapter score",
+            "both gains > 0",
+            f"adapter {reward_gain:+.3f}, VADER {judge_gain:+.3f}, "
+            f"correlation {summary['judge_reward_correlation']:+.2f}",
+            reward_gain > 0 and judge_gain > 0,
+        ),
+    ]
 
 
-def run_demo(arguments: DemoArguments) -> None:
-    """Run the demo and print what the base model writes for a few held-out prompts."""
+def _correlation(first: list[float], second: list[float]) -> float:
+    import numpy as np
+
+    return float(np.corrcoef(np.asarray(first), np.asarray(second))[0, 1])
+
+
+def run_demo(arguments: DemoArguments) -> dict[str, Any]:
+    """Train a policy adapter with RLOO against the reward adapter, evaluate it, plot it and print a verdict.
+
+    Example:
+        >>> run_demo(DemoArguments(output_dir="marl-demo/first"))  # doctest: +SKIP
+    """
     from rich.console import Console
     from rich.table import Table
+    from transformers import AutoTokenizer
 
-    from marl import assets
+    from marl.cli import check_output_dir
+    from marl.data import load_judge, rotten_tomatoes_prompts
+    from marl.evaluate import generate_and_score, results_table, summarize, write_results
+    from marl.plotting import plot_training_curves
+    from marl.trainer import RLOOTrainer
 
-    console = Console()
     start = time.perf_counter()
-    console.print(f"Loading {assets.EMBEDDED_MODEL_ID} (4-bit NF4, double quantization)")
-    pairs = sample_base_completions(arguments)
-    table = Table(title=f"Base model on held-out Rotten Tomatoes prompts (T={arguments.temperature})")
-    table.add_column("prompt")
-    table.add_column("completion")
-    table.add_column("VADER", justify="right")
-    for (prompt, completion), score in zip(
-        pairs, assets.gold_judge_scores([p + c for p, c in pairs]), strict=True
-    ):
-        table.add_row(prompt, completion.strip(), f"{score:+.2f}")
-    console.print(table)
-    console.print(f"done in {time.perf_counter() - start:.1f} s")
+    console = Console()
+    output_dir = Path(arguments.output_dir) if arguments.output_dir else _default_output_dir()
+    check_output_dir(output_dir / "policy", overwrite=False, resuming=False)
+    console.rule(
+        "[bold]marl demo[/bold]: RLOO on SmolLM2-135M-Instruct (4-bit) with a reward adapter, offline"
+    )
+
+    if arguments.train_reward:
+        console.print(
+            "[bold]1/4[/bold] rebuilding the reward adapter (Rotten Tomatoes fresh vs rotten pairs)"
+        )
+        reward_adapter = _rebuild_reward_adapter(output_dir, arguments.seed)
+    else:
+        reward_adapter = arguments.reward_adapter
+        if not (Path(reward_adapter) / "adapter_config.json").is_file():
+            raise FileNotFoundError(
+                f"no reward adapter in {reward_adapter}. Run `marl demo --train_reward` to build one, "
+                "or pass --reward_adapter DIR"
+            )
+        console.print(f"[bold]1/4[/bold] reward adapter: {reward_adapter}")
+
+    train_prompts = rotten_tomatoes_prompts("train", seed=arguments.seed)
+    eval_prompts = rotten_tomatoes_prompts("test", seed=arguments.seed)["prompt"][
+        : arguments.num_eval_prompts
+    ]
+    config = demo_rloo_config(arguments, output_dir / "policy", reward_adapter)
+    console.print("[bold]2/4[/bold] loading the base in 4-bit with the policy and reward adapters")
+    model = config.load_model()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    console.print(model.memory_report())
+
+    sizes = config.batch_sizes(1, len(train_prompts))
+    console.print(
+        f"[bold]3/4[/bold] RLOO: {sizes.num_total_batches} updates × {sizes.batch_size} completions "
+        f"({sizes.prompts_per_update} prompts × k={config.rloo_k}) from {len(train_prompts)} training prompts"
+    )
+    trainer = RLOOTrainer(config, model, tokenizer, train_prompts)
+    trainer.train()
+    train_seconds = time.perf_counter() - start
+
+    console.print(f"[bold]4/4[/bold] evaluating base and policy on {len(eval_prompts)} held-out prompts")
+    samples = generate_and_score(
+        model,
+        tokenizer,
+        eval_prompts,
+        load_judge(None),
+        response_length=config.response_length,
+        temperature=config.temperature,
+        batch_size=64,
+        seed=arguments.seed,
+    )
+    summary = summarize(samples)
+    both = [*samples["base"].reward_scores, *samples["policy"].reward_scores]
+    summary["judge_reward_correlation"] = _correlation(
+        both, [*samples["base"].judge_scores, *samples["policy"].judge_scores]
+    )
+    curves = plot_training_curves(
+        config.output_dir + "/metrics.jsonl",
+        Path(config.output_dir) / CURVES_FILE,
+        title="marl demo: RLOO on SmolLM2-135M-Instruct (4-bit), Rotten Tomatoes",
+    )
+    seconds = time.perf_counter() - start
+    settings = {
+        **asdict(arguments),
+        "reward_adapter": reward_adapter,
+        "num_prompts": len(eval_prompts),
+        "judge": "vader",
+        "train_seconds": round(train_seconds, 1),
+        "total_seconds": round(seconds, 1),
+    }
+    write_results(config.output_dir, summary, samples, eval_prompts, settings)
+
+    console.print(results_table(summary, title=f"Held-out evaluation ({len(eval_prompts)} prompts)"))
+    verdict = Table(title="Verdict")
+    for column in ("check", "target", "measured", "result"):
+        verdict.add_column(column)
+    rows = verdict_rows(summary, seconds, len(eval_prompts))
+    for check, target, measured, passed in rows:
+        verdict.add_row(check, target, measured, "[green]PASS[/green]" if passed else "[red]MISS[/red]")
+    console.print(verdict)
+    console.print(f"policy adapter, metrics, evaluation and curves: {config.output_dir} ({curves.name})")
+    result = {"settings": settings, **summary, "verdict": [list(row) for row in rows]}
+    (Path(config.output_dir) / DEMO_SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return result

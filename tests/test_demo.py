@@ -1,0 +1,63 @@
+"""Pieces of ``marl demo`` that need no real model: the training-curve PNG, the verdict and the settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from marl.demo import DemoArguments, demo_rloo_config, verdict_rows
+from marl.plotting import CURVES, plot_training_curves, read_metrics
+
+
+def test_training_curves_png_from_metrics(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    records = [
+        {
+            "update": u,
+            "episode": 64.0 * u,
+            "objective/scores": 0.1 * u,
+            "objective/kl": 0.5 * u,
+            "objective/rlhf_reward": 0.1 * u - 0.025 * u,
+        }
+        for u in range(1, 6)
+    ]
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert read_metrics(metrics) == records
+    png = plot_training_curves(metrics, tmp_path / "policy" / "curves.png", title="test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {key for key, _ in CURVES} <= set(records[0])
+
+
+def test_training_curves_need_records(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("")
+    with pytest.raises(ValueError, match="no records"):
+        plot_training_curves(metrics, tmp_path / "curves.png")
+
+
+def summary(policy_reward, policy_judge, win):
+    return {
+        "base": {"reward_score": 0.0, "judge_score": 0.1},
+        "policy": {"reward_score": policy_reward, "judge_score": policy_judge},
+        "comparison": {"win_rate": win},
+        "judge_reward_correlation": 0.3,
+    }
+
+
+def test_verdict_passes_and_misses():
+    rows = verdict_rows(summary(1.0, 0.5, 0.8), seconds=700.0, num_prompts=200)
+    assert [passed for *_, passed in rows] == [True, True, True, True]
+    rows = verdict_rows(summary(1.0, 0.05, 0.6), seconds=1000.0, num_prompts=100)
+    # Too slow, too few prompts, win rate below 70 %, and the reward adapter rose while the judge fell.
+    assert [passed for *_, passed in rows] == [False, False, False, False]
+    assert rows[2][2] == "60.0%"
+
+
+def test_demo_config_is_the_embedded_model_in_4bit(tmp_path):
+    arguments = DemoArguments(total_episodes=128, kl_coef=0.1)
+    config = demo_rloo_config(arguments, tmp_path / "policy", "adapters/reward")
+    assert config.model_name_or_path == "smollm2-135m-instruct" and config.quantization == "4bit"
+    assert config.reward_adapter == "adapters/reward" and config.stop_token == "eos"
+    assert config.total_episodes == 128 and config.kl_coef == 0.1
+    assert config.batch_sizes(1, 1000).num_total_batches == 128 // arguments.per_device_train_batch_size
