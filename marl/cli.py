@@ -219,8 +219,13 @@ def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-r
         trainer = build_rloo_trainer(script, config, command=f"{prog} {shlex.join(words)}")
     except (ValueError, FileNotFoundError, ImportError) as error:
         raise SystemExit(f"{prog}: error: {error}") from error
+    from marl.data import DataError
+
     resume = script.resume_from_checkpoint
-    trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
+    try:
+        trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
+    except DataError as error:  # a --reward_fn that returned something unusable
+        raise SystemExit(f"{prog}: error: {error}") from error
     return trainer
 
 

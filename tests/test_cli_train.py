@@ -1,0 +1,184 @@
+"""``marl train-rloo`` / ``marl train-reward`` end to end on tiny models, and the errors of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from marl.cli import main, train_rloo_main
+
+PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls"]
+
+
+def save_reward_adapter(base_dir, directory, seed=1):
+    """A PEFT SEQ_CLS adapter (LoRA + score head), the layout RewardTrainer writes."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    classifier = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1)
+    peft_model = get_peft_model(classifier, LoraConfig(task_type="SEQ_CLS", r=4, target_modules="all-linear"))
+    peft_model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli-train")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+    return {
+        "base": str(tiny_llama_dir),
+        "prompts": str(prompts),
+        "reward": str(save_reward_adapter(tiny_llama_dir, root / "reward")),
+        "root": root,
+    }
+
+
+def rloo_flags(setup, output_dir, *extra):
+    return [
+        "--model_name_or_path",
+        setup["base"],
+        "--dataset_name",
+        setup["prompts"],
+        "--prompt_column",
+        "text",
+        "--output_dir",
+        str(output_dir),
+        "--rloo_k",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        "--total_episodes",
+        "8",
+        "--response_length",
+        "5",
+        "--num_ppo_epochs",
+        "1",
+        "--num_sample_generations",
+        "0",
+        "--learning_rate",
+        "1e-3",
+        *extra,
+    ]
+
+
+def test_two_updates_write_a_loadable_adapter_and_metrics(setup, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from marl.model import MultiAdapterModel
+
+    output = tmp_path / "run"
+    main(["train-rloo", *rloo_flags(setup, output, "--reward-adapter", setup["reward"])])
+    printed = capsys.readouterr().out
+    assert "marl train-rloo --model_name_or_path" in printed  # the command, then the memory card
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [record["episode"] for record in records] == [4.0, 8.0]
+    assert all("objective/scores" in record and "objective/kl" in record for record in records)
+    # A standard PEFT folder: plain peft loads it onto the base, and so does MultiAdapterModel.
+    base = AutoModelForCausalLM.from_pretrained(setup["base"])
+    policy = PeftModel.from_pretrained(base, str(output))
+    assert any(
+        "lora_B" in name and parameter.abs().sum() > 0 for name, parameter in policy.named_parameters()
+    )
+    reloaded = MultiAdapterModel.from_pretrained(setup["base"], policy_adapter=str(output), reference="base")
+    assert reloaded.reference_mode == "base"
+
+    # A second run into the same folder is refused; --overwrite_output_dir replaces the run.
+    with pytest.raises(SystemExit, match="already holds a run"):
+        train_rloo_main(rloo_flags(setup, output, "--reward_adapter", setup["reward"]))
+    (output / "my-notes.txt").write_text("keep")
+    train_rloo_main(rloo_flags(setup, output, "--reward_adapter", setup["reward"], "--overwrite_output_dir"))
+    assert len((output / "metrics.jsonl").read_text().splitlines()) == 2
+    assert (output / "my-notes.txt").read_text() == "keep"
+
+
+def test_reward_function_instead_of_an_adapter(setup, tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def count_e(prompts, completions):\n"
+        "    return [c.count('e') for c in completions]\n"
+        "def one_short(prompts, completions):\n"
+        "    return [0.0] * (len(completions) - 1)\n"
+        "def words(prompts, completions):\n"
+        "    return ['great'] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    output = tmp_path / "run"
+    train_rloo_main(rloo_flags(setup, output, "--reward_fn", "my_rewards:count_e"))
+    assert len((output / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(SystemExit, match="'my_rewards:one_short' returned 3 scores for 4 completions"):
+        train_rloo_main(rloo_flags(setup, tmp_path / "short", "--reward_fn", "my_rewards:one_short"))
+    with pytest.raises(SystemExit, match=r"'my_rewards:words' returned 'great'.*numbers"):
+        train_rloo_main(rloo_flags(setup, tmp_path / "words", "--reward_fn", "my_rewards:words"))
+    with pytest.raises(SystemExit, match="could not import 'not_a_module'"):
+        train_rloo_main(rloo_flags(setup, tmp_path / "missing", "--reward_fn", "not_a_module:score"))
+
+
+def test_bad_data_fails_before_the_model_loads(setup, tmp_path):
+    with pytest.raises(SystemExit, match=r"no column 'prompt'.*\['text'\].*--prompt_column"):
+        train_rloo_main(
+            rloo_flags(
+                setup, tmp_path / "a", "--reward_adapter", setup["reward"], "--prompt_column", "prompt"
+            )
+        )
+    text_file = tmp_path / "prompts.txt"
+    text_file.write_text("the movie was\n")
+    with pytest.raises(SystemExit, match=r"unknown dataset file type '\.txt'"):
+        train_rloo_main(
+            rloo_flags(
+                setup, tmp_path / "b", "--reward_adapter", setup["reward"], "--dataset_name", str(text_file)
+            )
+        )
+
+
+def test_reward_adapter_of_another_base_is_refused(setup, tmp_path):
+    from conftest import build_tiny_tokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = build_tiny_tokenizer()
+    other_config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    other_base = tmp_path / "other-base"
+    AutoModelForCausalLM.from_config(other_config).save_pretrained(other_base)
+    tokenizer.save_pretrained(other_base)
+    other_reward = save_reward_adapter(str(other_base), tmp_path / "other-reward")
+    with pytest.raises(SystemExit, match="different base model"):
+        train_rloo_main(rloo_flags(setup, tmp_path / "run", "--reward_adapter", str(other_reward)))
+
+
+@pytest.mark.slow
+def test_train_reward_command_writes_an_adapter_that_rloo_loads(setup, tmp_path):
+    from marl.model import MultiAdapterModel
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [{"chosen": "good good great wonderful", "rejected": "awful bad worse worst"}] * 16
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "reward"
+    main(
+        [
+            "train-reward",
+            "--model_name_or_path",
+            setup["base"],
+            "--dataset",
+            str(pairs),
+            "--output_dir",
+            str(output),
+            "--quantization",
+            "none",
+            "--batch_size",
+            "4",
+        ]
+    )
+    model = MultiAdapterModel.from_pretrained(setup["base"], reward_adapter=str(output))
+    assert model.has_reward_adapter
