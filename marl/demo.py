@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,7 +56,10 @@ class DemoArguments:
     )
     total_episodes: int = field(default=1536, metadata={"help": "Completions to train on (RLOO episodes)."})
     rloo_k: int = field(default=4, metadata={"help": "Completions per prompt."})
-    per_device_train_batch_size: int = field(default=64, metadata={"help": "Completions per update."})
+    per_device_train_batch_size: int = field(default=16, metadata={"help": "Completions per optimizer step."})
+    num_mini_batches: int = field(
+        default=4, metadata={"help": "Optimizer steps per pass over a rollout (batch = size × mini-batches)."}
+    )
     num_ppo_epochs: int = field(default=1, metadata={"help": "Passes over each rollout."})
     learning_rate: float = field(default=3e-4, metadata={"help": "Policy LoRA learning rate."})
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty weight."})
@@ -82,6 +86,7 @@ def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter:
         reward_adapter=reward_adapter,
         rloo_k=arguments.rloo_k,
         per_device_train_batch_size=arguments.per_device_train_batch_size,
+        num_mini_batches=arguments.num_mini_batches,
         num_ppo_epochs=arguments.num_ppo_epochs,
         total_episodes=arguments.total_episodes,
         learning_rate=arguments.learning_rate,
@@ -89,7 +94,8 @@ def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter:
         response_length=arguments.response_length,
         temperature=arguments.temperature,
         stop_token="eos",
-        local_rollout_forward_batch_size=arguments.per_device_train_batch_size,
+        # One generate call per rollout: on CPU a 4-bit decode step costs about the same for 16 or 64 rows.
+        local_rollout_forward_batch_size=arguments.per_device_train_batch_size * arguments.num_mini_batches,
         num_sample_generations=4,
         save_steps=0,
     )
@@ -100,11 +106,38 @@ def _default_output_dir() -> Path:
     return Path("marl-demo") / f"run-{stamp}"
 
 
-def _rebuild_reward_adapter(output_dir: Path, seed: int) -> str:
-    from marl.reward_training import RewardAdapterArguments, run
+def reward_recipe_flags(shipped_dir: Path = SHIPPED_ADAPTERS_DIR / REWARD_ADAPTER_NAME) -> list[str]:
+    """The flags the shipped reward adapter was trained with (from its ``training_summary.json``), minus
+    ``--output_dir``; empty (the training defaults) if the summary is missing.
+
+    Example:
+        >>> reward_recipe_flags(Path("/nonexistent"))
+        []
+    """
+    summary_file = shipped_dir / "training_summary.json"
+    if not summary_file.is_file():
+        return []
+    command = json.loads(summary_file.read_text()).get("command") or ""
+    words = shlex.split(command)
+    flags = words[next((i for i, word in enumerate(words) if word.startswith("--")), len(words)) :]
+    kept: list[str] = []
+    skip_value = False
+    for word in flags:
+        if skip_value:
+            skip_value = False
+        elif word in ("--output_dir", "--output-dir"):
+            skip_value = True
+        elif not word.startswith(("--output_dir=", "--output-dir=")):
+            kept.append(word)
+    return kept
+
+
+def _rebuild_reward_adapter(output_dir: Path) -> str:
+    from marl.reward_training import parse_arguments, run
 
     reward_dir = output_dir / "reward"
-    run(RewardAdapterArguments(output_dir=str(reward_dir), seed=seed), command="marl demo --train_reward")
+    flags = [*reward_recipe_flags(), "--output_dir", str(reward_dir)]
+    run(parse_arguments(flags), command=shlex.join(["marl", "train-reward", *flags]))
     return str(reward_dir)
 
 
@@ -177,7 +210,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         console.print(
             "[bold]1/4[/bold] rebuilding the reward adapter (Rotten Tomatoes fresh vs rotten pairs)"
         )
-        reward_adapter = _rebuild_reward_adapter(output_dir, arguments.seed)
+        reward_adapter = _rebuild_reward_adapter(output_dir)
     else:
         reward_adapter = arguments.reward_adapter
         if not (Path(reward_adapter) / "adapter_config.json").is_file():
@@ -214,7 +247,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         load_judge(None),
         response_length=config.response_length,
         temperature=config.temperature,
-        batch_size=64,
+        batch_size=100,
         seed=arguments.seed,
     )
     summary = summarize(samples)

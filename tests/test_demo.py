@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from marl.demo import DemoArguments, demo_rloo_config, verdict_rows
+from marl.demo import DemoArguments, demo_rloo_config, reward_recipe_flags, verdict_rows
 from marl.plotting import CURVES, plot_training_curves, read_metrics
 
 
@@ -60,4 +60,14 @@ def test_demo_config_is_the_embedded_model_in_4bit(tmp_path):
     assert config.model_name_or_path == "smollm2-135m-instruct" and config.quantization == "4bit"
     assert config.reward_adapter == "adapters/reward" and config.stop_token == "eos"
     assert config.total_episodes == 128 and config.kl_coef == 0.1
-    assert config.batch_sizes(1, 1000).num_total_batches == 128 // arguments.per_device_train_batch_size
+    completions_per_update = arguments.per_device_train_batch_size * arguments.num_mini_batches
+    assert config.batch_sizes(1, 1000).num_total_batches == 128 // completions_per_update
+
+
+def test_reward_recipe_is_read_from_the_shipped_summary(tmp_path):
+    command = (
+        "python examples/train_reward_adapter.py --output_dir adapters/x --lora_last_layers 10 "
+        "--learning_rate 5e-4 --output-dir=elsewhere"
+    )
+    (tmp_path / "training_summary.json").write_text(json.dumps({"command": command}))
+    assert reward_recipe_flags(tmp_path) == ["--lora_last_layers", "10", "--learning_rate", "5e-4"]
