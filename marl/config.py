@@ -422,7 +422,7 @@ class RLOOConfig:
     def load_model(self, **overrides: Any) -> MultiAdapterModel:
         """Build the :class:`marl.MultiAdapterModel` these model fields describe.
 
-        ``overrides`` go to ``MultiAdapterModel.from_pretrained`` (e.g. ``device=...``).
+        ``overrides`` go to ``MultiAdapterModel.from_pretrained`` (e.g. ``device_map=...``).
 
         Example:
             >>> config = RLOOConfig(model_name_or_path="path/to/base", quantization="4bit")
