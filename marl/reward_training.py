@@ -562,6 +562,8 @@ def _readme(summary: dict[str, Any]) -> str:
     ]
     table = "\n".join(f"| {name} | {value} |" for name, value in rows)
     command = summary["command"] or "(trained from Python; training_summary.json lists the settings)"
+    quantized = summary["quantization"] != "none"
+    quantization_argument = f'\n    quantization="{summary["quantization"]}",' if quantized else ""
     return f"""# Reward adapter for `{summary["base_model"]}`
 
 A LoRA adapter with a one-output score head (PEFT `task_type: SEQ_CLS`; the head is saved through
@@ -570,7 +572,10 @@ A LoRA adapter with a one-output score head (PEFT `task_type: SEQ_CLS`; the head
 ```python
 from marl import MultiAdapterModel
 
-model = MultiAdapterModel.from_pretrained("{summary["base_model"]}", reward_adapter="path/to/this/folder")
+model = MultiAdapterModel.from_pretrained(
+    "{summary["base_model"]}",{quantization_argument}
+    reward_adapter="path/to/this/folder",
+)
 ```
 
 It scores plain text followed by the EOS token, read at that EOS (the last attended token).
