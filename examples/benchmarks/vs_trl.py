@@ -48,7 +48,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("marl", "trl")
-QUANTIZATIONS = ("4bit", "none")
+QUANTIZATIONS = ("none", "4bit")  # the quicker one first
 # The reward adapter that the project's own recipe trains on the bundled model. When it is absent, the
 # benchmark makes a freshly initialised adapter of the same shape (timings and memory do not depend on
 # its quality).
@@ -106,7 +106,8 @@ SETUPS = {
         prompts_per_update=4,
         rloo_k=4,
         response_length=16,
-        updates=4,
+        updates=3,
+        gradient_checkpointing=True,
     ),
     "gpu-qwen2": dict(
         model="qwen2-0.5b-shaped-random",
@@ -116,6 +117,7 @@ SETUPS = {
         rloo_k=4,
         response_length=128,
         updates=6,
+        gradient_checkpointing=True,
     ),
 }
 
@@ -210,6 +212,43 @@ def _reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+class RssSampler:
+    """Peak anonymous and file-backed resident memory, sampled from /proc/self/status in a daemon thread.
+
+    ``ru_maxrss`` also counts pages of memory-mapped checkpoint files (``safetensors`` are mapped, not read):
+    clean, shared with the page cache, reclaimable, and counted once per mapping. The anonymous peak is the
+    memory the process really allocated.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        import threading
+
+        self.peak_anon_kib = 0
+        self.peak_file_kib = 0
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self._interval)
+
+    def sample(self) -> None:
+        self.peak_anon_kib = max(self.peak_anon_kib, _status_kib("RssAnon"))
+        self.peak_file_kib = max(self.peak_file_kib, _status_kib("RssFile"))
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        return {
+            "peak_anon_rss_mib": self.peak_anon_kib / 1024,
+            "peak_file_rss_mib": self.peak_file_kib / 1024,
+        }
 
 
 class UpdateClock:
@@ -308,6 +347,7 @@ def run_trl(config: BenchConfig, quantization: str, model_path: str, reward_adap
 
     _quiet_libraries()
     baseline_kib = _status_kib("VmRSS")
+    sampler = RssSampler()
     dtype = getattr(torch, config.dtype)
     bnb = _bnb_config(config, quantization)
     device_map = {"": 0} if config.device == "cuda" else None
@@ -382,6 +422,7 @@ def run_trl(config: BenchConfig, quantization: str, model_path: str, reward_adap
         trainer.train()
     result = clock.throughput(config.batch_size, config.batch_size * config.response_length)
     result.update(_memory_result(torch, config, baseline_kib, peak_reset))
+    result.update(sampler.stop())
     result["completion_length_checked"] = completion_lengths
     return result
 
@@ -398,6 +439,7 @@ def run_marl(
 
     _quiet_libraries()
     baseline_kib = _status_kib("VmRSS")
+    sampler = RssSampler()
     model = MultiAdapterModel.from_pretrained(
         model_path,
         quantization=None if quantization == "none" else quantization,
@@ -456,6 +498,9 @@ def run_marl(
     clock.update_ends = [record["episode"] / record["eps"] for record in history]
     result = clock.throughput(config.batch_size, config.batch_size * config.response_length)
     result.update(_memory_result(torch, config, baseline_kib, peak_reset))
+    result.update(sampler.stop())
+    # No completion may stop early: with EOS suppressed every one has response_length tokens.
+    result["completions_with_eos"] = [record["val/num_eos_tokens"] for record in history]
     return result
 
 
@@ -654,6 +699,7 @@ def summarize(runs: list[dict], quantization: str) -> dict[str, dict[str, dict[s
         "peak_rss_mib",
         "peak_above_baseline_mib",
         "train_peak_rss_mib",
+        "peak_anon_rss_mib",
         "eps",
         "tokens_per_s",
         "cuda_max_allocated_mib",
@@ -669,6 +715,19 @@ def summarize(runs: list[dict], quantization: str) -> dict[str, dict[str, dict[s
 
 def _fmt(values: dict[str, float], digits: int) -> str:
     return f"{values['median']:.{digits}f} ({values['min']:.{digits}f}–{values['max']:.{digits}f})"
+
+
+MEASUREMENT_NOTES = (
+    "Peak RSS is `ru_maxrss` of the run's process: it includes the Python/torch runtime and model loading. "
+    "'Above the import baseline' subtracts the RSS measured after the imports, before any model is loaded. "
+    "'During training only' resets the kernel's peak mark (`/proc/self/clear_refs`) after set-up and reads "
+    "`VmHWM` at the end. RSS also counts the pages of memory-mapped checkpoint files (safetensors are "
+    "mapped, not copied: clean, reclaimable, shared with the page cache, and counted once per mapping, so "
+    "two models mapping the same file count it twice); the anonymous peak, sampled from `/proc/self/status` "
+    "every 50 ms, is the memory the process really allocated. Throughput counts the updates after the first "
+    "(warm-up excluded), from a timestamp at the end of every update (TRL: `TrainerCallback.on_step_end`; "
+    "marl: `episode / eps` of every update in metrics.jsonl)."
+)
 
 
 def render_markdown(report: dict) -> str:
@@ -712,6 +771,7 @@ def render_markdown(report: dict) -> str:
             rows += [
                 ("peak RSS above the import baseline (MiB)", "peak_above_baseline_mib", ""),
                 ("peak RSS during training only (MiB)", "train_peak_rss_mib", ""),
+                ("peak anonymous RSS, sampled (MiB)", "peak_anon_rss_mib", ""),
             ]
         rows += [("episodes/s", "eps", "≥ 1.5"), ("generated tokens/s", "tokens_per_s", "")]
         for label, metric, target in rows:
@@ -725,13 +785,10 @@ def render_markdown(report: dict) -> str:
             )
     lines += [
         "",
-        "Peak RSS is `ru_maxrss` of the run's process: it includes the Python/torch runtime and model "
-        "loading. 'Above the import baseline' subtracts the RSS measured after the imports, before any model "
-        "is loaded. 'During training only' resets the kernel's peak mark (`/proc/self/clear_refs`) after "
-        "set-up and reads `VmHWM` at the end. Throughput counts the updates after the first (warm-up "
-        "excluded), from a timestamp at the end of every update (TRL: `TrainerCallback.on_step_end`; marl: "
-        "`episode / eps` of every update in metrics.jsonl). Every completion has exactly "
-        f"{config['response_length']} tokens (`min_new_tokens = max_new_tokens` in both).",
+        MEASUREMENT_NOTES + " Every completion has exactly "
+        f"{config['response_length']} tokens (`min_new_tokens = max_new_tokens` in both); checked: TRL's "
+        f"logged `completions/mean_length` took the values {report['length_checks']['trl']}, marl's "
+        f"`val/num_eos_tokens` the values {report['length_checks']['marl']}.",
         "",
         "## Physical floor",
         "",
@@ -761,7 +818,7 @@ def render_markdown(report: dict) -> str:
         "| field | value |",
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in config.items()],
-        f"| LoRA target modules | {LORA_TARGET_MODULES} (policy and reward) |",
+        f"| policy LoRA target modules | {LORA_TARGET_MODULES} |",
         "| quantization config | NF4, double quantisation, compute dtype = dtype (both systems) |",
         "| reward normalisation / advantage normalisation / missing-EOS penalty | off / off / none (both) |",
         "",
@@ -774,9 +831,10 @@ def render_markdown(report: dict) -> str:
         "## Every run",
         "",
         "| quantization | order | system | peak RSS (MiB) | train-phase peak RSS (MiB) | "
+        "peak anon RSS (MiB) | "
         + ("CUDA max allocated (MiB) | " if gpu else "")
         + "episodes/s | tokens/s | update seconds |",
-        "|---|---|---|---|---|" + ("---|" if gpu else "") + "---|---|---|",
+        "|---|---|---|---|---|---|" + ("---|" if gpu else "") + "---|---|---|",
     ]
     for quantization, block in report["results"].items():
         for order, run in enumerate(block["runs"]):
@@ -784,7 +842,8 @@ def render_markdown(report: dict) -> str:
             cuda_cell = f"{r['cuda_max_allocated_mib']:.0f} | " if gpu else ""
             lines.append(
                 f"| {quantization} | {order + 1} | {run['system']} | {r['peak_rss_mib']:.0f} | "
-                f"{r['train_peak_rss_mib']:.0f} | {cuda_cell}{r['eps']:.2f} | {r['tokens_per_s']:.1f} | "
+                f"{r['train_peak_rss_mib']:.0f} | {r['peak_anon_rss_mib']:.0f} | {cuda_cell}"
+                f"{r['eps']:.2f} | {r['tokens_per_s']:.1f} | "
                 + ", ".join(f"{s:.1f}" for s in r["update_seconds"])
                 + " |"
             )
@@ -871,6 +930,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "loadavg": {},
         "results": {},
     }
+    output = None
+    if set(systems) == set(SYSTEMS):
+        output = (
+            Path(args.output)
+            if args.output
+            else (REPO_ROOT / "benchmarks" / "results" / f"{report['date'][:10]}-{config.setup}.md")
+        )
     for quantization in quantizations:
         report["loadavg"][quantization] = load_average()
         print(f"[{quantization}] load average {report['loadavg'][quantization]}", flush=True)
@@ -899,19 +965,29 @@ def main(argv: Sequence[str] | None = None) -> None:
             "summary": summarize(runs, quantization) if set(systems) == set(SYSTEMS) else {},
             "floor": compute_floor(config, quantization, model_path, reward_adapter, prompts),
         }
+        # Written after every batch, so that an interrupted benchmark keeps what it measured.
+        write_report(report, started, work_dir, output)
+
+
+def write_report(report: dict, started: float, work_dir: Path, output: Path | None) -> None:
+    """Save the raw JSON and, when both systems ran, the markdown table."""
     report["wall_minutes"] = (time.perf_counter() - started) / 60
+    all_runs = [run for block in report["results"].values() for run in block["runs"]]
+    report["length_checks"] = {
+        "trl": sorted(
+            {v for r in all_runs if r["system"] == "trl" for v in r["result"]["completion_length_checked"]}
+        ),
+        "marl": sorted(
+            {v for r in all_runs if r["system"] == "marl" for v in r["result"]["completions_with_eos"]}
+        ),
+    }
     (work_dir / "report.json").write_text(json.dumps(report, indent=1))
-    print(f"raw results: {work_dir / 'report.json'}")
-    if set(systems) != set(SYSTEMS):
+    print(f"raw results: {work_dir / 'report.json'}", flush=True)
+    if output is None:
         return
-    output = (
-        Path(args.output)
-        if args.output
-        else (REPO_ROOT / "benchmarks" / "results" / f"{report['date'][:10]}-{config.setup}.md")
-    )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(render_markdown(report))
-    print(f"results: {output}")
+    print(f"results: {output}", flush=True)
 
 
 if __name__ == "__main__":
