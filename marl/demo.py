@@ -61,9 +61,9 @@ class DemoArguments:
         default=4, metadata={"help": "Optimizer steps per pass over a rollout (batch = size × mini-batches)."}
     )
     num_ppo_epochs: int = field(default=1, metadata={"help": "Passes over each rollout."})
-    learning_rate: float = field(default=3e-4, metadata={"help": "Policy LoRA learning rate."})
+    learning_rate: float = field(default=5e-4, metadata={"help": "Policy LoRA learning rate."})
     kl_coef: float = field(default=0.05, metadata={"help": "KL penalty weight."})
-    response_length: int = field(default=24, metadata={"help": "Maximum new tokens per completion."})
+    response_length: int = field(default=20, metadata={"help": "Maximum new tokens per completion."})
     temperature: float = field(
         default=0.7, metadata={"help": "Sampling temperature (training and evaluation)."}
     )
@@ -194,7 +194,13 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
 
     from marl.cli import check_output_dir
     from marl.data import load_judge, rotten_tomatoes_prompts
-    from marl.evaluate import generate_and_score, results_table, summarize, write_results
+    from marl.evaluate import (
+        EosTerminatedRewardScorer,
+        generate_and_score,
+        results_table,
+        summarize,
+        write_results,
+    )
     from marl.plotting import plot_training_curves
     from marl.trainer import RLOOTrainer
 
@@ -235,7 +241,10 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         f"[bold]3/4[/bold] RLOO: {sizes.num_total_batches} updates × {sizes.batch_size} completions "
         f"({sizes.prompts_per_update} prompts × k={config.rloo_k}) from {len(train_prompts)} training prompts"
     )
-    trainer = RLOOTrainer(config, model, tokenizer, train_prompts)
+    # The reward adapter scores every completion as it was trained, text + EOS: read at the last word of a
+    # completion cut off by the length limit, it rewards stopping early over what the text says.
+    reward = EosTerminatedRewardScorer(model, tokenizer, config.local_rollout_forward_batch_size)
+    trainer = RLOOTrainer(config, model, tokenizer, train_prompts, reward_fn=reward)
     trainer.train()
     train_seconds = time.perf_counter() - start
 

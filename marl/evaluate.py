@@ -3,7 +3,7 @@
 For every prompt both the base (the reference view of the same loaded model: adapters disabled) and the policy
 sample one completion with the same sampling settings and seeds. Each completion gets
 
-- the reward adapter's score (what the policy was trained to raise),
+- the reward adapter's score of prompt + completion + EOS (see :class:`EosTerminatedRewardScorer`),
 - the judge's score of prompt + completion (VADER by default, independent of every model here; ``--judge
   module:function`` plugs in another),
 - its length in tokens (up to and including the first EOS),
@@ -150,6 +150,57 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> di
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+class EosTerminatedRewardScorer:
+    """Reward-adapter scores of ``prompt + completion`` always followed by EOS, as the adapter was trained.
+
+    A reward adapter trained on complete texts (text + EOS, read at the EOS) scores a completion cut off at
+    the length limit out of distribution, at its last word. Scored that way, a policy can raise the score by
+    just stopping early. Appending EOS to every text makes finished and cut-off completions comparable, so
+    only what the text says moves the score. Usable as an RLOO ``reward_fn``; the reward adapter of ``model``
+    (the same loaded base, no copy) does the scoring.
+
+    Example:
+        >>> scorer = EosTerminatedRewardScorer(model, tokenizer)  # doctest: +SKIP
+        >>> scorer(["The film is"], [" a delight."])  # doctest: +SKIP
+        [2.31]
+    """
+
+    def __init__(self, model: MultiAdapterModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 64):
+        if not model.has_reward_adapter:
+            raise ValueError("the model has no reward adapter: load it with reward_adapter=DIR")
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no EOS token to end the scored texts with")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.__name__ = "reward adapter (texts ending in EOS)"
+
+    def __call__(self, prompts: list[Any], completions: list[str]) -> list[float]:
+        import torch
+
+        texts = [
+            _prompt_text(prompt) + completion for prompt, completion in zip(prompts, completions, strict=True)
+        ]
+        rows = [
+            self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            for text in texts
+        ]
+        scores: list[float] = []
+        for start in range(0, len(rows), self.batch_size):
+            chunk = rows[start : start + self.batch_size]
+            width = max(len(ids) for ids in chunk)
+            input_ids = torch.full((len(chunk), width), self.tokenizer.eos_token_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for row, ids in enumerate(chunk):
+                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, width - len(ids) :] = 1
+            device = self.model.device
+            scores.extend(
+                self.model.compute_reward_score(input_ids.to(device), attention_mask.to(device)).tolist()
+            )
+        return scores
+
+
 @dataclass
 class Samples:
     """One model's completions for a list of prompts, with their measurements."""
@@ -232,8 +283,6 @@ def _measure(
     input_ids = torch.cat([prompt_ids, completions], dim=1)
     attention_mask = torch.cat([batch["attention_mask"].to(mask.device), mask.long()], dim=1)
     measured: dict[str, list[float]] = {"lengths": mask.sum(dim=1).tolist()}
-    if model.has_reward_adapter:
-        measured["reward_scores"] = model.compute_reward_score(input_ids, attention_mask).tolist()
     if with_kl:
         start = prompt_ids.shape[1]
         with torch.no_grad():
@@ -274,6 +323,7 @@ def generate_and_score(
     from tqdm.auto import tqdm
 
     names = ["base", "policy"] if with_policy else ["base"]
+    reward = EosTerminatedRewardScorer(model, tokenizer, batch_size) if model.has_reward_adapter else None
     samples = {name: Samples() for name in names}
     starts = range(0, len(prompts), batch_size)
     for batch_index, start in enumerate(tqdm(starts, desc="evaluating", unit="batch", disable=not progress)):
@@ -298,7 +348,8 @@ def generate_and_score(
             record.completions.extend(texts)
             record.judge_scores.extend(judge(judged))
             record.lengths.extend(int(n) for n in measured["lengths"])
-            record.reward_scores.extend(measured.get("reward_scores", []))
+            if reward is not None:
+                record.reward_scores.extend(reward(batch_prompts, texts))
             record.kls.extend(measured.get("kls", []))
     return samples
 
