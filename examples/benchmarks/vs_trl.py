@@ -798,10 +798,26 @@ def render_markdown(report: dict) -> str:
         "| part | " + " | ".join(report["results"]) + " |",
         "|---|" + "---|" * len(report["results"]),
     ]
-    parts = next(iter(report["results"].values()))["floor"]
+    blocks = list(report["results"].values())
+    parts = blocks[0]["floor"]
     for part in parts:
         cells = [f"{block['floor'][part] / 2**20:.1f} MiB" for block in report["results"].values()]
         lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    # TRL holds the same tensors plus the reward model's own copy of the base.
+    trl_floors = [block["floor"]["total"] + block["floor"]["base weights (as stored)"] for block in blocks]
+    lines.append(
+        "| TRL's floor (+ the reward model's own base) | "
+        + " | ".join(f"{floor / 2**20:.1f} MiB" for floor in trl_floors)
+        + " |"
+    )
+    lines.append(
+        "| best possible marl/TRL (floor / TRL's floor) | "
+        + " | ".join(
+            f"{ratio(block['floor']['total'], floor):.2f}"
+            for block, floor in zip(blocks, trl_floors, strict=True)
+        )
+        + " |"
+    )
     baselines = {
         q: spread([r["result"]["baseline_rss_mib"] for r in block["runs"]])
         for q, block in report["results"].items()
