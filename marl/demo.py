@@ -93,7 +93,9 @@ def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter:
         kl_coef=arguments.kl_coef,
         response_length=arguments.response_length,
         temperature=arguments.temperature,
-        stop_token="eos",
+        # No stop token: every completion runs to response_length, so that stopping early is not a way to
+        # keep a positive prompt's score; the policy has to write something positive.
+        stop_token=None,
         # One generate call per rollout: on CPU a 4-bit decode step costs about the same for 16 or 64 rows.
         local_rollout_forward_batch_size=arguments.per_device_train_batch_size * arguments.num_mini_batches,
         num_sample_generations=4,
@@ -258,6 +260,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         temperature=config.temperature,
         batch_size=100,
         seed=arguments.seed,
+        stop_at_eos=False,
     )
     summary = summarize(samples)
     both = [*samples["base"].reward_scores, *samples["policy"].reward_scores]

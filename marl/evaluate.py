@@ -66,6 +66,12 @@ class EvaluateArguments:
     temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (use the training one)."})
     batch_size: int = field(default=32, metadata={"help": "Prompts per generation batch."})
     seed: int = field(default=0, metadata={"help": "Seed of the sampling (same for base and policy)."})
+    stop_at_eos: bool = field(
+        default=True,
+        metadata={
+            "help": "End completions at EOS (as --stop_token eos in training); false: run to the limit."
+        },
+    )
     judge: str | None = field(
         default=None,
         metadata={"help": "Judge 'module:function' called as function(texts) -> numbers; unset: VADER."},
@@ -233,6 +239,7 @@ def _sample_batch(
     response_length: int,
     temperature: float,
     seed: int,
+    stop_at_eos: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one completion per prompt; returns (completion ids with padding after EOS, valid-token mask)."""
     import torch
@@ -246,7 +253,8 @@ def _sample_batch(
         top_k=0,
         top_p=1.0,
         pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
+        eos_token_id=tokenizer.eos_token_id if stop_at_eos else None,
     )
     input_ids = batch["input_ids"].to(model.device)
     attention_mask = batch["attention_mask"].to(model.device)
@@ -260,7 +268,7 @@ def _sample_batch(
                 input_ids=input_ids, attention_mask=attention_mask, **generation
             )
     completions = output[:, input_ids.shape[1] :]
-    lengths = response_lengths(completions, tokenizer.eos_token_id)
+    lengths = response_lengths(completions, tokenizer.eos_token_id if stop_at_eos else None)
     mask = response_mask(lengths, completions.shape[1])
     return completions.masked_fill(~mask, tokenizer.pad_token_id), mask
 
@@ -310,6 +318,7 @@ def generate_and_score(
     batch_size: int = 32,
     seed: int = 0,
     progress: bool = True,
+    stop_at_eos: bool = True,
 ) -> dict[str, Samples]:
     """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of the policy.
 
@@ -338,6 +347,7 @@ def generate_and_score(
                 response_length=response_length,
                 temperature=temperature,
                 seed=seed + batch_index,
+                stop_at_eos=stop_at_eos,
             )
             measured = _measure(
                 model, tokenizer, batch, completions, mask, with_kl=name == "policy", temperature=temperature
@@ -484,6 +494,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         temperature=arguments.temperature,
         batch_size=arguments.batch_size,
         seed=arguments.seed,
+        stop_at_eos=arguments.stop_at_eos,
     )
     summary = summarize(samples)
     settings = {**asdict(arguments), "judge": arguments.judge or "vader", "num_prompts": len(prompts)}
