@@ -515,7 +515,7 @@ class MultiAdapterModel:
         ``generate``), so left padding does not shift them.
 
         Returns ``logprobs`` ``[B, T - response_start]``, and with ``with_entropy=True`` also the entropy
-        of the temperature-scaled distribution at each of those positions.
+        of the temperature-scaled distribution at each of those positions (detached: it is a metric).
 
         Example:
             >>> with model.policy():
@@ -539,7 +539,10 @@ class MultiAdapterModel:
             chunk_targets = flat_targets[start : start + step].to(logits.device)
             logprob_pieces.append(selective_log_softmax(logits, chunk_targets, temperature, chunk_size=step))
             if with_entropy:
-                entropy_pieces.append(entropy_from_logits(logits, temperature, chunk_size=step))
+                # A metric only: without a graph its float32 [chunk, vocab] intermediates are freed at once
+                # instead of living until the backward pass.
+                with torch.no_grad():
+                    entropy_pieces.append(entropy_from_logits(logits, temperature, chunk_size=step))
         logprobs = torch.cat(logprob_pieces).reshape(batch, steps)
         if with_entropy:
             return logprobs, torch.cat(entropy_pieces).reshape(batch, steps)

@@ -63,3 +63,15 @@ def test_bad_inputs_are_rejected():
         selective_log_softmax(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), temperature=0)
     with pytest.raises(ValueError, match="tokens must have the shape"):
         selective_log_softmax(torch.zeros(2, 3), torch.zeros(3, dtype=torch.long))
+
+
+def test_token_logprobs_entropy_is_detached_while_logprobs_keep_their_graph(tiny_llama_dir) -> None:
+    from marl import MultiAdapterModel
+
+    model = MultiAdapterModel.from_pretrained(str(tiny_llama_dir))
+    ids = torch.randint(3, 300, (2, 6))
+    with model.policy():
+        logprobs, entropy = model.token_logprobs(ids, torch.ones_like(ids), response_start=2, with_entropy=True)
+    assert logprobs.requires_grad
+    assert not entropy.requires_grad
+    assert torch.isfinite(entropy).all() and (entropy > 0).all()
