@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Public names resolve lazily so that `import marl` (and the CLI's --help) stays fast: torch and transformers load
-# only when a model or trainer is actually used.
+# Public names resolve lazily so that `import marl` (and the CLI's --help) stays fast: torch and
+# transformers load only when a model or trainer is actually used.
 _PUBLIC = {
     "MultiAdapterModel": "marl.model",
     "RLOOConfig": "marl.config",

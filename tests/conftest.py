@@ -1,7 +1,7 @@
 """Shared fixtures: tiny real models and tokenizers built from configs and saved to disk.
 
-Every model here goes through the real ``from_pretrained`` path. Linear input features are multiples of 64 so that
-the 4-bit CPU path of bitsandbytes accepts them.
+Every model here goes through the real ``from_pretrained`` path. Linear input features are multiples of 64
+so that the 4-bit CPU path of bitsandbytes accepts them.
 """
 
 from __future__ import annotations
@@ -116,7 +116,9 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 
     def make(architecture: str = "llama") -> Path:
         if architecture not in cache:
-            cache[architecture] = save_tiny_model(tmp_path_factory.mktemp(f"tiny-{architecture}"), architecture)
+            cache[architecture] = save_tiny_model(
+                tmp_path_factory.mktemp(f"tiny-{architecture}"), architecture
+            )
         return cache[architecture]
 
     return make

@@ -71,7 +71,9 @@ def test_token_logprobs_entropy_is_detached_while_logprobs_keep_their_graph(tiny
     model = MultiAdapterModel.from_pretrained(str(tiny_llama_dir))
     ids = torch.randint(3, 300, (2, 6))
     with model.policy():
-        logprobs, entropy = model.token_logprobs(ids, torch.ones_like(ids), response_start=2, with_entropy=True)
+        logprobs, entropy = model.token_logprobs(
+            ids, torch.ones_like(ids), response_start=2, with_entropy=True
+        )
     assert logprobs.requires_grad
     assert not entropy.requires_grad
     assert torch.isfinite(entropy).all() and (entropy > 0).all()
