@@ -169,6 +169,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         >>> trainer = build_rloo_trainer(script, config)  # doctest: +SKIP
         >>> trainer.train()  # doctest: +SKIP
     """
+    import torch
     from accelerate import PartialState
     from rich.console import Console
     from transformers import AutoTokenizer
@@ -176,7 +177,9 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     from marl.data import load_prompt_dataset, load_reward_fn
     from marl.trainer import RLOOTrainer
 
-    state = PartialState()
+    # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
+    # state would set itself up as a single process and the trainer would refuse the mismatch).
+    state = PartialState(cpu=not torch.cuda.is_available())
     # Every process checks before any of them writes, so that all of them refuse together.
     previous = check_output_dir(
         config.output_dir,

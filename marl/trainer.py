@@ -165,7 +165,7 @@ class RLOOTrainer:
             raise RuntimeError(
                 f"launched as {launched} processes but accelerate runs {self.accelerator.num_processes}: an "
                 "accelerate state was created earlier for another device. On CPU, launch with "
-                "`accelerate launch --cpu ...`, or create PartialState(cpu=True) before loading the model"
+                "`torchrun --nproc_per_node N ...` and create PartialState(cpu=True) before loading the model"
             )
 
         self.pad_token_id = (

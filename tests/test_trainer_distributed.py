@@ -93,3 +93,31 @@ def test_two_process_cpu_run(tiny_llama_dir, tmp_path):
         assert 45 < record["objective/scores"] < 60
         assert 0 <= record["val/num_eos_tokens"] <= 16
     assert (output_dir / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_train_rloo_script_under_torchrun_uses_both_processes(tiny_llama_dir, tmp_path):
+    # The script creates its accelerate state before loading the model; on a machine without a GPU that state
+    # must be a CPU process group, or the second process would be dropped (and the trainer refuses the run).
+    reward_file = tmp_path / "reward.py"
+    reward_file.write_text(
+        "def count_e(prompts, completions):\n    return [c.count('e') for c in completions]\n"
+    )
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": f"prompt number {i}"}) + "\n" for i in range(8)))
+    output_dir = tmp_path / "run"
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "train_rloo_adapter.py")
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script,
+        "--model_name_or_path", str(tiny_llama_dir), "--reward_fn", f"{reward_file}:count_e",
+        "--dataset_name", str(prompts_file), "--rloo_k", "2", "--per_device_train_batch_size", "4",
+        "--num_ppo_epochs", "1", "--total_episodes", "16", "--response_length", "6",
+        "--output_dir", str(output_dir),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    # 2 processes × 4 completions per update: the episode count grows by 8, and 16 episodes take 2 updates
+    assert [record["episode"] for record in records] == [8.0, 16.0]
