@@ -74,7 +74,7 @@ class DemoArguments:
 
 
 def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter: str):
-    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default policy LoRA, EOS stops."""
+    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token."""
     from marl.assets import EMBEDDED_MODEL_ID
     from marl.config import RLOOConfig
 
