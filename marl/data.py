@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import datasets
+    import torch
 
 ROTTEN_TOMATOES = "rotten-tomatoes"
 # Splits of the bundled prompts: RL training prompts, and held-out prompts from other movies.
@@ -30,6 +31,54 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "
 
 class DataError(ValueError):
     """A dataset or a user function cannot be used; the message says why and what to change."""
+
+
+def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple[list[int], str]:
+    """Token ids and text of one prompt: plain text as it is, a conversation through the chat template.
+
+    A conversation is a list of ``{"role", "content"}`` messages, rendered with a generation prompt. Training
+    and evaluation both tokenize through this function, so their prompts look the same to the model.
+
+    Example:
+        >>> ids, text = tokenize_prompt(tokenizer, [{"role": "user", "content": "Hi"}])  # doctest: +SKIP
+    """
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"], prompt
+    is_conversation = isinstance(prompt, list) and all(
+        isinstance(message, dict) and "role" in message and "content" in message for message in prompt
+    )
+    if not is_conversation or not prompt:
+        raise ValueError(
+            f"{where}: a prompt must be a string or a list of {{'role', 'content'}} messages, "
+            f"got {type(prompt).__name__}: {str(prompt)[:80]!r}"
+        )
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"{where} is a conversation but the tokenizer has no chat template; set "
+            "tokenizer.chat_template or use plain-text prompts"
+        )
+    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"], text
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of token-id lists padded on the left to the longest one.
+
+    Example:
+        >>> left_pad([[5, 6], [7]], pad_token_id=0)
+        (tensor([[5, 6],
+                [0, 7]]), tensor([[1, 1],
+                [0, 1]]))
+    """
+    import torch
+
+    width = max(len(ids) for ids in sequences)
+    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
+    return input_ids, attention_mask
 
 
 # ----------------------------------------------------------------------------------------------------

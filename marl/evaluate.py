@@ -137,22 +137,11 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> di
     Example:
         >>> batch = encode_prompts(tokenizer, ["The movie is"])  # doctest: +SKIP
     """
-    import torch
+    from marl.data import left_pad, tokenize_prompt
 
     # Tokenised exactly as RLOOTrainer does, so that evaluation prompts look like training prompts.
-    rows = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            rows.append(tokenizer(prompt)["input_ids"])
-        else:
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    width = max(len(ids) for ids in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for row, ids in enumerate(rows):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids) :] = 1
+    rows = [tokenize_prompt(tokenizer, prompt, f"prompt {index}")[0] for index, prompt in enumerate(prompts)]
+    input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 

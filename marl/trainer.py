@@ -52,6 +52,7 @@ from transformers import get_scheduler
 
 from marl import rloo
 from marl.config import RLOOConfig
+from marl.data import left_pad, tokenize_prompt
 from marl.model import SAFETENSORS_WEIGHTS_NAME, MultiAdapterModel, position_ids_from_mask
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
@@ -246,7 +247,7 @@ class RLOOTrainer:
                 ids = [int(token) for token in row["input_ids"]]
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
             else:
-                ids, text = self._tokenize_prompt(row["prompt"], name, index)
+                ids, text = tokenize_prompt(self.tokenizer, row["prompt"], f"{name} row {index}")
             if not ids:
                 raise ValueError(f"{name} row {index} has an empty prompt; remove it or give it text")
             prepared.append((ids, text))
@@ -260,25 +261,6 @@ class RLOOTrainer:
                 "shorten those prompts, or lower --response_length"
             )
         return prepared
-
-    def _tokenize_prompt(self, prompt: Any, name: str, index: int) -> tuple[list[int], str]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"], prompt
-        is_conversation = isinstance(prompt, list) and all(
-            isinstance(message, dict) and "role" in message and "content" in message for message in prompt
-        )
-        if not is_conversation or not prompt:
-            raise ValueError(
-                f"{name} row {index}: a prompt must be a string or a list of {{'role', 'content'}} messages, "
-                f"got {type(prompt).__name__}: {str(prompt)[:80]!r}"
-            )
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(
-                f"{name} has conversational prompts but the tokenizer has no chat template; set "
-                "tokenizer.chat_template or use plain-text prompts"
-            )
-        text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"], text
 
     def _prompt_indices(self, update: int) -> list[int]:
         """Dataset rows of this process for ``update`` (0-based).
@@ -314,12 +296,7 @@ class RLOOTrainer:
     # ------------------------------------------------------------------ rollout
 
     def _left_pad(self, sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(ids) for ids in sequences)
-        input_ids = torch.full((len(sequences), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, ids in enumerate(sequences):
-            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids) :] = 1
+        input_ids, attention_mask = left_pad(sequences, self.pad_token_id)
         device = self.accelerator.device
         return input_ids.to(device), attention_mask.to(device)
 
