@@ -109,6 +109,18 @@ def save_tiny_model(directory: Path, architecture: str = "llama", seed: int = 0)
     return directory
 
 
+def save_reward_adapter(base_dir: Path | str, directory: Path, seed: int = 1) -> Path:
+    """A PEFT SEQ_CLS adapter (LoRA + score head) on ``base_dir``, the layout TRL's RewardTrainer writes."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    classifier = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1)
+    peft_model = get_peft_model(classifier, LoraConfig(task_type="SEQ_CLS", r=4, target_modules="all-linear"))
+    peft_model.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
     """``tiny_model_factory(architecture="llama") -> Path`` of a saved tiny model (built once per session)."""

@@ -5,23 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from conftest import save_reward_adapter
 
 from marl.cli import main, train_rloo_main
 
 PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls"]
-
-
-def save_reward_adapter(base_dir, directory, seed=1):
-    """A PEFT SEQ_CLS adapter (LoRA + score head), the layout RewardTrainer writes."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification
-
-    torch.manual_seed(seed)
-    classifier = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1)
-    peft_model = get_peft_model(classifier, LoraConfig(task_type="SEQ_CLS", r=4, target_modules="all-linear"))
-    peft_model.save_pretrained(directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

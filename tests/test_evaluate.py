@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import save_reward_adapter
 
 from marl.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation, win_rate
 
@@ -18,19 +19,6 @@ def test_win_rate_counts_ties_as_half():
     assert comparison.win_rate == pytest.approx(2.5 / 4)
     with pytest.raises(ValueError, match="one per prompt"):
         win_rate([1.0], [1.0, 2.0])
-
-
-def save_reward_adapter(base_dir, directory):
-    """A PEFT SEQ_CLS adapter (LoRA + score head), the layout RewardTrainer writes."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForSequenceClassification
-
-    torch.manual_seed(1)
-    classifier = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1)
-    get_peft_model(
-        classifier, LoraConfig(task_type="SEQ_CLS", r=4, target_modules="all-linear")
-    ).save_pretrained(directory)
-    return directory
 
 
 def save_policy_adapter(base_dir, directory, scale):
