@@ -121,6 +121,15 @@ def save_reward_adapter(base_dir: Path | str, directory: Path, seed: int = 1) ->
     return directory
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one process-global state (device, precision): no test may inherit another's."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
     """``tiny_model_factory(architecture="llama") -> Path`` of a saved tiny model (built once per session)."""

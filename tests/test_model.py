@@ -685,7 +685,11 @@ def test_process_memory_after_load_is_one_base(quantization, medium_llama, tmp_p
     )
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     growth = numbers["anonymous"] + (numbers["mapped"] if quantization is None else 0)
-    assert 0.8 * numbers["base"] < growth < 1.5 * numbers["total"], numbers
+    # Quantizing stages float32 weights that the allocator may keep (measured up to 1.5x the card under load);
+    # 2x the card is still well below the 3 bases + adapters that separate copies hold.
+    upper = (1.5 if quantization is None else 2.0) * numbers["total"]
+    assert upper < 3 * numbers["base"] + (numbers["total"] - numbers["base"])
+    assert 0.8 * numbers["base"] < growth < upper, numbers
 
 
 # ---------------------------------------------------------------------- the bundled model
