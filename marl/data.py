@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from marl.errors import DataError
+
 if TYPE_CHECKING:
     import datasets
     import torch
@@ -27,10 +29,6 @@ ROTTEN_TOMATOES = "rotten-tomatoes"
 # Splits of the bundled prompts: RL training prompts, and held-out prompts from other movies.
 ROTTEN_TOMATOES_SPLITS = {"train": "rl", "test": "eval", "eval": "eval", "validation": "eval"}
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-
-
-class DataError(ValueError):
-    """A dataset or a user function cannot be used; the message says why and what to change."""
 
 
 def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple[list[int], str]:

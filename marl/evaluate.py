@@ -138,10 +138,11 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> di
         >>> batch = encode_prompts(tokenizer, ["The movie is"])  # doctest: +SKIP
     """
     from marl.data import left_pad, tokenize_prompt
+    from marl.sampling import pad_token_id
 
     # Tokenised exactly as RLOOTrainer does, so that evaluation prompts look like training prompts.
     rows = [tokenize_prompt(tokenizer, prompt, f"prompt {index}")[0] for index, prompt in enumerate(prompts)]
-    input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
+    input_ids, attention_mask = left_pad(rows, pad_token_id(tokenizer))
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
@@ -230,36 +231,25 @@ def _sample_batch(
     seed: int,
     stop_at_eos: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one completion per prompt; returns (completion ids with padding after EOS, valid-token mask)."""
+    """Sample one completion per prompt as the RLOO rollout does (exactly ``softmax(logits / T)``); returns
+    (completion ids with padding after the stop token, valid-token mask)."""
     import torch
 
     from marl.rloo import response_lengths, response_mask
+    from marl.sampling import SamplingSettings, eos_token_ids, pad_token_id
 
-    generation = dict(
-        max_new_tokens=response_length,
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        pad_token_id=tokenizer.pad_token_id,
-        # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
-        eos_token_id=tokenizer.eos_token_id if stop_at_eos else None,
-    )
+    # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
+    stop_ids = eos_token_ids(tokenizer, model.generation_config) if stop_at_eos else ()
+    settings = SamplingSettings(temperature, response_length, stop_ids, pad_token_id(tokenizer))
     input_ids = batch["input_ids"].to(model.device)
     attention_mask = batch["attention_mask"].to(model.device)
     torch.manual_seed(seed)
-    if under_policy:
-        output = model.generate(input_ids, attention_mask, **generation)
-    else:
-        # The base is the reference view of the same model (adapters disabled), not a second copy.
-        with model.reference(), torch.no_grad():
-            output = model.peft_model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, **generation
-            )
-    completions = output[:, input_ids.shape[1] :]
-    lengths = response_lengths(completions, tokenizer.eos_token_id if stop_at_eos else None)
+    # The base is the reference view of the same model (adapters disabled), not a second copy.
+    with model.policy() if under_policy else model.reference():
+        completions = model.sample(input_ids, attention_mask, settings)
+    lengths = response_lengths(completions, stop_ids)
     mask = response_mask(lengths, completions.shape[1])
-    return completions.masked_fill(~mask, tokenizer.pad_token_id), mask
+    return completions.masked_fill(~mask, settings.pad_token_id), mask
 
 
 def _measure(

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import logging
 import os
-import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,45 +30,39 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM
 
+from marl import adapters
+from marl.errors import AdapterError, ConfigError, ModelError
+from marl.families import LogitHead, check_logit_head, check_train_matches_eval, disable_dropout
 from marl.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, selective_log_softmax
+from marl.quantization import (
+    bitsandbytes_config,
+    default_compute_dtype,
+    parse_quantization,
+    prepare_quantized_base,
+)
+from marl.sampling import SamplingSettings, sample
 
 if TYPE_CHECKING:
     from marl.memory import MemoryReport
 
-QUANTIZATION_MODES = (None, "4bit", "8bit")
 REFERENCE_MODES = ("auto", "base", "initial-policy")
-
-ADAPTER_CONFIG_NAME = "adapter_config.json"
-SAFETENSORS_WEIGHTS_NAME = "adapter_model.safetensors"
-PICKLE_WEIGHTS_NAME = "adapter_model.bin"
 
 # Default policy LoRA. r=16 with alpha=32 (scale 2) on every linear layer of the blocks: RL fine-tuning
 # moves far fewer bits than SFT (one scalar reward per completion), and low ranks are known to match full
 # fine-tuning for policy-gradient RL, so r=16 leaves ample headroom while keeping the trainable state at
 # ~0.5 % of a 7B model. alpha = 2r is the common QLoRA setting and keeps the learning rate transferable
-# when r changes by small factors. Dropout is 0 on purpose: the old log-probs come from an eval-mode pass
-# and the update from a train-mode pass, and with dropout the ratio at the first mini-batch would not be 1.
+# when r changes by small factors. Dropout is 0: RL training switches every dropout off anyway (the rollout
+# and the update must compute the same function).
 DEFAULT_LORA_R = 16
 DEFAULT_LORA_ALPHA = 32
 DEFAULT_LORA_DROPOUT = 0.0
 DEFAULT_TARGET_MODULES = "all-linear"
-
-# Score-head keys written by PEFT for a SEQ_CLS adapter (modules_to_save): the head is ``score`` (Llama,
-# Qwen2, GPT-NeoX, Mistral, ...) or ``classifier``; some PEFT versions keep the
-# ``modules_to_save.<adapter>`` infix.
-_HEAD_KEY = re.compile(
-    r"^base_model\.model\.(?P<head>score|classifier)(?:\.modules_to_save\.[^.]+)?\.(?P<part>weight|bias)$"
-)
-_LORA_KEY = re.compile(
-    r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)\.weight$"
-)
 
 
 def default_policy_lora_config() -> LoraConfig:
@@ -92,11 +83,6 @@ def default_policy_lora_config() -> LoraConfig:
     )
 
 
-def default_compute_dtype() -> torch.dtype:
-    """bfloat16 on CUDA, float32 elsewhere (CPU bf16 matmuls are slow and imprecise)."""
-    return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-
-
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of the last position with ``attention_mask == 1`` in each row (works for left and right padding).
 
@@ -113,6 +99,25 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     return (length - 1) - real.flip(dims=[1]).int().argmax(dim=1)
 
 
+def reward_read_positions(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int
+) -> torch.Tensor:
+    """Where a sequence classifier reads each row's score: the last token that is not ``pad_token_id``, once
+    every masked position holds that id. This is the rule of transformers' ``*ForSequenceClassification``
+    (and so of TRL's ``RewardTrainer``): when pad == eos, a final EOS counts as padding and the score is read
+    at the token before it.
+
+    Example:
+        >>> ids = torch.tensor([[0, 5, 6, 2], [5, 6, 7, 8]])
+        >>> mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+        >>> reward_read_positions(ids, mask, pad_token_id=2)  # pad == eos == 2: row 0 is read before its EOS
+        tensor([2, 3])
+    """
+    ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    return (positions * (ids != pad_token_id).long()).argmax(dim=1)
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only, as ``generate`` does, so a left-padded row sees the same
     positions as the unpadded one (padding gets position 0; it is masked anyway)."""
@@ -127,21 +132,13 @@ class _ViewState:
     training: list[tuple[nn.Module, bool]]
 
 
-@dataclass
-class RewardHeadInfo:
-    """What was read from a reward adapter's score head."""
-
-    key: str
-    num_labels: int
-    has_bias: bool
-
-
 class MultiAdapterModel:
     """The policy, the reference and the reward as adapter views of ONE base causal LM.
 
     Build it with :meth:`from_pretrained`. The underlying ``peft.PeftModel`` is :attr:`peft_model`; the
     optimizer gets :meth:`policy_parameters`. The model starts in eval mode; call ``model.train()`` before
-    an update so that gradient checkpointing (if enabled) is active.
+    an update so that gradient checkpointing (if enabled) is active. Every dropout is off: the rollout and the
+    update must compute the same function.
 
     Example:
         >>> model = MultiAdapterModel.from_pretrained("path/to/base", reward_adapter="path/to/reward")
@@ -163,7 +160,8 @@ class MultiAdapterModel:
         reference_mode: str,
         policy_parameters: list[nn.Parameter],
         score_head: nn.Linear | None = None,
-        reward_head_info: RewardHeadInfo | None = None,
+        reward_head_info: adapters.RewardHead | None = None,
+        reward_pad_token_id: int | None = None,
     ) -> None:
         self.peft_model = peft_model
         self.name_or_path = name_or_path
@@ -173,6 +171,9 @@ class MultiAdapterModel:
         self._policy_parameters = policy_parameters
         self.score_head = score_head
         self.reward_head_info = reward_head_info
+        self.reward_pad_token_id = reward_pad_token_id
+        base = peft_model.get_base_model()
+        self.logit_head = LogitHead.of(base)
 
     # ------------------------------------------------------------------ loading
 
@@ -197,17 +198,16 @@ class MultiAdapterModel:
             model_name_or_path: a local model folder, a hub id already in the local cache, or the embedded
                 model id ``"smollm2-135m-instruct"`` (see ``marl.assets.resolve_model_path``).
             quantization: ``None`` (compute dtype), ``"4bit"`` (NF4 with double quantization) or ``"8bit"``
-                (LLM.int8), through bitsandbytes. Quantized bases go through
-                ``prepare_model_for_kbit_training`` before the policy adapter is attached.
-            reward_adapter: a PEFT directory written by TRL's ``RewardTrainer`` with a LoRA ``peft_config``
-                (task ``SEQ_CLS``: LoRA on inner layers + score head). Optional: without it,
-                :meth:`compute_reward_score` is unavailable and rewards must come from elsewhere.
+                (LLM.int8), through bitsandbytes (see :mod:`marl.quantization`).
+            reward_adapter: a PEFT folder written by TRL's ``RewardTrainer`` with a LoRA ``peft_config``
+                (task ``SEQ_CLS``: LoRA on inner layers + score head), or by ``marl train-reward``. Optional:
+                without it, :meth:`compute_reward_score` is unavailable and rewards must come from elsewhere.
             policy_adapter: ``None`` (fresh LoRA, see :func:`default_policy_lora_config`), a
-                ``LoraConfig``, or a PEFT adapter directory to continue training (loaded trainable).
+                ``LoraConfig``, or a PEFT adapter folder to continue training (loaded trainable).
             reference: ``"base"`` (adapters disabled), ``"initial-policy"`` (frozen copy of the policy
                 adapter's starting weights) or ``"auto"``: base when the policy starts as the identity
                 (fresh LoRA with zero-initialised B), initial-policy otherwise (e.g. an SFT adapter).
-            dtype: compute dtype; default bfloat16 on CUDA, float32 on CPU.
+            dtype: compute dtype; default bfloat16 on a CUDA device that supports it, float32 elsewhere.
             device_map: passed to ``from_pretrained``; default: the current CUDA device if there is one,
                 else CPU.
             gradient_checkpointing: recompute activations in the backward pass (non-reentrant) to save
@@ -216,36 +216,51 @@ class MultiAdapterModel:
                 code, so only for sources you trust).
             trust_remote_code: passed to ``from_pretrained``.
 
+        Refused with an error, before the base is loaded: adapters that would train or rewrite the shared base
+        (``bias`` other than ``"none"``, PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA initialisations, layer replication),
+        and bad adapter folders. Refused after loading: a model whose forward computes its logits in a way
+        marl does not reproduce, or that computes differently in train and eval mode with dropout off.
+
         Example:
             >>> model = MultiAdapterModel.from_pretrained("smollm2-135m-instruct", quantization="4bit")
             >>> model.reference_mode
             'base'
         """
-        if quantization not in QUANTIZATION_MODES:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, got {quantization!r}")
+        quantization = parse_quantization(quantization)
         if reference not in REFERENCE_MODES:
-            raise ValueError(f"reference must be one of {REFERENCE_MODES}, got {reference!r}")
+            raise ConfigError(f"reference must be one of {REFERENCE_MODES}, got {reference!r}")
         if policy_adapter is not None and not isinstance(policy_adapter, (LoraConfig, str, os.PathLike)):
             raise TypeError(
-                "policy_adapter must be None (fresh LoRA), a peft.LoraConfig, or a PEFT adapter directory; "
+                "policy_adapter must be None (fresh LoRA), a peft.LoraConfig, or a PEFT adapter folder; "
                 f"got {type(policy_adapter).__name__}"
             )
-        # Validate adapter directories before the (possibly slow) base load.
+        # Every adapter is validated before the (possibly slow) base load.
         policy_dir = None
         if isinstance(policy_adapter, (str, os.PathLike)):
             policy_dir = Path(policy_adapter)
-            policy_config = _read_adapter_config(policy_dir, role="policy")
-            _adapter_weights_file(policy_dir, allow_pickle=allow_pickle, role="policy")
+            policy_config = adapters.read_adapter_config(policy_dir, role="policy")
+            adapters.load_adapter_state(
+                adapters.adapter_weights_file(policy_dir, allow_pickle=allow_pickle, role="policy")
+            )
             if str(policy_config.get("task_type")) == "SEQ_CLS":
-                raise ValueError(
+                raise AdapterError(
                     f"policy_adapter {policy_dir} is a sequence-classification (reward) adapter; pass it as "
                     "reward_adapter=..., and give policy_adapter a causal-LM adapter or None for a fresh LoRA"
                 )
-        reward_dir = None
+            adapters.check_keeps_base_fixed(policy_config, f"policy adapter {policy_dir}")
+        else:
+            lora_config = copy.deepcopy(policy_adapter) if policy_adapter is not None else None
+            lora_config = lora_config or default_policy_lora_config()
+            adapters.check_keeps_base_fixed(lora_config.to_dict(), "policy LoraConfig")
+        reward = None
         if reward_adapter is not None:
             reward_dir = Path(reward_adapter)
-            _read_adapter_config(reward_dir, role="reward")
-            _adapter_weights_file(reward_dir, allow_pickle=allow_pickle, role="reward")
+            reward_config = adapters.read_adapter_config(reward_dir, role="reward")
+            adapters.check_keeps_base_fixed(reward_config, f"reward adapter {reward_dir}")
+            reward_state = adapters.load_adapter_state(
+                adapters.adapter_weights_file(reward_dir, allow_pickle=allow_pickle, role="reward")
+            )
+            reward = (reward_dir, reward_config, reward_state)
 
         from marl.assets import resolve_model_path
 
@@ -253,43 +268,21 @@ class MultiAdapterModel:
         compute_dtype = dtype or default_compute_dtype()
         if device_map is None and torch.cuda.is_available():
             device_map = {"": torch.cuda.current_device()}
-        load_kwargs: dict[str, Any] = {"dtype": compute_dtype, "trust_remote_code": trust_remote_code}
-        if device_map is not None:
-            load_kwargs["device_map"] = device_map
-        if quantization == "4bit":
-            load_kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=compute_dtype,
-            )
-        elif quantization == "8bit":
-            load_kwargs["quantization_config"] = BitsAndBytesConfig(load_in_8bit=True)
-        base = AutoModelForCausalLM.from_pretrained(path, **load_kwargs)
+        base = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=compute_dtype,
+            trust_remote_code=trust_remote_code,
+            quantization_config=bitsandbytes_config(quantization, compute_dtype),
+            **({"device_map": device_map} if device_map is not None else {}),
+        )
+        base = prepare_quantized_base(base, quantization)
 
-        if quantization == "4bit":
-            _keep_4bit_layers_differentiable_on_cpu(base)
-        if quantization == "8bit":
-            _silence_int8_cast_notice()
-        if quantization is not None:
-            # Freezes the base and upcasts its non-quantized parameters (norms, embeddings) to float32.
-            base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
-        else:
-            base.requires_grad_(False)
-        if gradient_checkpointing:
-            # Non-reentrant checkpointing needs no input-gradient hook, for quantized and plain bases alike.
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-
-        # Policy adapter (trainable).
         if policy_dir is not None:
             peft_model = PeftModel.from_pretrained(
                 base, str(policy_dir), adapter_name=cls.POLICY_ADAPTER, is_trainable=True
             )
             starts_as_identity = False
         else:
-            lora_config = (
-                copy.deepcopy(policy_adapter) if policy_adapter is not None else default_policy_lora_config()
-            )
             if lora_config.task_type is None:
                 lora_config.task_type = "CAUSAL_LM"
             lora_config.inference_mode = False
@@ -297,7 +290,7 @@ class MultiAdapterModel:
             starts_as_identity = lora_config.init_lora_weights in (True, "gaussian")
         policy_parameters = [p for p in peft_model.parameters() if p.requires_grad]
         if not policy_parameters:
-            raise ValueError("the policy adapter has no trainable parameters; check its target_modules")
+            raise AdapterError("the policy adapter has no trainable parameters; check its target_modules")
 
         reference_mode = reference
         if reference == "auto":
@@ -305,25 +298,23 @@ class MultiAdapterModel:
         if reference_mode == "initial-policy":
             _add_frozen_copy(peft_model, cls.POLICY_ADAPTER, cls.REFERENCE_ADAPTER)
 
-        score_head = None
-        head_info = None
-        if reward_dir is not None:
-            score_head, head_info = _attach_reward_adapter(
-                peft_model,
-                reward_dir,
-                cls.REWARD_ADAPTER,
-                compute_dtype,
-                base_path=path,
-                allow_pickle=allow_pickle,
+        score_head = head = reward_pad = None
+        if reward is not None:
+            score_head, head = _attach_reward_adapter(
+                peft_model, *reward, cls.REWARD_ADAPTER, compute_dtype, path
             )
+            reward_pad = head.pad_token_id
+            if reward_pad is None:
+                reward_pad = _tokenizer_pad_token_id(path, trust_remote_code)
 
+        _check_only_policy_trains(peft_model, policy_parameters, cls.POLICY_ADAPTER)
         # Only the policy trains: adding adapters may have flipped requires_grad flags.
         policy_ids = {id(p) for p in policy_parameters}
         for parameter in peft_model.parameters():
             parameter.requires_grad_(id(parameter) in policy_ids)
         peft_model.set_adapter(cls.POLICY_ADAPTER)
-        peft_model.eval()
-        return cls(
+        disable_dropout(peft_model)
+        model = cls(
             peft_model,
             name_or_path=path,
             quantization=quantization,
@@ -331,8 +322,15 @@ class MultiAdapterModel:
             reference_mode=reference_mode,
             policy_parameters=policy_parameters,
             score_head=score_head,
-            reward_head_info=head_info,
+            reward_head_info=head,
+            reward_pad_token_id=reward_pad,
         )
+        if gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        peft_model.eval()
+        check_logit_head(base, model._backbone(), model.logit_head)
+        check_train_matches_eval(base)
+        return model
 
     # ------------------------------------------------------------------ attributes
 
@@ -340,6 +338,11 @@ class MultiAdapterModel:
     def config(self):
         """The base model's ``transformers`` config."""
         return self.peft_model.get_base_model().config
+
+    @property
+    def generation_config(self):
+        """The base model's own ``GenerationConfig`` (its end-of-sequence ids; sampling ignores the rest)."""
+        return self.peft_model.get_base_model().generation_config
 
     @property
     def device(self) -> torch.device:
@@ -373,6 +376,18 @@ class MultiAdapterModel:
     def eval(self) -> MultiAdapterModel:
         """Put the model in eval mode. Returns ``self``."""
         return self.train(False)
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether activations are recomputed in the backward pass (in train mode)."""
+        return bool(self.peft_model.get_base_model().is_activation_checkpointing)
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute activations in the backward pass (non-reentrant, so no input-gradient hook is needed for
+        quantized and plain bases alike); active in train mode."""
+        base = self.peft_model.get_base_model()
+        if not base.is_activation_checkpointing:
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
     # ------------------------------------------------------------------ adapter views
 
@@ -487,14 +502,6 @@ class MultiAdapterModel:
         )
         return output.last_hidden_state
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        base = self.peft_model.get_base_model()
-        logits = base.get_output_embeddings()(hidden)
-        softcap = getattr(self.config, "final_logit_softcapping", None)
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        return logits
-
     def token_logprobs(
         self,
         input_ids: torch.Tensor,
@@ -535,7 +542,7 @@ class MultiAdapterModel:
         step = chunk_size or DEFAULT_CHUNK_SIZE
         logprob_pieces, entropy_pieces = [], []
         for start in range(0, flat_hidden.shape[0], step):
-            logits = self._logits(flat_hidden[start : start + step])
+            logits = self.logit_head(flat_hidden[start : start + step])
             chunk_targets = flat_targets[start : start + step].to(logits.device)
             logprob_pieces.append(selective_log_softmax(logits, chunk_targets, temperature, chunk_size=step))
             if with_entropy:
@@ -549,14 +556,15 @@ class MultiAdapterModel:
         return logprobs
 
     def compute_reward_score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """One float32 score per row: the score head on the hidden state at the last real token, under
-        ``reward``.
+        """One float32 score per row under ``reward``: the score head on the final hidden state where a
+        transformers sequence classifier reads it (:func:`reward_read_positions`), with the padding id the
+        reward adapter was trained with.
 
-        The last real token is the last position with ``attention_mask == 1`` (left or right padding). The
-        attention mask decides, not ``pad_token_id``: when pad == eos, an EOS that ends a completion is a real
-        token (mask 1) and the score is read AT the EOS. (A transformers SequenceClassification model finds
-        the last token from ``input_ids != pad_token_id`` and would read one token earlier in that case.)
-        Runs in eval mode without grad; the active adapter and modes are restored after.
+        That padding id is the one ``marl train-reward`` recorded in the adapter folder, else the base
+        tokenizer's pad token (its EOS when it has none), which is what TRL's ``RewardTrainer`` uses. With
+        pad == eos a completion ending in EOS is therefore read at the token before its EOS, as the adapter
+        was trained. Left or right padding: masked positions are padding. Runs in eval mode without grad; the
+        active adapter and modes are restored after. The head runs in float32.
 
         Example:
             >>> scores = model.compute_reward_score(batch["input_ids"], batch["attention_mask"])
@@ -571,41 +579,37 @@ class MultiAdapterModel:
         with self.use_adapter(self.REWARD_ADAPTER), self._inference():
             hidden = self._hidden_states(input_ids, attention_mask)
             rows = torch.arange(hidden.shape[0], device=hidden.device)
-            last = last_token_index(attention_mask).to(hidden.device)
-            pooled = hidden[rows, last].to(
-                device=self.score_head.weight.device, dtype=self.score_head.weight.dtype
-            )
-            return self.score_head(pooled).squeeze(-1).float()
+            read_at = reward_read_positions(input_ids, attention_mask, self.reward_pad_token_id)
+            pooled = hidden[rows, read_at.to(hidden.device)]
+            pooled = pooled.to(device=self.score_head.weight.device, dtype=torch.float32)
+            return self.score_head(pooled).squeeze(-1)
 
-    def generate(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **generation_kwargs: Any
+    def sample(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        settings: SamplingSettings,
+        past_key_values: Any = None,
     ) -> torch.Tensor:
-        """``generate`` under the policy, in eval mode, without grad. Returns prompt + completion ids.
+        """Sample completions from ``softmax(logits / temperature)`` under the ACTIVE view, in eval mode
+        without grad; returns ``[batch, settings.max_new_tokens]`` completion ids. The model's own generation
+        config (a repetition penalty, top-k, ...) does not apply: see :func:`marl.sampling.sample`.
 
         Example:
-            >>> out = model.generate(ids, mask, max_new_tokens=16, do_sample=True, temperature=0.7)
+            >>> with model.policy():
+            ...     completions = model.sample(ids, mask, SamplingSettings(0.7, 16, (eos,), pad))
         """
-        with self.policy(), self._inference():
-            return self.peft_model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, **generation_kwargs
-            )
+        with self._inference():
+            return sample(self.peft_model, input_ids, attention_mask, settings, past_key_values)
 
     def save_policy_adapter(self, directory: str | os.PathLike) -> None:
-        """Write the policy adapter alone as a standard PEFT directory (``adapter_config.json`` +
+        """Write the policy adapter alone as a standard PEFT folder (``adapter_config.json`` +
         ``adapter_model.safetensors``), loadable with ``PeftModel.from_pretrained(base, directory)``.
 
         Example:
             >>> model.save_policy_adapter("runs/final-adapter")
         """
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = get_peft_model_state_dict(self.peft_model, adapter_name=self.POLICY_ADAPTER)
-        state = {key: tensor.detach().to("cpu").contiguous() for key, tensor in state.items()}
-        save_file(state, str(directory / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
-        config = copy.deepcopy(self.peft_model.peft_config[self.POLICY_ADAPTER])
-        config.inference_mode = True
-        config.base_model_name_or_path = self.name_or_path
-        config.save_pretrained(str(directory))
+        adapters.save_adapter(self.peft_model, self.POLICY_ADAPTER, Path(directory), self.name_or_path)
 
     def memory_report(self) -> MemoryReport:
         """What each part costs in memory, and what separate model copies would cost (the "memory card").
@@ -618,97 +622,14 @@ class MultiAdapterModel:
         return build_memory_report(self)
 
 
-# ---------------------------------------------------------------------- adapter helpers
-
-
-class _DropInt8CastNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("MatMul8bitLt: inputs will be cast")
-
-
-def _silence_int8_cast_notice() -> None:
-    """LLM.int8 computes in float16 and logs that it casts the inputs, on every layer of every forward. The
-    cast is the documented behaviour of 8-bit mode, so the notice is dropped (once per process)."""
-    logger = logging.getLogger("bitsandbytes.autograd._functions")
-    if not any(isinstance(f, _DropInt8CastNotice) for f in logger.filters):
-        logger.addFilter(_DropInt8CastNotice())
-
-
-def _keep_4bit_layers_differentiable_on_cpu(model: nn.Module) -> None:
-    """Stop bitsandbytes from repacking 4-bit weights into its CPU inference layout.
-
-    On CPUs with AVX512-BF16, the first eval-mode no-grad forward of a ``Linear4bit`` repacks its weight
-    for a fast inference kernel and keeps it that way; later forwards then use that kernel, which has no
-    backward (gradients to earlier layers are lost, and a layer with a bias fails). Here every view of the
-    one base is used both for scoring (no grad) and for the policy update (grad), so the repacking must not
-    happen.
-    """
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.support_avx512bf16_for_cpu = False
-
-
-def _read_adapter_config(directory: Path, *, role: str) -> dict[str, Any]:
-    if not directory.exists():
-        raise FileNotFoundError(
-            f"{role} adapter directory {directory} does not exist; pass the directory that "
-            "save_pretrained / RewardTrainer.save_model wrote"
-        )
-    if not directory.is_dir():
-        raise NotADirectoryError(
-            f"{role} adapter {directory} is a file; pass the adapter's directory instead"
-        )
-    config_file = directory / ADAPTER_CONFIG_NAME
-    if not config_file.is_file():
-        raise ValueError(
-            f"{directory} is not a PEFT adapter: it has no {ADAPTER_CONFIG_NAME}. Save the {role} model "
-            f"with a "
-            "peft LoraConfig (e.g. RewardTrainer(..., peft_config=LoraConfig(task_type='SEQ_CLS')))"
-        )
-    with config_file.open() as handle:
-        config = json.load(handle)
-    if config.get("peft_type") != "LORA":
-        raise ValueError(
-            f"{role} adapter {directory} is a {config.get('peft_type')!r} adapter; only LoRA adapters are "
-            f"supported"
-        )
-    return config
-
-
-def _adapter_weights_file(directory: Path, *, allow_pickle: bool, role: str) -> Path:
-    safetensors_file = directory / SAFETENSORS_WEIGHTS_NAME
-    if safetensors_file.is_file():
-        return safetensors_file
-    pickle_file = directory / PICKLE_WEIGHTS_NAME
-    if pickle_file.is_file():
-        if not allow_pickle:
-            raise ValueError(
-                f"{role} adapter {directory} only has pickled weights ({PICKLE_WEIGHTS_NAME}); loading a "
-                f"pickle can "
-                "run arbitrary code. Re-save it as safetensors, or pass allow_pickle=True if you trust its "
-                "source"
-            )
-        return pickle_file
-    raise ValueError(
-        f"{role} adapter {directory} has {ADAPTER_CONFIG_NAME} but no weights ({SAFETENSORS_WEIGHTS_NAME}); "
-        "the save did not finish or the directory was copied partially"
-    )
-
-
-def _load_adapter_state(weights_file: Path) -> dict[str, torch.Tensor]:
-    if weights_file.suffix == ".safetensors":
-        return load_file(str(weights_file), device="cpu")
-    return torch.load(weights_file, map_location="cpu", weights_only=True)
+# ---------------------------------------------------------------------- building the views
 
 
 def _add_frozen_copy(peft_model: PeftModel, source: str, target: str) -> None:
     """Add adapter ``target`` holding the exact current weights of adapter ``source``."""
     config = copy.deepcopy(peft_model.peft_config[source])
     config.inference_mode = True
-    # The copy's initial values are overwritten below; an initialisation that rewrites base weights (PiSSA,
-    # ...) must not run a second time.
+    # The copy's initial values are overwritten below; no initialisation needs to run.
     config.init_lora_weights = False
     peft_model.add_adapter(target, config)
     state = get_peft_model_state_dict(peft_model, adapter_name=source)
@@ -722,86 +643,50 @@ def _add_frozen_copy(peft_model: PeftModel, source: str, target: str) -> None:
 def _attach_reward_adapter(
     peft_model: PeftModel,
     directory: Path,
+    raw_config: dict[str, Any],
+    state: dict[str, torch.Tensor],
     adapter_name: str,
     dtype: torch.dtype,
-    *,
     base_path: str,
-    allow_pickle: bool,
-) -> tuple[nn.Linear, RewardHeadInfo]:
-    """Validate a SEQ_CLS reward adapter, load its LoRA into ``peft_model`` and its head into a frozen
-    Linear."""
-    raw_config = _read_adapter_config(directory, role="reward")
-    state = _load_adapter_state(_adapter_weights_file(directory, allow_pickle=allow_pickle, role="reward"))
+) -> tuple[nn.Linear, adapters.RewardHead]:
+    """Load a checked SEQ_CLS reward adapter's LoRA into ``peft_model`` (frozen, compute dtype) and its score
+    head into a frozen float32 Linear."""
     base = peft_model.get_base_model()
     hidden_size = base.get_output_embeddings().weight.shape[1]
-
-    head_tensors: dict[str, torch.Tensor] = {}
-    head_keys: list[str] = []
-    for key in state:
-        match = _HEAD_KEY.match(key)
-        if match:
-            if match["part"] in head_tensors:
-                raise ValueError(
-                    f"reward adapter {directory} has two score-head {match['part']}s: {[*head_keys, key]}"
-                )
-            head_tensors[match["part"]] = state[key]
-            head_keys.append(key)
-    if "weight" not in head_tensors:
-        raise ValueError(
-            f"reward adapter {directory} has no score head (no key like 'base_model.model.score.weight'). A "
-            f"reward "
-            "adapter must be trained as a sequence classifier: LoraConfig(task_type='SEQ_CLS') saves the "
-            "head "
-            "through modules_to_save"
-        )
-    weight = head_tensors["weight"]
-    if weight.dim() != 2 or weight.shape[1] != hidden_size:
-        raise ValueError(
-            f"reward adapter {directory}: score head has shape {tuple(weight.shape)} but this base has "
-            f"hidden size "
-            f"{hidden_size}; the adapter was trained on a different base model. Load it with the base it was "
-            f"trained on ({raw_config.get('base_model_name_or_path')!r})"
-        )
-    num_labels = weight.shape[0]
-    if num_labels not in (1, 2):
-        raise ValueError(
-            f"reward adapter {directory}: score head has {num_labels} labels; a reward model has 1 (or 2, "
-            f"where "
-            "the last label is read as 'preferred')"
-        )
-    if num_labels == 2:
-        warnings.warn(
-            f"reward adapter {directory} has a 2-label head; using the last label's logit as the reward",
-            stacklevel=3,
-        )
-    bias = head_tensors.get("bias")
-
+    head = adapters.read_reward_head(state, directory, hidden_size)
     recorded_base = raw_config.get("base_model_name_or_path")
-    if recorded_base and not _same_model(recorded_base, base_path):
+    if recorded_base and not adapters.same_model(recorded_base, base_path):
         warnings.warn(
             f"reward adapter {directory} was trained on {recorded_base!r} but is loaded on {base_path!r}; "
-            f"its "
+            "its "
             "scores are only meaningful on the base it was trained on",
             stacklevel=3,
         )
+    lora_state = adapters.lora_tensors(state)
+    adapters.check_lora_targets(base, lora_state, directory)
 
-    lora_state = {key: tensor for key, tensor in state.items() if key not in head_keys}
-    _check_lora_targets(base, lora_state, directory)
-
-    config = LoraConfig.from_pretrained(str(directory))
+    try:
+        config = LoraConfig.from_pretrained(str(directory))
+    except Exception as error:
+        raise AdapterError(
+            f"reward adapter {directory}: {adapters.ADAPTER_CONFIG_NAME} is not a LoRA configuration this "
+            "peft "
+            f"version reads ({type(error).__name__}: {error})"
+        ) from error
     config.task_type = "CAUSAL_LM"
     config.modules_to_save = None
     config.inference_mode = True
+    config.init_lora_weights = False  # the saved weights replace the initial values
     peft_model.add_adapter(adapter_name, config)
     result = set_peft_model_state_dict(peft_model, lora_state, adapter_name=adapter_name)
     if result.unexpected_keys:
-        raise ValueError(
+        raise AdapterError(
             f"reward adapter {directory}: weights that match no module of this base: "
             f"{result.unexpected_keys[:5]}"
         )
     missing = [key for key in result.missing_keys if f".{adapter_name}." in key and "lora_" in key]
     if missing:
-        raise ValueError(
+        raise AdapterError(
             f"reward adapter {directory} is incomplete: no weights for {missing[:5]}; re-save it"
         )
     for name, parameter in peft_model.named_parameters():
@@ -809,54 +694,46 @@ def _attach_reward_adapter(
             parameter.data = parameter.data.to(dtype)
             parameter.requires_grad_(False)
 
-    head = nn.Linear(
-        hidden_size, 1, bias=bias is not None, dtype=dtype, device=base.get_output_embeddings().weight.device
-    )
+    device = base.get_output_embeddings().weight.device
+    # float32: bf16 would round scores to about three digits before the leave-one-out differences.
+    score_head = nn.Linear(hidden_size, 1, bias=head.has_bias, dtype=torch.float32, device=device)
     with torch.no_grad():
-        head.weight.copy_(weight[-1:])
-        if bias is not None:
-            head.bias.copy_(bias.reshape(-1)[-1:])
-    head.requires_grad_(False)
-    head.eval()
-    return head, RewardHeadInfo(key=head_keys[0], num_labels=num_labels, has_bias=bias is not None)
+        score_head.weight.copy_(head.weight)
+        if head.bias is not None:
+            score_head.bias.copy_(head.bias)
+    score_head.requires_grad_(False)
+    score_head.eval()
+    return score_head, head
 
 
-def _same_model(recorded: str, loaded: str) -> bool:
-    if recorded == loaded:
-        return True
-    recorded_path, loaded_path = Path(recorded), Path(loaded)
-    if recorded_path.exists() and loaded_path.exists():
-        return recorded_path.resolve() == loaded_path.resolve()
-    return recorded_path.name == loaded_path.name
+def _tokenizer_pad_token_id(path: str, trust_remote_code: bool) -> int:
+    """The padding id TRL's ``RewardTrainer`` would have used with this base's tokenizer (pad, else EOS)."""
+    from transformers import AutoTokenizer
+
+    from marl.sampling import pad_token_id
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise ModelError(
+            f"the reward adapter does not record its padding token ({adapters.REWARD_READING_FILE}) and the "
+            f"tokenizer of {path} cannot be loaded to find it ({type(error).__name__}: {error}). Add "
+            f'{adapters.REWARD_READING_FILE} with {{"pad_token_id": ID}} to the adapter folder'
+        ) from error
+    return pad_token_id(tokenizer)
 
 
-def _check_lora_targets(base: nn.Module, lora_state: dict[str, torch.Tensor], directory: Path) -> None:
-    """Every LoRA tensor must land on an existing Linear of this base with matching in/out features."""
-    modules = dict(base.named_modules())
-    missing: list[str] = []
-    for key, tensor in lora_state.items():
-        match = _LORA_KEY.match(key)
-        if match is None:
-            continue
-        module = modules.get(match["module"])
-        if module is None:
-            missing.append(match["module"])
-            continue
-        in_features = getattr(module, "in_features", None)
-        out_features = getattr(module, "out_features", None)
-        if match["part"] == "lora_A" and in_features is not None and tensor.shape[1] != in_features:
-            raise ValueError(
-                f"reward adapter {directory}: {key} expects {tensor.shape[1]} input features but "
-                f"{match['module']} has {in_features}; the adapter was trained on a different base model"
-            )
-        if match["part"] == "lora_B" and out_features is not None and tensor.shape[0] != out_features:
-            raise ValueError(
-                f"reward adapter {directory}: {key} expects {tensor.shape[0]} output features but "
-                f"{match['module']} has {out_features}; the adapter was trained on a different base model"
-            )
-    if missing:
-        raise ValueError(
-            f"reward adapter {directory} targets modules that do not exist in this base: "
-            f"{sorted(set(missing))[:5]}; "
-            "it was trained on a different architecture. Load it with the base it was trained on"
+def _check_only_policy_trains(
+    peft_model: PeftModel, policy_parameters: list[nn.Parameter], policy_name: str
+) -> None:
+    """Every trainable tensor must belong to the policy adapter: a trainable base tensor would move the reward
+    and the reference too."""
+    names = {id(parameter): name for name, parameter in peft_model.named_parameters()}
+    foreign = [names[id(p)] for p in policy_parameters if f".{policy_name}." not in names[id(p)]]
+    if foreign:
+        raise AdapterError(
+            f"the policy adapter would train {len(foreign)} tensor(s) of the shared base, e.g. "
+            f"{foreign[:3]}; "
+            "the reward and the reference would move with them. Train only adapter weights (LoraConfig with "
+            "bias='none' and no trainable base modules)"
         )

@@ -30,15 +30,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from marl.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, write_reward_reading
+from marl.quantization import (
+    bitsandbytes_config,
+    default_compute_dtype,
+    parse_quantization,
+    prepare_quantized_base,
+)
+
 if TYPE_CHECKING:
     import datasets
     import torch
 
-QUANTIZATION_CHOICES = (None, "4bit", "8bit")
 ROTTEN_TOMATOES = "rotten-tomatoes"
 SUMMARY_FILE = "training_summary.json"
 # What the adapter folder keeps: everything else PEFT or the trainer might write is left out.
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ADAPTER_FILES = (ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
 
 
 @dataclass
@@ -103,10 +110,7 @@ class RewardAdapterArguments:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.quantization, str) and self.quantization.lower() in ("none", "null", ""):
-            self.quantization = None
-        if self.quantization not in QUANTIZATION_CHOICES:
-            raise ValueError(f"quantization must be one of 4bit, 8bit or none, got {self.quantization!r}")
+        self.quantization = parse_quantization(self.quantization)
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction}")
         for name in ("max_train_pairs", "max_eval_pairs"):
@@ -190,26 +194,8 @@ def _check_pairs(pairs: datasets.Dataset, name: str) -> None:
 # Model
 
 
-def _quantization_config(quantization: str | None, compute_dtype: torch.dtype):
-    from transformers import BitsAndBytesConfig
-
-    if quantization is None:
-        return None
-    if quantization == "4bit":
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype,
-        )
-    if quantization == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    raise ValueError(f"quantization must be one of 4bit, 8bit or None, got {quantization!r}")
-
-
-def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype, gradient_checkpointing: bool):
+def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype):
     import torch
-    from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -219,14 +205,14 @@ def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype, g
         path,
         num_labels=1,
         dtype=dtype,
-        quantization_config=_quantization_config(quantization, dtype),
+        quantization_config=bitsandbytes_config(quantization, dtype),
         device_map=device_map,
     )
     # The classifier pools at the last token that is not padding; it needs to know which id that is.
     model.config.pad_token_id = tokenizer.pad_token_id
     if quantization is not None:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
-        keep_4bit_weights_differentiable_on_cpu(model)
+        # Gradient checkpointing, if asked for, is switched on by RewardTrainer (activation_checkpointing).
+        model = prepare_quantized_base(model, quantization)
     return model, tokenizer
 
 
@@ -248,26 +234,6 @@ def _pad_with_a_token_other_than_eos(tokenizer) -> None:
         "that ends each text; add a pad token to the tokenizer (tokenizer.add_special_tokens({'pad_token': "
         "...}) and save it with the base) and train again"
     )
-
-
-def keep_4bit_weights_differentiable_on_cpu(model) -> int:
-    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel; returns how many layers.
-
-    On CPUs with AVX512-BF16, a ``Linear4bit`` that runs once in eval mode without gradients repacks its
-    weight for a fast inference kernel and keeps it that way. That kernel has no backward, so a later training
-    step silently gets no gradient through the base weights (only a warning about ``gemv_4bit`` and autograd).
-    Scoring the held-out pairs before training would trigger it.
-
-    Example:
-        >>> keep_4bit_weights_differentiable_on_cpu(model)  # doctest: +SKIP
-        210
-    """
-    changed = 0
-    for module in model.modules():
-        if getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
-            changed += 1
-    return changed
 
 
 def _lora_placement(model, target_modules: str | list[str], last_layers: int | None) -> dict[str, Any]:
@@ -296,14 +262,6 @@ def _lora_placement(model, target_modules: str | list[str], last_layers: int | N
         "target_modules": list(target_modules),
         "layers_to_transform": list(range(num_layers - last_layers, num_layers)),
     }
-
-
-def _default_dtype() -> torch.dtype:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -398,8 +356,7 @@ def train_reward_adapter(
 
     from marl.assets import resolve_model_path
 
-    if quantization not in QUANTIZATION_CHOICES:
-        raise ValueError(f"quantization must be one of 4bit, 8bit or None, got {quantization!r}")
+    quantization = parse_quantization(quantization)
     _check_pairs(train_pairs, "train_pairs")
     _check_pairs(eval_pairs, "eval_pairs")
     output_dir = Path(output_dir)
@@ -409,11 +366,9 @@ def train_reward_adapter(
         )
 
     started = time.perf_counter()
-    dtype = dtype or _default_dtype()
+    dtype = dtype or default_compute_dtype()
     torch.manual_seed(seed)  # the score head is freshly initialised when the base is loaded
-    model, tokenizer = _load_reward_base(
-        resolve_model_path(model_name_or_path), quantization, dtype, gradient_checkpointing
-    )
+    model, tokenizer = _load_reward_base(resolve_model_path(model_name_or_path), quantization, dtype)
     peft_config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
         r=lora_r,
@@ -469,6 +424,8 @@ def train_reward_adapter(
         peft_model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
         for name in ADAPTER_FILES:
             os.replace(Path(staging) / name, output_dir / name)
+    # Where the score is read depends on the padding id used in training: record it with the adapter.
+    write_reward_reading(output_dir, tokenizer.pad_token_id, tokenizer.pad_token)
 
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     summary = {
@@ -578,7 +535,8 @@ model = MultiAdapterModel.from_pretrained(
 )
 ```
 
-It scores plain text followed by the EOS token, read at that EOS (the last attended token).
+It scores plain text followed by the EOS token, read at that EOS: training padded with a token other than
+the EOS, and `marl_reward.json` records that padding id so that marl reads the score where training read it.
 
 | | |
 |---|---|

@@ -51,9 +51,11 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from marl import rloo
+from marl.adapters import SAFETENSORS_WEIGHTS_NAME
 from marl.config import RLOOConfig
 from marl.data import left_pad, tokenize_prompt
-from marl.model import SAFETENSORS_WEIGHTS_NAME, MultiAdapterModel, position_ids_from_mask
+from marl.model import MultiAdapterModel, position_ids_from_mask
+from marl.sampling import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
 
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
@@ -169,20 +171,25 @@ class RLOOTrainer:
                 "`torchrun --nproc_per_node N ...` and create PartialState(cpu=True) before loading the model"
             )
 
-        self.pad_token_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
-        if self.pad_token_id is None:
-            raise ValueError(
-                "the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token"
-            )
-        self.stop_token_id = config.stop_token_id
+        self.pad_token_id = pad_token_id(tokenizer)
+        # Every end-of-sequence id of the model: a list in generation_config.eos_token_id (Llama-3.x-Instruct
+        # has three) all end a completion when stop_token='eos', and all count in val/num_eos_tokens.
+        self.eos_token_ids = eos_token_ids(tokenizer, model.peft_model.get_base_model().generation_config)
         if config.stop_token == "eos":
-            if tokenizer.eos_token_id is None:
+            if not self.eos_token_ids:
                 raise ValueError(
                     "stop_token='eos' but the tokenizer has no EOS token; pass --stop_token_id ID"
                 )
-            self.stop_token_id = tokenizer.eos_token_id
+            self.stop_token_ids = self.eos_token_ids
+        else:
+            self.stop_token_ids = () if config.stop_token_id is None else (config.stop_token_id,)
+        self.share_prompt_cache = prompt_cache_can_be_shared(model.peft_model.get_base_model())
+        self.sampling = SamplingSettings(
+            temperature=config.temperature,
+            max_new_tokens=config.response_length,
+            stop_token_ids=self.stop_token_ids,
+            pad_token_id=self.pad_token_id,
+        )
 
         self.train_prompts = self._prepare_prompts(train_dataset, "train_dataset")
         self.eval_prompts = (
@@ -195,9 +202,8 @@ class RLOOTrainer:
         else:
             self.sample_every = 0
 
-        base = model.peft_model.get_base_model()
-        if config.gradient_checkpointing and not base.is_activation_checkpointing:
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if config.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
         self._synchronise_policy_weights()
 
         self.policy_parameters = model.policy_parameters()
@@ -205,13 +211,17 @@ class RLOOTrainer:
             self.policy_parameters, lr=config.learning_rate, weight_decay=config.weight_decay
         )
         total_steps = self.sizes.total_optimizer_steps
-        warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_steps)
+        # warmup_steps counts updates, as in TRL's RLOO trainer; the schedule itself steps per optimizer step.
+        warmup = config.warmup_steps * self.sizes.optimizer_steps_per_update or math.ceil(
+            config.warmup_ratio * total_steps
+        )
         scheduler = get_scheduler(
             config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
         )
         self.optimizer, self.lr_scheduler = self.accelerator.prepare(optimizer, scheduler)
 
         self.state = TrainerState()
+        self.last_learning_rate = float(self.lr_scheduler.get_last_lr()[0])
         self.log_history: list[dict[str, float]] = []
         self.first_microbatch_ratios: list[float] = []
         self.output_dir = Path(config.output_dir)
@@ -307,7 +317,7 @@ class RLOOTrainer:
 
         Each prompt is prefilled ONCE: its KV cache is copied to its k samples, instead of running the prompt
         through the model k times. Prompts go in chunks of ``local_rollout_forward_batch_size`` sampled rows.
-        Completions are right-padded to ``response_length``.
+        Sampling draws from exactly ``softmax(logits / temperature)`` (see :mod:`marl.sampling`).
         """
         config, k = self.config, samples_per_prompt
         prompts_per_chunk = max(1, config.local_rollout_forward_batch_size // k)
@@ -315,23 +325,13 @@ class RLOOTrainer:
         for start in range(0, prompt_ids.shape[0], prompts_per_chunk):
             ids = prompt_ids[start : start + prompts_per_chunk]
             mask = prompt_mask[start : start + prompts_per_chunk]
-            with self.accelerator.autocast():
-                output = self.model.generate(
+            with self.model.policy(), self.accelerator.autocast():
+                responses = self.model.sample(
                     ids.repeat_interleave(k, dim=0),
                     mask.repeat_interleave(k, dim=0),
+                    self.sampling,
                     past_key_values=self._shared_prompt_cache(ids, mask, k),
-                    max_new_tokens=config.response_length,
-                    do_sample=True,
-                    temperature=config.temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    eos_token_id=self.stop_token_id,
-                    pad_token_id=self.pad_token_id,
                 )
-            responses = output[:, ids.shape[1] :]
-            missing = config.response_length - responses.shape[1]
-            if missing > 0:
-                responses = torch.nn.functional.pad(responses, (0, missing), value=self.pad_token_id)
             # generate ran prompt-major (row i * k + j); the rollout layout is k-major (row j * P + i)
             pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
         return torch.cat(pieces, dim=1).reshape(k * prompt_ids.shape[0], -1)
@@ -341,7 +341,7 @@ class RLOOTrainer:
 
         ``None`` (generate prefills by itself) when there is nothing to share: one copy or one-token prompts.
         """
-        if copies == 1 or prompt_ids.shape[1] < 2:
+        if copies == 1 or prompt_ids.shape[1] < 2 or not self.share_prompt_cache:
             return None
         with self.model.policy(), torch.no_grad(), self.accelerator.autocast():
             prefill = self.model.peft_model(
@@ -424,22 +424,14 @@ class RLOOTrainer:
         # k-major: the prompt block is repeated k times, so row j * P + i is sample j of prompt i.
         prompt_ids, prompt_mask = prompt_ids.repeat(k, 1), prompt_mask.repeat(k, 1)
         prompt_texts = [text for _, text in prompt_rows] * k
-        if self.stop_token_id is not None:
-            responses, contains_stop = rloo.truncate_after_stop_token(
-                responses, self.stop_token_id, self.pad_token_id
-            )
-        else:
-            contains_stop = torch.zeros(responses.shape[0], dtype=torch.bool, device=responses.device)
-        lengths = rloo.response_lengths(responses, self.stop_token_id)
+        responses, contains_stop = rloo.truncate_after_stop_token(
+            responses, self.stop_token_ids, self.pad_token_id
+        )
+        lengths = rloo.response_lengths(responses, self.stop_token_ids)
         response_mask = rloo.response_mask(lengths, responses.shape[1])
         query_responses = torch.cat([prompt_ids, responses], dim=1)
         attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)
-        eos_token_id = self.tokenizer.eos_token_id
-        contains_eos = (
-            ((responses == eos_token_id) & response_mask).any(dim=1)
-            if eos_token_id is not None
-            else torch.zeros_like(contains_stop)
-        )
+        contains_eos = (rloo.is_stop_token(responses, self.eos_token_ids) & response_mask).any(dim=1)
         completions = self.tokenizer.batch_decode(
             [row[:length].tolist() for row, length in zip(responses, lengths.tolist(), strict=True)],
             skip_special_tokens=True,
@@ -509,6 +501,10 @@ class RLOOTrainer:
             skip = self.accelerator.scaler is None and not torch.isfinite(torch.as_tensor(grad_norm)).item()
         if not skip:
             self.optimizer.step()
+            # fp16: the loss scaler skips a step whose gradients overflowed (and lowers its scale).
+            skip = self.optimizer.step_was_skipped
+        # The learning rate this step used, logged as `lr` (read before the schedule moves on).
+        self.last_learning_rate = float(self.lr_scheduler.get_last_lr()[0])
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.global_step += 1
@@ -526,64 +522,69 @@ class RLOOTrainer:
         totals = torch.zeros(8, dtype=torch.float64, device=self.accelerator.device)
         first_microbatch = True
         self.model.train()
-        for _epoch in range(config.num_ppo_epochs):
-            order = torch.randperm(sizes.local_batch_size).to(self.accelerator.device)
-            for mini_start in range(0, sizes.local_batch_size, sizes.local_mini_batch_size):
-                mini_batch = order[mini_start : mini_start + sizes.local_mini_batch_size]
-                loss_finite = True
-                for micro_start in range(0, sizes.local_mini_batch_size, config.per_device_train_batch_size):
-                    rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
-                    mask = rollout.response_mask[rows]
-                    with self.model.policy(), self.accelerator.autocast():
-                        new_logprobs, entropy = self.model.token_logprobs(
-                            rollout.query_responses[rows],
-                            rollout.attention_mask[rows],
-                            response_start=rollout.prompt_length,
-                            temperature=config.temperature,
-                            with_entropy=True,
+        try:
+            for _epoch in range(config.num_ppo_epochs):
+                order = torch.randperm(sizes.local_batch_size).to(self.accelerator.device)
+                for mini_start in range(0, sizes.local_batch_size, sizes.local_mini_batch_size):
+                    mini_batch = order[mini_start : mini_start + sizes.local_mini_batch_size]
+                    loss_finite = True
+                    for micro_start in range(
+                        0, sizes.local_mini_batch_size, config.per_device_train_batch_size
+                    ):
+                        rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
+                        mask = rollout.response_mask[rows]
+                        with self.model.policy(), self.accelerator.autocast():
+                            new_logprobs, entropy = self.model.token_logprobs(
+                                rollout.query_responses[rows],
+                                rollout.attention_mask[rows],
+                                response_start=rollout.prompt_length,
+                                temperature=config.temperature,
+                                with_entropy=True,
+                            )
+                        new_seq_logprob = rloo.masked_sum(new_logprobs, mask)
+                        # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
+                        old = old_seq_logprob[rows] if reuse_samples else new_seq_logprob.detach()
+                        policy = rloo.clipped_policy_loss(
+                            new_seq_logprob, old, advantages[rows], config.cliprange
                         )
-                    new_seq_logprob = rloo.masked_sum(new_logprobs, mask)
-                    # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
-                    old = old_seq_logprob[rows] if reuse_samples else new_seq_logprob.detach()
-                    policy = rloo.clipped_policy_loss(
-                        new_seq_logprob, old, advantages[rows], config.cliprange
-                    )
-                    loss = policy.loss
-                    if config.token_level_kl:
-                        k3 = rloo.token_level_k3_kl(new_logprobs, rollout.ref_logprobs[rows], mask)
-                        loss = loss + config.kl_coef * k3.sum(dim=1).mean()
-                    if torch.isfinite(loss):
-                        self.accelerator.backward(loss / config.gradient_accumulation_steps)
-                    else:
-                        loss_finite = False
-                    if first_microbatch:
-                        self.first_microbatch_ratios.append(policy.ratio.mean().item())
-                        first_microbatch = False
-                    with torch.no_grad():
-                        totals += torch.stack(
-                            [
-                                (0.5 * policy.log_ratio**2).sum(),
-                                policy.clipped.sum(),
-                                policy.loss.detach() * rows.numel(),
-                                policy.ratio.sum(),
-                                (policy.ratio**2).sum(),
-                                torch.tensor(rows.numel(), device=totals.device),
-                                torch.where(mask, entropy, torch.zeros_like(entropy)).sum(),
-                                mask.sum(),
-                            ]
-                        ).to(totals)
-                if self._optimizer_step(loss_finite):
-                    warnings.warn(
-                        f"update {self.state.update + 1}: non-finite loss or gradient; step skipped",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
-        self.model.eval()
+                        loss = policy.loss
+                        if config.token_level_kl:
+                            k3 = rloo.token_level_k3_kl(new_logprobs, rollout.ref_logprobs[rows], mask)
+                            loss = loss + config.kl_coef * k3.sum(dim=1).mean()
+                        if torch.isfinite(loss):
+                            self.accelerator.backward(loss / config.gradient_accumulation_steps)
+                        else:
+                            loss_finite = False
+                        if first_microbatch:
+                            self.first_microbatch_ratios.append(policy.ratio.mean().item())
+                            first_microbatch = False
+                        with torch.no_grad():
+                            totals += torch.stack(
+                                [
+                                    (0.5 * policy.log_ratio**2).sum(),
+                                    policy.clipped.sum(),
+                                    policy.loss.detach() * rows.numel(),
+                                    policy.ratio.sum(),
+                                    (policy.ratio**2).sum(),
+                                    torch.tensor(rows.numel(), device=totals.device),
+                                    torch.where(mask, entropy, torch.zeros_like(entropy)).sum(),
+                                    mask.sum(),
+                                ]
+                            ).to(totals)
+                    if self._optimizer_step(loss_finite):
+                        warnings.warn(
+                            f"update {self.state.update + 1}: non-finite loss or gradient; step skipped",
+                            RuntimeWarning,
+                            stacklevel=2,
+                        )
+        finally:
+            self.model.eval()
         return totals
 
     def _skip_update(self) -> None:
         """Count the optimizer steps of an update with non-finite rewards as skipped; the schedule moves."""
         for _ in range(self.sizes.optimizer_steps_per_update):
+            self.last_learning_rate = float(self.lr_scheduler.get_last_lr()[0])
             self.lr_scheduler.step()
             self.state.global_step += 1
             self.state.skipped_optimizer_steps += 1
@@ -634,7 +635,7 @@ class RLOOTrainer:
             {
                 "val/num_eos_tokens": num_eos,
                 "skipped_optimizer_steps": float(self.state.skipped_optimizer_steps),
-                "lr": float(self.lr_scheduler.get_last_lr()[0]),
+                "lr": self.last_learning_rate,
                 "episode": float(self.state.episode),
             }
         )
@@ -684,9 +685,8 @@ class RLOOTrainer:
         with torch.random.fork_rng(devices=devices):
             prompt_ids, prompt_mask = self._left_pad([ids for ids, _ in prompt_rows])
             responses = self._sample_completions(prompt_ids, prompt_mask, samples_per_prompt=1)
-        if self.stop_token_id is not None:
-            responses, _ = rloo.truncate_after_stop_token(responses, self.stop_token_id, self.pad_token_id)
-        lengths = rloo.response_lengths(responses, self.stop_token_id)
+        responses, _ = rloo.truncate_after_stop_token(responses, self.stop_token_ids, self.pad_token_id)
+        lengths = rloo.response_lengths(responses, self.stop_token_ids)
         mask = rloo.response_mask(lengths, responses.shape[1])
         texts = [text for _, text in prompt_rows]
         completions = self.tokenizer.batch_decode(

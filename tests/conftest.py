@@ -148,3 +148,72 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+def train_reward_adapter_with_trl(base_dir: Path, output_dir: Path) -> Path:
+    """A reward adapter made the way users make one: TRL's RewardTrainer with a SEQ_CLS LoRA, a few steps."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+    from trl import RewardConfig, RewardTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    pairs = Dataset.from_dict(
+        {
+            "chosen": ["good great film", "a lovely charming story", "wonderful and moving"] * 4,
+            "rejected": ["bad awful film", "a dull boring mess", "dreadful and stale"] * 4,
+        }
+    )
+    args = RewardConfig(
+        output_dir=str(output_dir),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        learning_rate=3e-2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = RewardTrainer(
+        model=str(base_dir),
+        args=args,
+        train_dataset=pairs,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    trainer.train()
+    trainer.save_model(str(output_dir))
+    return output_dir
+
+
+@pytest.fixture(scope="session")
+def reward_adapter_factory(tiny_model_factory, tmp_path_factory):
+    """``reward_adapter_factory(architecture) -> Path`` of a RewardTrainer-made adapter (built once per
+    session)."""
+    cache: dict[str, Path] = {}
+
+    def make(architecture: str = "llama") -> Path:
+        if architecture not in cache:
+            cache[architecture] = train_reward_adapter_with_trl(
+                tiny_model_factory(architecture), tmp_path_factory.mktemp(f"reward-{architecture}")
+            )
+        return cache[architecture]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory: pytest.TempPathFactory):
+    """``family_dir(name) -> Path`` of a saved tiny model of a family in ``tests/families.py`` (built once per
+    session)."""
+    from families import build_family
+
+    cache: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            cache[name] = build_family(name, tmp_path_factory.mktemp(f"family-{name}"))
+        return cache[name]
+
+    return make

@@ -127,3 +127,25 @@ def test_reward_scorer_reads_every_text_at_an_appended_eos(eval_setup):
     assert scores[1] == pytest.approx(expected.item(), abs=1e-5)
     # Left padding inside a batch does not change a row's score.
     assert scorer(["a dull"], [" boring film"])[0] == pytest.approx(scores[1], abs=1e-5)
+
+
+def test_evaluate_works_with_a_tokenizer_without_pad_token(family_dir, eval_setup, tmp_path):
+    """Llama-3 style tokenizers have no pad token: evaluation pads with the EOS, as the trainer does, and
+    stops at any of the model's terminators."""
+    base = family_dir("llama3")
+    policy = save_policy_adapter(base, tmp_path / "policy", 0.3)
+    summary = run_evaluation(
+        EvaluateArguments(
+            policy_adapter=str(policy),
+            model_name_or_path=str(base),
+            dataset_name=eval_setup["prompts"],
+            dataset_split="train",
+            prompt_column="text",
+            num_prompts=len(PROMPTS),
+            response_length=6,
+            batch_size=3,
+            output_dir=str(tmp_path / "eval"),
+        )
+    )
+    assert 0.0 <= summary["comparison"]["win_rate"] <= 1.0
+    assert 1.0 <= summary["policy"]["length"] <= 6.0

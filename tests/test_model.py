@@ -10,66 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_ARCHITECTURES, build_tiny_tokenizer
+from conftest import TINY_ARCHITECTURES, build_tiny_tokenizer, train_reward_adapter_with_trl
 from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from marl.model import MultiAdapterModel, last_token_index, position_ids_from_mask
+from marl.sampling import SamplingSettings
 
 QUANTIZATIONS = (None, "8bit", "4bit")
-
-
-def train_reward_adapter(base_dir: Path, output_dir: Path) -> Path:
-    """A reward adapter made the way users make one: TRL's RewardTrainer with a SEQ_CLS LoRA, a few steps."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import RewardConfig, RewardTrainer
-
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    pairs = Dataset.from_dict(
-        {
-            "chosen": ["good great film", "a lovely charming story", "wonderful and moving"] * 4,
-            "rejected": ["bad awful film", "a dull boring mess", "dreadful and stale"] * 4,
-        }
-    )
-    args = RewardConfig(
-        output_dir=str(output_dir),
-        max_steps=4,
-        per_device_train_batch_size=4,
-        learning_rate=3e-2,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = RewardTrainer(
-        model=str(base_dir),
-        args=args,
-        train_dataset=pairs,
-        processing_class=tokenizer,
-        peft_config=LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules="all-linear"),
-    )
-    trainer.train()
-    trainer.save_model(str(output_dir))
-    return output_dir
-
-
-@pytest.fixture(scope="session")
-def reward_adapter_factory(tiny_model_factory, tmp_path_factory):
-    """``reward_adapter_factory(architecture) -> Path`` of a RewardTrainer-made adapter (built once per
-    session)."""
-    cache: dict[str, Path] = {}
-
-    def make(architecture: str = "llama") -> Path:
-        if architecture not in cache:
-            cache[architecture] = train_reward_adapter(
-                tiny_model_factory(architecture), tmp_path_factory.mktemp(f"reward-{architecture}")
-            )
-        return cache[architecture]
-
-    return make
 
 
 @pytest.fixture(scope="session")
@@ -212,8 +161,9 @@ def test_load_score_switch_and_train_step(
         reference = model.token_logprobs(ids, mask, response_start=2)
     assert (updated - logprobs.detach()).abs().max() > 1e-4
     assert (updated - reference).abs().max() > 1e-4
-    out = model.generate(ids, mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert out.shape == (3, ids.shape[1] + 3)
+    with model.policy():
+        completions = model.sample(ids, mask, SamplingSettings(1.0, 3, (), pad_token_id=0))
+    assert completions.shape == (3, 3)
 
 
 # ---------------------------------------------------------------------- views
@@ -486,18 +436,22 @@ def test_reward_validation_pickle_needs_opt_in(tiny_llama_dir, reward_adapter_fa
     )
 
 
-def test_reward_two_label_head_reads_the_last_label(
-    tiny_llama_dir, reward_adapter_factory, tmp_path, llama_model
-):
+def test_reward_two_label_head_reads_the_log_odds(tiny_llama_dir, reward_adapter_factory, tmp_path):
+    """A 2-label head scores the log-odds of label 1 over label 0, as a softmax over the two labels compares
+    them: equal to transformers' logits[:, 1] - logits[:, 0] of the same adapter."""
     adapter = _copy_adapter(reward_adapter_factory("llama"), tmp_path / "two")
     key = "base_model.model.score.weight"
+    torch.manual_seed(0)
     _edit_weights(adapter, lambda s: s.__setitem__(key, torch.cat([torch.randn(1, 64), s[key]])))
-    with pytest.warns(UserWarning, match="2-label head"):
-        model = MultiAdapterModel.from_pretrained(tiny_llama_dir, reward_adapter=adapter)
+    model = MultiAdapterModel.from_pretrained(tiny_llama_dir, reward_adapter=adapter)
     assert model.reward_head_info.num_labels == 2
-    ids, mask = padded_batch("left")
+    classifier = AutoModelForSequenceClassification.from_pretrained(tiny_llama_dir, num_labels=2)
+    reference = PeftModel.from_pretrained(classifier, str(adapter)).eval()
+    ids, mask = padded_batch("right")
+    with torch.no_grad():
+        logits = reference(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(
-        model.compute_reward_score(ids, mask), llama_model.compute_reward_score(ids, mask), rtol=0, atol=1e-6
+        model.compute_reward_score(ids, mask), logits[:, 1] - logits[:, 0], rtol=0, atol=1e-5
     )
 
 
@@ -588,7 +542,8 @@ def test_bfloat16_compute_dtype(tiny_llama_dir, reward_adapter_factory):
     model = MultiAdapterModel.from_pretrained(
         tiny_llama_dir, dtype=torch.bfloat16, reward_adapter=reward_adapter_factory("llama")
     )
-    assert model.dtype == torch.bfloat16 and model.score_head.weight.dtype == torch.bfloat16
+    # the score head runs in float32 whatever the compute dtype: bf16 would round scores to ~3 digits
+    assert model.dtype == torch.bfloat16 and model.score_head.weight.dtype == torch.float32
     ids, mask = padded_batch("right")
     assert model.compute_reward_score(ids, mask).dtype == torch.float32
     with model.reference(), torch.no_grad():
@@ -658,7 +613,7 @@ def medium_llama(tmp_path_factory) -> tuple[Path, Path]:
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    return directory, train_reward_adapter(directory, tmp_path_factory.mktemp("medium-reward"))
+    return directory, train_reward_adapter_with_trl(directory, tmp_path_factory.mktemp("medium-reward"))
 
 
 @pytest.mark.slow
@@ -702,7 +657,7 @@ def test_bundled_smollm2_in_4bit_loads_scores_and_switches(tmp_path):
     from marl.assets import EMBEDDED_MODEL_ID, resolve_model_path
 
     base_dir = Path(resolve_model_path(EMBEDDED_MODEL_ID))
-    reward_dir = train_reward_adapter(base_dir, tmp_path / "reward")
+    reward_dir = train_reward_adapter_with_trl(base_dir, tmp_path / "reward")
     model = MultiAdapterModel.from_pretrained(
         EMBEDDED_MODEL_ID, quantization="4bit", reward_adapter=reward_dir
     )
@@ -721,8 +676,11 @@ def test_bundled_smollm2_in_4bit_loads_scores_and_switches(tmp_path):
     torch.testing.assert_close(policy, ref, rtol=0, atol=1e-5)  # fresh LoRA: policy == base at the start
     report = model.memory_report()
     assert report.base_bytes < 0.5 * report.base_parameters * 4  # well under float32 size
-    out = model.generate(batch["input_ids"], batch["attention_mask"], max_new_tokens=4, do_sample=False)
-    assert out.shape[1] == batch["input_ids"].shape[1] + 4
+    with model.policy():
+        completions = model.sample(
+            batch["input_ids"], batch["attention_mask"], SamplingSettings(0.7, 4, (), 2)
+        )
+    assert completions.shape == (2, 4)
 
 
 def test_reward_validation_incomplete_adapter(tiny_llama_dir, reward_adapter_factory, tmp_path):
@@ -756,15 +714,13 @@ def test_reward_head_bias_and_modules_to_save_keys(
     )
 
 
-def test_generate_restores_train_mode_and_adapter(llama_model):
+def test_sample_restores_train_mode_and_adapter(llama_model):
     llama_model.train()
     try:
         with llama_model.use_adapter("reward"):
-            out = llama_model.generate(
-                *padded_batch("left"), max_new_tokens=2, do_sample=False, pad_token_id=0
-            )
+            out = llama_model.sample(*padded_batch("left"), SamplingSettings(0.7, 2, (), pad_token_id=0))
             assert llama_model.peft_model.active_adapter == "reward"
-        assert out.shape[1] == 8 and not out.requires_grad
+        assert out.shape[1] == 2 and not out.requires_grad
         assert all(m.training for m in llama_model.peft_model.modules())
     finally:
         llama_model.eval()

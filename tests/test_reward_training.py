@@ -9,6 +9,7 @@ import datasets
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoTokenizer
 
 from marl import reward_training
 from marl.reward_training import (
@@ -64,8 +65,12 @@ def test_trains_and_saves_a_seq_cls_adapter_with_its_score_head(tiny_llama_dir: 
         "README.md",
         "adapter_config.json",
         "adapter_model.safetensors",
+        "marl_reward.json",
         "training_summary.json",
     ]
+    # the padding id of training is recorded: it decides where the score is read
+    reading = json.loads((output / "marl_reward.json").read_text())
+    assert reading["pad_token_id"] == AutoTokenizer.from_pretrained(tiny_llama_dir).pad_token_id
     config = json.loads((output / "adapter_config.json").read_text())
     assert config["task_type"] == "SEQ_CLS"
     assert "score" in config["modules_to_save"]
@@ -225,7 +230,7 @@ def test_scoring_a_4bit_base_does_not_break_later_gradients(
 
     if not keep_differentiable and not has_avx512bf16():
         pytest.skip("this CPU has no AVX512-BF16, so bitsandbytes never repacks the weights")
-    model, _ = reward_training._load_reward_base(str(tiny_llama_dir), "4bit", torch.float32, False)
+    model, _ = reward_training._load_reward_base(str(tiny_llama_dir), "4bit", torch.float32)
     if not keep_differentiable:  # undo the fix to show what it prevents
         for module in model.modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):

@@ -108,7 +108,9 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
         assert record["skipped_optimizer_steps"] == 0
     assert [record["episode"] for record in records] == [16, 32, 48]
     assert trainer.state.global_step == 3 * 2 * 2
-    assert records[-1]["lr"] == pytest.approx(0.0)  # linear schedule over all 12 optimizer steps
+    # `lr` is the rate the update's last optimizer step used: a linear schedule over all 12 steps gives
+    # 1e-2 * (12 - 4) / 12, 1e-2 * (12 - 8) / 12 and 1e-2 * 1 / 12 (not the next update's rate)
+    assert [record["lr"] for record in records] == pytest.approx([1e-2 * 9 / 12, 1e-2 * 5 / 12, 1e-2 / 12])
 
     samples = sorted((tmp_path / "run" / "samples").glob("update_*.jsonl"))
     assert [path.name for path in samples] == [
@@ -119,6 +121,22 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
     first = json.loads(samples[0].read_text().splitlines()[0])
     assert set(first) == {"prompt", "completion", "score"}
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+def test_warmup_steps_count_updates_as_in_trls_rloo(tiny_llama_dir, tmp_path):
+    """warmup_steps=1 with 2 epochs × 2 mini-batches warms up over the 4 optimizer steps of one update."""
+    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run", warmup_steps=1))
+    factors = [trainer.lr_scheduler.scheduler.lr_lambdas[0](step) for step in range(6)]
+    assert factors[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
+    assert factors[5] < 1.0  # then the linear decay
+
+
+def test_an_update_that_fails_leaves_the_model_in_eval_mode(tiny_llama_dir, tmp_path):
+    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"))
+    rollout = trainer._rollout(trainer.train_prompts[:8])
+    with pytest.raises(IndexError):
+        trainer._update(rollout, torch.zeros(3))  # advantages of the wrong size fail inside the loop
+    assert not any(module.training for module in trainer.model.peft_model.modules())
 
 
 def test_reinforce_setting_uses_ratio_one_exactly(tiny_llama_dir, tmp_path):
@@ -373,14 +391,15 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
                 parameter.normal_(std=0.2)  # a policy that differs from the base
     prompt_ids, prompt_mask = trainer._left_pad([[5, 6, 7, 8], [9, 10], [11, 12, 13]])
     shared = trainer._sample_completions(prompt_ids, prompt_mask, samples_per_prompt=3)
-    repeated = trainer.model.generate(
-        prompt_ids.repeat(3, 1),
-        prompt_mask.repeat(3, 1),
-        max_new_tokens=5,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=trainer.pad_token_id,
-    )[:, prompt_ids.shape[1] :]
+    with trainer.model.policy(), torch.no_grad():
+        repeated = trainer.model.peft_model.generate(
+            input_ids=prompt_ids.repeat(3, 1),
+            attention_mask=prompt_mask.repeat(3, 1),
+            max_new_tokens=5,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=trainer.pad_token_id,
+        )[:, prompt_ids.shape[1] :]
     assert shared.shape == (9, 5)
     assert torch.equal(shared, repeated)
 

@@ -1,0 +1,325 @@
+"""Adapter folders on disk: validation, reading, writing, and the checks that keep the shared base fixed.
+
+A PEFT adapter folder holds ``adapter_config.json`` and ``adapter_model.safetensors``. A reward adapter
+(``task_type: SEQ_CLS``, as TRL's ``RewardTrainer`` writes it) also holds its score head through
+``modules_to_save``, and adapters made by ``marl train-reward`` record where their score is read in
+:data:`REWARD_READING_FILE`. Everything here runs before (or without) the base model: a bad folder fails
+before any weights are loaded.
+
+Example:
+    >>> check_keeps_base_fixed({"bias": "none", "init_lora_weights": True}, "policy adapter")
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from marl.errors import AdapterError, MissingPathError
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+SAFETENSORS_WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_WEIGHTS_NAME = "adapter_model.bin"
+# Where a reward adapter made by marl records the padding id its training used, i.e. where its score is read.
+REWARD_READING_FILE = "marl_reward.json"
+
+# LoRA initialisations that rewrite the base weights they attach to (PEFT's PiSSA, OLoRA, CorDA, LoftQ,
+# LoRA-GA). On a shared base that would change the reward and the reference too.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+# Score-head keys written by PEFT for a SEQ_CLS adapter (modules_to_save): the head is ``score`` (Llama,
+# Qwen2, GPT-NeoX, Mistral, ...) or ``classifier``; some PEFT versions keep the ``modules_to_save.<adapter>``
+# infix.
+_HEAD_KEY = re.compile(
+    r"^base_model\.model\.(?P<head>score|classifier)(?:\.modules_to_save\.[^.]+)?\.(?P<part>weight|bias)$"
+)
+_LORA_KEY = re.compile(
+    r"^base_model\.model\.(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_embedding_A|lora_embedding_B)\.weight$"
+)
+
+
+def read_adapter_config(directory: Path, *, role: str) -> dict[str, Any]:
+    """The parsed ``adapter_config.json`` of a LoRA adapter folder, or an error naming what is wrong.
+
+    Example:
+        >>> read_adapter_config(Path("/nonexistent"), role="reward")
+        Traceback (most recent call last):
+        ...
+        marl.errors.MissingPathError: reward adapter folder /nonexistent does not exist; ...
+    """
+    if not directory.exists():
+        raise MissingPathError(
+            f"{role} adapter folder {directory} does not exist; pass the folder that save_pretrained / "
+            "RewardTrainer.save_model wrote"
+        )
+    if not directory.is_dir():
+        raise AdapterError(f"{role} adapter {directory} is a file; pass the adapter's folder instead")
+    config_file = directory / ADAPTER_CONFIG_NAME
+    if not config_file.is_file():
+        raise AdapterError(
+            f"{directory} is not a PEFT adapter: it has no {ADAPTER_CONFIG_NAME}. Save the {role} model with "
+            "a "
+            "peft LoraConfig (e.g. RewardTrainer(..., peft_config=LoraConfig(task_type='SEQ_CLS')))"
+        )
+    config = _read_json(config_file, what=f"the {role} adapter's configuration")
+    if config.get("peft_type") != "LORA":
+        raise AdapterError(
+            f"{role} adapter {directory} is a {config.get('peft_type')!r} adapter ({config_file}); only LoRA "
+            "adapters are supported"
+        )
+    return config
+
+
+def adapter_weights_file(directory: Path, *, allow_pickle: bool, role: str) -> Path:
+    """The weights file of an adapter folder: safetensors, or a pickle only when ``allow_pickle``."""
+    safetensors_file = directory / SAFETENSORS_WEIGHTS_NAME
+    if safetensors_file.is_file():
+        return safetensors_file
+    pickle_file = directory / PICKLE_WEIGHTS_NAME
+    if pickle_file.is_file():
+        if not allow_pickle:
+            raise AdapterError(
+                f"{role} adapter {directory} only has pickled weights ({PICKLE_WEIGHTS_NAME}); loading a "
+                "pickle "
+                "can run arbitrary code. Re-save it as safetensors, or pass allow_pickle=True if you trust "
+                "its "
+                "source"
+            )
+        return pickle_file
+    raise AdapterError(
+        f"{role} adapter {directory} has {ADAPTER_CONFIG_NAME} but no weights ({SAFETENSORS_WEIGHTS_NAME}); "
+        "the "
+        "save did not finish or the folder was copied partially"
+    )
+
+
+def load_adapter_state(weights_file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of an adapter weights file, on CPU; a damaged file is named in the error."""
+    import torch
+    from safetensors.torch import load_file
+
+    try:
+        if weights_file.suffix == ".safetensors":
+            return load_file(str(weights_file), device="cpu")
+        return torch.load(weights_file, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise AdapterError(
+            f"cannot read the adapter weights {weights_file} ({type(error).__name__}: {error}); the file is "
+            "damaged or incomplete: save the adapter again"
+        ) from error
+
+
+def check_keeps_base_fixed(config: dict[str, Any], role: str) -> None:
+    """Refuse adapter settings that would train or rewrite the base that every view shares.
+
+    ``bias="all"`` or ``"lora_only"`` trains (and saves) the base layers' biases; PiSSA, OLoRA, CorDA, LoftQ
+    and LoRA-GA initialisations rewrite the base weights; layer replication changes the base's structure. On
+    one shared base each of these would move the reward and the reference along with the policy.
+
+    Example:
+        >>> check_keeps_base_fixed({"bias": "all"}, "policy LoraConfig")
+        Traceback (most recent call last):
+        ...
+        marl.errors.AdapterError: policy LoraConfig has bias='all': it trains the base model's bias terms, ...
+    """
+    bias = config.get("bias", "none")
+    if bias not in (None, "none"):
+        raise AdapterError(
+            f"{role} has bias={bias!r}: it trains the base model's bias terms, which the reward and the "
+            "reference share with the policy. Use bias='none' (or lora_bias=True for a bias inside the "
+            "adapter)"
+        )
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.startswith(_BASE_REWRITING_INITS):
+        raise AdapterError(
+            f"{role} has init_lora_weights={init!r}, an initialisation that rewrites the base weights, which "
+            "the "
+            "reward and the reference share. Use the default initialisation, or convert the adapter to a "
+            "plain "
+            "LoRA first (PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))"
+        )
+    if config.get("layer_replication"):
+        raise AdapterError(
+            f"{role} uses layer_replication, which changes the shared base's layers; remove it for marl"
+        )
+
+
+@dataclass(frozen=True)
+class RewardHead:
+    """A reward adapter's score head, reduced to one score per sequence, and where that score is read.
+
+    ``weight`` is ``[1, hidden]`` (a 2-label head becomes its log-odds ``w1 − w0``, ``b1 − b0``);
+    ``pad_token_id``
+    is the padding id the adapter's training used, ``None`` when the folder does not record it (the caller
+    then
+    uses the base tokenizer's, as transformers and TRL do).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    key: str
+    num_labels: int
+    pad_token_id: int | None
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias is not None
+
+
+def read_reward_head(state: dict[str, torch.Tensor], directory: Path, hidden_size: int) -> RewardHead:
+    """Find and check the score head among a reward adapter's tensors."""
+    head_tensors: dict[str, torch.Tensor] = {}
+    head_keys: list[str] = []
+    for key, tensor in state.items():
+        match = _HEAD_KEY.match(key)
+        if match:
+            if match["part"] in head_tensors:
+                raise AdapterError(
+                    f"reward adapter {directory} has two score-head {match['part']}s: {[*head_keys, key]}"
+                )
+            head_tensors[match["part"]] = tensor
+            head_keys.append(key)
+    if "weight" not in head_tensors:
+        raise AdapterError(
+            f"reward adapter {directory} has no score head (no key like 'base_model.model.score.weight'). A "
+            "reward adapter must be trained as a sequence classifier: LoraConfig(task_type='SEQ_CLS') saves "
+            "the "
+            "head through modules_to_save"
+        )
+    weight = head_tensors["weight"].float()
+    if weight.dim() != 2 or weight.shape[1] != hidden_size:
+        raise AdapterError(
+            f"reward adapter {directory}: score head has shape {tuple(weight.shape)} but this base has "
+            "hidden "
+            f"size {hidden_size}; the adapter was trained on a different base model. Load it with the base "
+            "it "
+            "was trained on"
+        )
+    num_labels = weight.shape[0]
+    if num_labels not in (1, 2):
+        raise AdapterError(
+            f"reward adapter {directory}: score head has {num_labels} labels; a reward model has 1 (or 2, "
+            "read "
+            "as the log-odds of the second label over the first)"
+        )
+    bias = head_tensors.get("bias")
+    bias = None if bias is None else bias.float().reshape(-1)
+    if num_labels == 2:
+        # The log-odds of "preferred" (label 1) over label 0: what a softmax over the two labels compares.
+        weight = weight[1:] - weight[:1]
+        bias = None if bias is None else bias[1:] - bias[:1]
+    return RewardHead(
+        weight=weight,
+        bias=bias,
+        key=head_keys[0],
+        num_labels=num_labels,
+        pad_token_id=read_reward_pad_token_id(directory),
+    )
+
+
+def lora_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An adapter's tensors without its score head."""
+    return {key: tensor for key, tensor in state.items() if not _HEAD_KEY.match(key)}
+
+
+def write_reward_reading(directory: Path, pad_token_id: int, pad_token: str | None) -> None:
+    """Record in a reward adapter folder the padding id its training used: its score is read at the last token
+    that is not that id (the rule of transformers' sequence classifiers)."""
+    record = {
+        "pad_token_id": int(pad_token_id),
+        "pad_token": pad_token,
+        "score_read_at": "the last token that is not pad_token_id (transformers' sequence classifiers)",
+    }
+    (directory / REWARD_READING_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def read_reward_pad_token_id(directory: Path) -> int | None:
+    """The padding id recorded by :func:`write_reward_reading`, or ``None`` when the folder has no record."""
+    record_file = directory / REWARD_READING_FILE
+    if not record_file.is_file():
+        return None
+    record = _read_json(record_file, what="the reward adapter's reading record")
+    pad_token_id = record.get("pad_token_id")
+    if not isinstance(pad_token_id, int) or isinstance(pad_token_id, bool):
+        raise AdapterError(f"{record_file} has no integer 'pad_token_id'; fix or delete the file")
+    return pad_token_id
+
+
+def check_lora_targets(base: Any, lora_state: dict[str, torch.Tensor], directory: Path) -> None:
+    """Every LoRA tensor must land on an existing layer of this base with matching in/out features."""
+    modules = dict(base.named_modules())
+    missing: list[str] = []
+    for key, tensor in lora_state.items():
+        match = _LORA_KEY.match(key)
+        if match is None:
+            continue
+        module = modules.get(match["module"])
+        if module is None:
+            missing.append(match["module"])
+            continue
+        in_features = getattr(module, "in_features", None)
+        out_features = getattr(module, "out_features", None)
+        if match["part"] == "lora_A" and in_features is not None and tensor.shape[1] != in_features:
+            raise AdapterError(
+                f"reward adapter {directory}: {key} expects {tensor.shape[1]} input features but "
+                f"{match['module']} has {in_features}; the adapter was trained on a different base model"
+            )
+        if match["part"] == "lora_B" and out_features is not None and tensor.shape[0] != out_features:
+            raise AdapterError(
+                f"reward adapter {directory}: {key} expects {tensor.shape[0]} output features but "
+                f"{match['module']} has {out_features}; the adapter was trained on a different base model"
+            )
+    if missing:
+        raise AdapterError(
+            f"reward adapter {directory} targets modules that do not exist in this base: "
+            f"{sorted(set(missing))[:5]}; it was trained on a different architecture. Load it with the base "
+            "it "
+            "was trained on"
+        )
+
+
+def same_model(recorded: str, loaded: str) -> bool:
+    """Whether the base an adapter records is the base it is loaded on (paths resolved, else names)."""
+    if recorded == loaded:
+        return True
+    recorded_path, loaded_path = Path(recorded), Path(loaded)
+    if recorded_path.exists() and loaded_path.exists():
+        return recorded_path.resolve() == loaded_path.resolve()
+    return recorded_path.name == loaded_path.name
+
+
+def save_adapter(peft_model: PeftModel, adapter_name: str, directory: Path, base_name_or_path: str) -> None:
+    """Write one adapter of ``peft_model`` as a standard PEFT folder (config + safetensors), loadable with
+    ``PeftModel.from_pretrained(base, directory)``."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+    state = {key: tensor.detach().to("cpu").contiguous() for key, tensor in state.items()}
+    save_file(state, str(directory / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
+    config = copy.deepcopy(peft_model.peft_config[adapter_name])
+    config.inference_mode = True
+    config.base_model_name_or_path = base_name_or_path
+    config.save_pretrained(str(directory))
+
+
+def _read_json(path: Path, *, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise AdapterError(
+            f"cannot read {what} {path} ({type(error).__name__}: {error}); the file is damaged: restore or "
+            "re-save it"
+        ) from error
+    if not isinstance(value, dict):
+        raise AdapterError(f"{path} holds a {type(value).__name__}, not a JSON object; restore or re-save it")
+    return value

@@ -1,0 +1,149 @@
+"""Quantized bases through bitsandbytes: the choices, their parsing, the load settings and the CPU details.
+
+Every module that loads a base (the multi-adapter model, reward training, the benchmark) takes its
+quantization from here, so ``"4bit"`` means the same NF4 setting everywhere.
+
+Example:
+    >>> parse_quantization("none") is None, parse_quantization("4bit")
+    (True, '4bit')
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from marl.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import BitsAndBytesConfig
+
+QUANTIZATION_CHOICES = ("4bit", "8bit")
+# Spellings of "no quantization" accepted from command lines and YAML files.
+_NO_QUANTIZATION = (None, "", "none", "None", "null", "no")
+
+
+def parse_quantization(value: str | None) -> str | None:
+    """``"4bit"``, ``"8bit"`` or ``None``; raise with the accepted spellings otherwise.
+
+    Example:
+        >>> parse_quantization("8bit")
+        '8bit'
+    """
+    if value in _NO_QUANTIZATION:
+        return None
+    if value not in QUANTIZATION_CHOICES:
+        raise ConfigError(f"quantization must be one of 4bit, 8bit or none, got {value!r}")
+    return value
+
+
+def default_compute_dtype() -> torch.dtype:
+    """bfloat16 on a CUDA device that supports it, float32 elsewhere (CPU bf16 matmuls are slow, imprecise).
+
+    Example:
+        >>> import torch
+        >>> default_compute_dtype() in (torch.float32, torch.bfloat16)
+        True
+    """
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def bitsandbytes_config(quantization: str | None, compute_dtype: torch.dtype) -> BitsAndBytesConfig | None:
+    """The ``quantization_config`` for ``from_pretrained``: NF4 with double quantization for ``"4bit"``
+    (the QLoRA setting), LLM.int8 for ``"8bit"``, ``None`` for an unquantized base.
+
+    Example:
+        >>> import torch
+        >>> bitsandbytes_config("4bit", torch.float32).bnb_4bit_quant_type
+        'nf4'
+    """
+    quantization = parse_quantization(quantization)
+    if quantization is None:
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "4bit":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype,
+        )
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def prepare_quantized_base(model: nn.Module, quantization: str | None) -> nn.Module:
+    """Make a freshly loaded quantized base ready for adapters: freeze it, upcast its non-quantized
+    parameters (norms, embeddings) to float32 (``prepare_model_for_kbit_training``), keep its 4-bit layers
+    differentiable on CPU and drop LLM.int8's per-call notice. An unquantized base is only frozen.
+
+    Gradient checkpointing is not switched on here; the caller decides (see ``MultiAdapterModel``).
+    """
+    quantization = parse_quantization(quantization)
+    if quantization is None:
+        model.requires_grad_(False)
+        return model
+    from peft import prepare_model_for_kbit_training
+
+    if quantization == "4bit":
+        keep_4bit_layers_differentiable_on_cpu(model)
+    else:
+        _silence_int8_cast_notice()
+        use_one_int8_path_in_train_and_eval(model)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def keep_4bit_layers_differentiable_on_cpu(model: nn.Module) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights into its CPU inference layout; returns how many layers.
+
+    On CPUs with AVX512-BF16, the first eval-mode no-grad forward of a ``Linear4bit`` repacks its weight for a
+    fast inference kernel and keeps it that way. That kernel has no backward: a later training step silently
+    gets no gradient through the base (and a layer with a bias fails). A base shared by scoring (no grad) and
+    training (grad) must never be repacked.
+    """
+    changed = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed
+
+
+def use_one_int8_path_in_train_and_eval(model: nn.Module) -> int:
+    """Make every 8-bit layer compute the same way in train and eval mode; returns how many layers.
+
+    On CPU, bitsandbytes multiplies by the dequantized weight in train mode but quantizes the activations to
+    int8 in eval mode (LLM.int8), so the same weights give other logits (about 4e-3 apart on a tiny model):
+    the rollout (eval) would score another function than the update (train) optimises. A layer without
+    dropout has nothing else that depends on the mode, so each 8-bit layer runs in its train-mode path always
+    (on CUDA both modes already share one kernel).
+    """
+    import bitsandbytes as bnb
+
+    layers = [module for module in model.modules() if isinstance(module, bnb.nn.Linear8bitLt)]
+    for layer in layers:
+        layer.register_forward_pre_hook(_int8_train_path)
+    return len(layers)
+
+
+def _int8_train_path(module: nn.Module, args: tuple) -> None:
+    module.training = True
+
+
+class _DropInt8CastNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("MatMul8bitLt: inputs will be cast")
+
+
+def _silence_int8_cast_notice() -> None:
+    """LLM.int8 computes in float16 and logs that it casts the inputs, on every layer of every forward. The
+    cast is the documented behaviour of 8-bit mode, so the notice is dropped (once per process)."""
+    logger = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _DropInt8CastNotice) for f in logger.filters):
+        logger.addFilter(_DropInt8CastNotice())
