@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import shutil
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from marl.errors import ConfigError, MarlError
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
@@ -26,20 +26,6 @@ COMMANDS: dict[str, str] = {
     "evaluate": "compare a policy adapter with its base on held-out prompts",
     "demo": "offline end-to-end demo on the embedded SmolLM2-135M-Instruct and Rotten Tomatoes",
 }
-
-# What a previous run leaves in its output folder; finding any of these means the folder holds a run.
-RUN_FILES = (
-    "metrics.jsonl",
-    "rloo_config.json",
-    "adapter_config.json",
-    "adapter_model.safetensors",
-    "samples",
-)
-RUN_DIR_PATTERNS = ("checkpoint-*", ".checkpoint-*.tmp")
-
-
-class UsageError(ValueError):
-    """Flags that cannot work together; the message says which and how to fix them."""
 
 
 @dataclass
@@ -102,63 +88,18 @@ def parse_train_rloo_args(
         list(sys.argv[1:] if argv is None else argv)
     )
     if script.reward_fn is None and config.reward_adapter is None:
-        raise UsageError(
+        raise ConfigError(
             "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) or "
             "--reward_fn module:function"
         )
     if script.reward_fn is not None and config.reward_adapter is not None:
-        raise UsageError("both --reward_adapter and --reward_fn are set: the reward comes from one of them")
+        raise ConfigError("both --reward_adapter and --reward_fn are set: the reward comes from one of them")
     if script.resume_from_checkpoint is not None and script.overwrite_output_dir:
-        raise UsageError(
+        raise ConfigError(
             "--resume_from_checkpoint continues the run in --output_dir while --overwrite_output_dir would "
             "delete it: pass only one"
         )
     return script, config
-
-
-def previous_run_files(output_dir: str | Path) -> list[Path]:
-    """Files and checkpoint folders of an earlier run in ``output_dir`` (empty if there is none).
-
-    Example:
-        >>> previous_run_files("/nonexistent")
-        []
-    """
-    directory = Path(output_dir)
-    if not directory.is_dir():
-        return []
-    found = [directory / name for name in RUN_FILES if (directory / name).exists()]
-    for pattern in RUN_DIR_PATTERNS:
-        found.extend(sorted(directory.glob(pattern)))
-    return found
-
-
-def check_output_dir(output_dir: str | Path, *, overwrite: bool, resuming: bool) -> list[Path]:
-    """Refuse to write over a previous run unless ``overwrite`` or ``resuming``; return that run's files.
-
-    Example:
-        >>> check_output_dir("/nonexistent/run", overwrite=False, resuming=False)
-        []
-    """
-    directory = Path(output_dir)
-    if directory.exists() and not directory.is_dir():
-        raise UsageError(f"--output_dir {directory} is a file: pass a folder")
-    previous = previous_run_files(directory)
-    if previous and not (overwrite or resuming):
-        names = ", ".join(path.name for path in previous[:5])
-        raise UsageError(
-            f"--output_dir {directory} already holds a run ({names}). Pass another --output_dir, "
-            "--overwrite_output_dir to replace that run, or --resume_from_checkpoint to continue it"
-        )
-    return [] if resuming else previous
-
-
-def remove_previous_run(files: Sequence[Path]) -> None:
-    """Delete the files and checkpoint folders of a previous run; nothing else in the folder is touched."""
-    for path in files:
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
 
 
 def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
@@ -175,6 +116,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     from transformers import AutoTokenizer
 
     from marl.data import load_prompt_dataset, load_reward_fn
+    from marl.run_dir import check_output_dir, remove_files
     from marl.trainer import RLOOTrainer
 
     # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
@@ -188,7 +130,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     )
     state.wait_for_everyone()
     if state.is_main_process:
-        remove_previous_run(previous)
+        remove_files(previous)
     reward_fn = load_reward_fn(script.reward_fn) if script.reward_fn else None
     train_dataset = load_prompt_dataset(
         script.dataset_name, script.dataset_train_split, script.prompt_column, seed=config.seed
@@ -220,7 +162,7 @@ def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-r
     try:
         script, config = parse_train_rloo_args(words, prog)
         trainer = build_rloo_trainer(script, config, command=f"{prog} {shlex.join(words)}")
-    except (ValueError, FileNotFoundError, ImportError) as error:
+    except (MarlError, ValueError, FileNotFoundError, ImportError) as error:
         raise SystemExit(f"{prog}: error: {error}") from error
     from marl.data import DataError
 

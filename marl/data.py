@@ -271,8 +271,9 @@ def _import_file(path: Path):
     return module
 
 
-def check_scores(scores: Any, expected: int, name: str) -> list[float]:
-    """``scores`` as a list of floats; raise, naming ``name``, unless it is ``expected`` finite numbers.
+def check_scores(scores: Any, expected: int, name: str, *, allow_non_finite: bool = False) -> list[float]:
+    """``scores`` as a list of floats; raise, naming ``name``, unless it is ``expected`` real numbers (finite
+    ones unless ``allow_non_finite``).
 
     Accepts lists, tuples, numpy arrays and 1-D torch tensors.
 
@@ -290,16 +291,26 @@ def check_scores(scores: Any, expected: int, name: str) -> list[float]:
     if len(scores) != expected:
         raise DataError(
             f"{name} returned {len(scores)} scores for {expected} completions; "
-            "it must return one per completion"
+            "it must return one per completion, in order"
         )
     values = []
     for index, score in enumerate(scores):
         if isinstance(score, bool) or not isinstance(score, numbers.Real):
-            raise DataError(f"{name} returned {score!r} at position {index}; scores must be numbers")
-        if not math.isfinite(score):
+            raise DataError(f"{name} returned {score!r} at position {index}; scores must be real numbers")
+        if not allow_non_finite and not math.isfinite(score):
             raise DataError(f"{name} returned {score!r} at position {index}; scores must be finite numbers")
         values.append(float(score))
     return values
+
+
+def prompt_text(prompt: Any) -> str:
+    """The text a reader sees of a prompt: the string itself, or a conversation's last message and a newline.
+
+    Example:
+        >>> prompt_text([{"role": "user", "content": "Review the film"}])
+        'Review the film\\n'
+    """
+    return prompt if isinstance(prompt, str) else prompt[-1]["content"] + "\n"
 
 
 class CheckedRewardFunction:

@@ -194,16 +194,11 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from rich.table import Table
     from transformers import AutoTokenizer
 
-    from marl.cli import check_output_dir
     from marl.data import load_judge, rotten_tomatoes_prompts
-    from marl.evaluate import (
-        EosTerminatedRewardScorer,
-        generate_and_score,
-        results_table,
-        summarize,
-        write_results,
-    )
+    from marl.evaluate import generate_and_score, results_table, summarize, write_results
     from marl.plotting import plot_training_curves
+    from marl.rewards import EosTerminatedAdapterReward
+    from marl.run_dir import METRICS_FILE, check_output_dir
     from marl.trainer import RLOOTrainer
 
     start = time.perf_counter()
@@ -245,7 +240,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     )
     # The reward adapter scores every completion as it was trained, text + EOS: read at the last word of a
     # completion cut off by the length limit, it rewards stopping early over what the text says.
-    reward = EosTerminatedRewardScorer(model, tokenizer, config.local_rollout_forward_batch_size)
+    reward = EosTerminatedAdapterReward(model, tokenizer, config.local_rollout_forward_batch_size)
     trainer = RLOOTrainer(config, model, tokenizer, train_prompts, reward_fn=reward)
     trainer.train()
     train_seconds = time.perf_counter() - start
@@ -268,7 +263,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         both, [*samples["base"].judge_scores, *samples["policy"].judge_scores]
     )
     curves = plot_training_curves(
-        config.output_dir + "/metrics.jsonl",
+        Path(config.output_dir) / METRICS_FILE,
         Path(config.output_dir) / CURVES_FILE,
         title="marl demo: RLOO on SmolLM2-135M-Instruct (4-bit), Rotten Tomatoes",
     )

@@ -35,3 +35,7 @@ class ModelError(MarlError, ValueError):
 
 class MissingPathError(MarlError, FileNotFoundError):
     """A file or folder the user named does not exist."""
+
+
+class RunFolderError(MarlError, FileExistsError):
+    """An output folder that holds an earlier run which the new run would mix with or overwrite."""

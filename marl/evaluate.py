@@ -1,9 +1,11 @@
 """``marl evaluate``: does the trained policy beat its base on held-out prompts, and by honest measures?
 
 For every prompt both the base (the reference view of the same loaded model: adapters disabled) and the policy
-sample one completion with the same sampling settings and seeds. Each completion gets
+sample one completion with the same sampling settings and seeds, through the rollout's sampler
+(:class:`marl.rollout.Sampler`), so evaluation samples exactly as training does. Each completion gets
 
-- the reward adapter's score of prompt + completion + EOS (see :class:`EosTerminatedRewardScorer`),
+- the reward adapter's score of prompt + completion + EOS (see
+  :class:`marl.rewards.EosTerminatedAdapterReward`),
 - the judge's score of prompt + completion (VADER by default, independent of every model here; ``--judge
   module:function`` plugs in another),
 - its length in tokens (up to and including the first EOS),
@@ -24,7 +26,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedTokenizerBase
 
     from marl.data import CheckedJudge
@@ -131,74 +132,8 @@ def win_rate(policy_scores: list[float], base_scores: list[float]) -> Comparison
     return Comparison((wins + 0.5 * ties) / len(policy_scores), wins, ties, losses)
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Any]) -> dict[str, torch.Tensor]:
-    """Left-padded ids of plain-text prompts, or of conversations through the chat template.
-
-    Example:
-        >>> batch = encode_prompts(tokenizer, ["The movie is"])  # doctest: +SKIP
-    """
-    from marl.data import left_pad, tokenize_prompt
-    from marl.sampling import pad_token_id
-
-    # Tokenised exactly as RLOOTrainer does, so that evaluation prompts look like training prompts.
-    rows = [tokenize_prompt(tokenizer, prompt, f"prompt {index}")[0] for index, prompt in enumerate(prompts)]
-    input_ids, attention_mask = left_pad(rows, pad_token_id(tokenizer))
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-class EosTerminatedRewardScorer:
-    """Reward-adapter scores of ``prompt + completion`` always followed by EOS, as the adapter was trained.
-
-    A reward adapter trained on complete texts (text + EOS, read at the EOS) scores a completion cut off at
-    the length limit out of distribution, at its last word. Scored that way, a policy can raise the score by
-    just stopping early. Appending EOS to every text makes finished and cut-off completions comparable, so
-    only what the text says moves the score. Usable as an RLOO ``reward_fn``; the reward adapter of ``model``
-    (the same loaded base, no copy) does the scoring.
-
-    Example:
-        >>> scorer = EosTerminatedRewardScorer(model, tokenizer)  # doctest: +SKIP
-        >>> scorer(["The film is"], [" a delight."])  # doctest: +SKIP
-        [2.31]
-    """
-
-    def __init__(self, model: MultiAdapterModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 64):
-        if not model.has_reward_adapter:
-            raise ValueError("the model has no reward adapter: load it with reward_adapter=DIR")
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no EOS token to end the scored texts with")
-        self.model = model
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.__name__ = "reward adapter (texts ending in EOS)"
-
-    def __call__(self, prompts: list[Any], completions: list[str]) -> list[float]:
-        import torch
-
-        texts = [
-            _prompt_text(prompt) + completion for prompt, completion in zip(prompts, completions, strict=True)
-        ]
-        rows = [
-            self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
-            for text in texts
-        ]
-        scores: list[float] = []
-        for start in range(0, len(rows), self.batch_size):
-            chunk = rows[start : start + self.batch_size]
-            width = max(len(ids) for ids in chunk)
-            input_ids = torch.full((len(chunk), width), self.tokenizer.eos_token_id, dtype=torch.long)
-            attention_mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, ids in enumerate(chunk):
-                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                attention_mask[row, width - len(ids) :] = 1
-            device = self.model.device
-            scores.extend(
-                self.model.compute_reward_score(input_ids.to(device), attention_mask.to(device)).tolist()
-            )
-        return scores
-
-
 @dataclass
-class Samples:
+class ScoredCompletions:
     """One model's completions for a list of prompts, with their measurements."""
 
     completions: list[str] = field(default_factory=list)
@@ -220,71 +155,6 @@ def _mean(values: list[float] | list[int]) -> float:
     return float(sum(values) / len(values))
 
 
-def _sample_batch(
-    model: MultiAdapterModel,
-    tokenizer: PreTrainedTokenizerBase,
-    batch: dict[str, torch.Tensor],
-    *,
-    under_policy: bool,
-    response_length: int,
-    temperature: float,
-    seed: int,
-    stop_at_eos: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one completion per prompt as the RLOO rollout does (exactly ``softmax(logits / T)``); returns
-    (completion ids with padding after the stop token, valid-token mask)."""
-    import torch
-
-    from marl.rloo import response_lengths, response_mask
-    from marl.sampling import SamplingSettings, eos_token_ids, pad_token_id
-
-    # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
-    stop_ids = eos_token_ids(tokenizer, model.generation_config) if stop_at_eos else ()
-    settings = SamplingSettings(temperature, response_length, stop_ids, pad_token_id(tokenizer))
-    input_ids = batch["input_ids"].to(model.device)
-    attention_mask = batch["attention_mask"].to(model.device)
-    torch.manual_seed(seed)
-    # The base is the reference view of the same model (adapters disabled), not a second copy.
-    with model.policy() if under_policy else model.reference():
-        completions = model.sample(input_ids, attention_mask, settings)
-    lengths = response_lengths(completions, stop_ids)
-    mask = response_mask(lengths, completions.shape[1])
-    return completions.masked_fill(~mask, settings.pad_token_id), mask
-
-
-def _measure(
-    model: MultiAdapterModel,
-    tokenizer: PreTrainedTokenizerBase,
-    batch: dict[str, torch.Tensor],
-    completions: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    with_kl: bool,
-    temperature: float,
-) -> dict[str, list[float]]:
-    import torch
-
-    from marl.rloo import masked_sum
-
-    prompt_ids = batch["input_ids"].to(completions.device)
-    input_ids = torch.cat([prompt_ids, completions], dim=1)
-    attention_mask = torch.cat([batch["attention_mask"].to(mask.device), mask.long()], dim=1)
-    measured: dict[str, list[float]] = {"lengths": mask.sum(dim=1).tolist()}
-    if with_kl:
-        start = prompt_ids.shape[1]
-        with torch.no_grad():
-            with model.policy():
-                policy_logprobs = model.token_logprobs(
-                    input_ids, attention_mask, response_start=start, temperature=temperature
-                )
-            with model.reference():
-                reference_logprobs = model.token_logprobs(
-                    input_ids, attention_mask, response_start=start, temperature=temperature
-                )
-        measured["kls"] = masked_sum(policy_logprobs - reference_logprobs, mask).tolist()
-    return measured
-
-
 def generate_and_score(
     model: MultiAdapterModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -298,7 +168,7 @@ def generate_and_score(
     seed: int = 0,
     progress: bool = True,
     stop_at_eos: bool = True,
-) -> dict[str, Samples]:
+) -> dict[str, ScoredCompletions]:
     """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of the policy.
 
     Both models see the same prompts in the same batches with the same seed per batch.
@@ -308,47 +178,56 @@ def generate_and_score(
         >>> samples = generate_and_score(model, tokenizer, ["The film is"], judge)  # doctest: +SKIP
         >>> samples["policy"].means().judge_score  # doctest: +SKIP
     """
+    import torch
     from tqdm.auto import tqdm
 
-    names = ["base", "policy"] if with_policy else ["base"]
-    reward = EosTerminatedRewardScorer(model, tokenizer, batch_size) if model.has_reward_adapter else None
-    samples = {name: Samples() for name in names}
+    from marl.data import prompt_text
+    from marl.rewards import EosTerminatedAdapterReward
+    from marl.rloo import masked_sum
+    from marl.rollout import Sampler, prepare_prompts
+
+    sampler = Sampler(
+        model,
+        tokenizer,
+        temperature=temperature,
+        response_length=response_length,
+        # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
+        stop_at_eos=stop_at_eos,
+        rows_per_pass=batch_size,
+    )
+    prepared = prepare_prompts(
+        [{"prompt": prompt} for prompt in prompts],
+        tokenizer,
+        "evaluation prompts",
+        context_length=getattr(model.config, "max_position_embeddings", None),
+        response_length=response_length,
+    )
+    reward = EosTerminatedAdapterReward(model, tokenizer, batch_size) if model.has_reward_adapter else None
+    views = {"base": "reference", "policy": "policy"} if with_policy else {"base": "reference"}
+    results = {name: ScoredCompletions() for name in views}
     starts = range(0, len(prompts), batch_size)
     for batch_index, start in enumerate(tqdm(starts, desc="evaluating", unit="batch", disable=not progress)):
-        batch_prompts = prompts[start : start + batch_size]
-        batch = encode_prompts(tokenizer, batch_prompts)
-        for name in names:
-            completions, mask = _sample_batch(
-                model,
-                tokenizer,
-                batch,
-                under_policy=name == "policy",
-                response_length=response_length,
-                temperature=temperature,
-                seed=seed + batch_index,
-                stop_at_eos=stop_at_eos,
+        raw_prompts = prompts[start : start + batch_size]
+        batch = sampler.batch(prepared[start : start + batch_size])
+        for name, view in views.items():
+            torch.manual_seed(seed + batch_index)
+            # The base is the reference view of the same model (adapters disabled), not a second copy.
+            samples = sampler.sample(batch, k=1, view=view)
+            record = results[name]
+            record.completions.extend(samples.completions)
+            record.judge_scores.extend(
+                judge([prompt_text(p) + c for p, c in zip(raw_prompts, samples.completions, strict=True)])
             )
-            measured = _measure(
-                model, tokenizer, batch, completions, mask, with_kl=name == "policy", temperature=temperature
-            )
-            texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-            judged = [_prompt_text(prompt) + text for prompt, text in zip(batch_prompts, texts, strict=True)]
-            record = samples[name]
-            record.completions.extend(texts)
-            record.judge_scores.extend(judge(judged))
-            record.lengths.extend(int(n) for n in measured["lengths"])
+            record.lengths.extend(int(n) for n in samples.lengths.tolist())
             if reward is not None:
-                record.reward_scores.extend(reward(batch_prompts, texts))
-            record.kls.extend(measured.get("kls", []))
-    return samples
+                record.reward_scores.extend(reward.score_texts(raw_prompts, samples.completions).tolist())
+            if name == "policy":
+                logprobs, ref_logprobs = sampler.logprobs(samples)
+                record.kls.extend(masked_sum(logprobs - ref_logprobs, samples.response_mask).tolist())
+    return results
 
 
-def _prompt_text(prompt: Any) -> str:
-    # The judge reads what a reader would: the prompt's text followed by the completion.
-    return prompt if isinstance(prompt, str) else prompt[-1]["content"] + "\n"
-
-
-def summarize(samples: dict[str, Samples]) -> dict[str, Any]:
+def summarize(samples: dict[str, ScoredCompletions]) -> dict[str, Any]:
     """Means per model and, with a policy, the judge win rate of the policy over the base.
 
     Example:
@@ -409,7 +288,7 @@ def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out 
 def write_results(
     output_dir: str | Path,
     summary: dict[str, Any],
-    samples: dict[str, Samples],
+    samples: dict[str, ScoredCompletions],
     prompts: list[Any],
     settings: dict[str, Any],
 ) -> Path:

@@ -465,6 +465,19 @@ class MultiAdapterModel:
             return self._view(None)
         return self._view(self.REFERENCE_ADAPTER)
 
+    def view(self, name: str) -> contextlib.AbstractContextManager[MultiAdapterModel]:
+        """Context manager: ``"policy"``, ``"reference"`` (however it is built) or any adapter name.
+
+        Example:
+            >>> with model.view("reference"):
+            ...     ref_logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
+        """
+        if name == "policy":
+            return self.policy()
+        if name == "reference":
+            return self.reference()
+        return self.use_adapter(name)
+
     def policy(self) -> contextlib.AbstractContextManager[MultiAdapterModel]:
         """Context manager: the policy adapter (what is trained).
 

@@ -180,16 +180,6 @@ def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return (per_prompt - baseline).flatten()
 
 
-def normalize_advantages(advantages: torch.Tensor) -> torch.Tensor:
-    """Z-score the advantages over the batch.
-
-    Example:
-        >>> normalize_advantages(torch.tensor([-2.0, 2.0]))
-        tensor([-0.7071,  0.7071])
-    """
-    return standardize(advantages)
-
-
 class PolicyLoss(NamedTuple):
     """Output of :func:`clipped_policy_loss`; every field except ``loss`` is detached, shape ``[B]``."""
 
@@ -249,13 +239,53 @@ def token_level_k3_kl(
     return torch.where(mask, k3, torch.zeros_like(k3))
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the valid positions only (0 when there are none).
+class ShapedRewards(NamedTuple):
+    """Rewards and advantages of one rollout, one value per completion (k-major)."""
+
+    scores: torch.Tensor  # after the missing-EOS penalty and normalisation
+    kl: torch.Tensor  # Σ_t (logp_t − ref_logp_t) over valid tokens
+    non_score_reward: torch.Tensor  # −kl_coef · kl
+    rlhf_reward: torch.Tensor  # scores + non_score_reward
+    advantages: torch.Tensor
+
+
+def shape_rewards(
+    raw_scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    contains_stop: torch.Tensor,
+    *,
+    k: int,
+    kl_coef: float,
+    missing_eos_penalty: float | None = None,
+    normalize_reward: bool = False,
+    reward_clip_range: float = 10.0,
+    token_level_kl: bool = False,
+    normalize_advantage: bool = False,
+) -> ShapedRewards:
+    """From the reward source's scores and the rollout's log-probs to RLOO advantages, in this order:
+    missing-stop-token penalty, reward normalisation and clipping, the sequence KL folded into the reward,
+    leave-one-out advantages, advantage normalisation.
+
+    With ``token_level_kl`` the advantages come from the scores alone: the KL then enters the loss per token
+    (:func:`token_level_k3_kl`), and ``rlhf_reward`` only reports the sequence-level view.
 
     Example:
-        >>> masked_mean(torch.tensor([[1.0, 3.0, -1.0]]), torch.tensor([[True, True, False]]))
-        tensor(2.)
+        >>> zero = torch.zeros(4, 1)
+        >>> shaped = shape_rewards(torch.tensor([1.0, 2.0, 3.0, 5.0]), zero, zero, zero.bool(),
+        ...                        torch.ones(4, dtype=torch.bool), k=2, kl_coef=0.1)
+        >>> shaped.advantages
+        tensor([-2., -3.,  2.,  3.])
     """
-    count = mask.sum()
-    total = torch.where(mask, values, torch.zeros_like(values)).sum()
-    return total / count.clamp(min=1)
+    scores = raw_scores
+    if missing_eos_penalty is not None:
+        scores = apply_missing_eos_penalty(scores, contains_stop, missing_eos_penalty)
+    if normalize_reward:
+        scores = normalize_and_clip_rewards(scores, reward_clip_range)
+    kl = sequence_kl(logprobs, ref_logprobs, response_mask)
+    rlhf_reward, non_score_reward = rlhf_rewards(scores, kl, kl_coef)
+    advantages = leave_one_out_advantages(scores if token_level_kl else rlhf_reward, k)
+    if normalize_advantage:
+        advantages = standardize(advantages)
+    return ShapedRewards(scores, kl, non_score_reward, rlhf_reward, advantages)

@@ -7,15 +7,9 @@ import sys
 
 import pytest
 
-from marl.cli import (
-    UsageError,
-    check_output_dir,
-    main,
-    parse_train_rloo_args,
-    previous_run_files,
-    remove_previous_run,
-    train_rloo_main,
-)
+from marl.cli import main, parse_train_rloo_args, train_rloo_main
+from marl.errors import ConfigError, RunFolderError
+from marl.run_dir import check_output_dir, previous_run_files, remove_files
 
 
 @pytest.mark.parametrize("flag", ["--reward-adapter", "--reward_adapter"])
@@ -83,9 +77,9 @@ def test_yaml_config_with_an_unknown_key_fails(tmp_path):
 
 
 def test_a_reward_is_required_and_only_one(capsys):
-    with pytest.raises(UsageError, match=r"--reward_adapter DIR.*--reward_fn"):
+    with pytest.raises(ConfigError, match=r"--reward_adapter DIR.*--reward_fn"):
         parse_train_rloo_args([])
-    with pytest.raises(UsageError, match="both --reward_adapter and --reward_fn"):
+    with pytest.raises(ConfigError, match="both --reward_adapter and --reward_fn"):
         parse_train_rloo_args(["--reward_adapter", "rm", "--reward_fn", "m:f"])
     with pytest.raises(SystemExit, match="marl train-rloo: error: no reward"):
         train_rloo_main([])
@@ -102,13 +96,13 @@ def test_output_dir_with_a_previous_run_is_refused(tmp_path):
     (run / "metrics.jsonl").write_text("{}\n")
     (run / "notes.txt").write_text("mine")
     with pytest.raises(
-        UsageError, match=r"already holds a run.*--overwrite_output_dir.*--resume_from_checkpoint"
+        RunFolderError, match=r"already holds a run.*--overwrite_output_dir.*--resume_from_checkpoint"
     ):
         check_output_dir(run, overwrite=False, resuming=False)
     assert check_output_dir(run, overwrite=False, resuming=True) == []
     previous = check_output_dir(run, overwrite=True, resuming=False)
     assert sorted(p.name for p in previous) == ["checkpoint-2", "metrics.jsonl"]
-    remove_previous_run(previous)
+    remove_files(previous)
     assert previous_run_files(run) == []
     assert (run / "notes.txt").read_text() == "mine"  # the user's own files stay
 
@@ -126,7 +120,7 @@ def test_output_dir_guard_through_the_command(tmp_path):
     assert check_output_dir(empty, overwrite=False, resuming=False) == []
     a_file = tmp_path / "file"
     a_file.write_text("")
-    with pytest.raises(UsageError, match="is a file"):
+    with pytest.raises(RunFolderError, match="is a file"):
         check_output_dir(a_file, overwrite=False, resuming=False)
 
 

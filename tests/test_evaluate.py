@@ -115,18 +115,20 @@ def test_base_alone_needs_an_output_dir():
 def test_reward_scorer_reads_every_text_at_an_appended_eos(eval_setup):
     from transformers import AutoTokenizer
 
-    from marl.evaluate import EosTerminatedRewardScorer
     from marl.model import MultiAdapterModel
+    from marl.rewards import EosTerminatedAdapterReward
 
     model = MultiAdapterModel.from_pretrained(eval_setup["base"], reward_adapter=eval_setup["reward"])
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
-    scorer = EosTerminatedRewardScorer(model, tokenizer, batch_size=2)
-    scores = scorer(["the movie", "a dull", "an honest"], [" was great", " boring film", " story"])
+    scorer = EosTerminatedAdapterReward(model, tokenizer, rows_per_pass=2)
+    scores = scorer.score_texts(
+        ["the movie", "a dull", "an honest"], [" was great", " boring film", " story"]
+    )
     ids = tokenizer("a dull boring film", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     expected = model.compute_reward_score(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
     assert scores[1] == pytest.approx(expected.item(), abs=1e-5)
     # Left padding inside a batch does not change a row's score.
-    assert scorer(["a dull"], [" boring film"])[0] == pytest.approx(scores[1], abs=1e-5)
+    assert scorer.score_texts(["a dull"], [" boring film"])[0] == pytest.approx(scores[1], abs=1e-5)
 
 
 def test_evaluate_works_with_a_tokenizer_without_pad_token(family_dir, eval_setup, tmp_path):

@@ -32,6 +32,7 @@ from transformers import (
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer, rloo
 from marl.errors import ModelError
 from marl.model import last_token_index
+from marl.rollout import collect_rollout
 from marl.sampling import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
 
 TEMPERATURE = 0.7
@@ -204,9 +205,9 @@ def test_first_microbatch_ratio_is_one_with_a_loaded_dropout_adapter(family, fam
         config, model, tokenizer, prompts, reward_fn=lambda p, c: [float(len(text)) for text in c]
     )
     history = trainer.train()
-    assert len(trainer.first_microbatch_ratios) == 2
-    for ratio in trainer.first_microbatch_ratios:
-        assert abs(ratio - 1.0) <= 1e-4
+    assert len(history) == 2
+    for record in history:
+        assert abs(record["val/ratio_first"] - 1.0) <= 1e-4
     # the policy moved within each update, so later micro-batches are not trivially 1
     assert any(record["val/ratio_var"] > 0 for record in history)
 
@@ -301,12 +302,13 @@ def test_several_terminators_all_stop_the_rollout(family_dir, tmp_path):
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_fn=lambda p, c: [0.0] * len(c))
     terminators = set(FAMILY_SPECS["llama3"].terminators)
     terminator_ids = set(tokenizer.convert_tokens_to_ids(sorted(terminators)))
-    assert set(trainer.stop_token_ids) == terminator_ids and len(terminator_ids) == 3
+    assert set(trainer.sampler.settings.stop_token_ids) == terminator_ids and len(terminator_ids) == 3
     torch.manual_seed(0)
-    rollout = trainer._rollout(trainer.train_prompts)
-    responses = rollout.query_responses[:, rollout.prompt_length :]
+    rollout = collect_rollout(trainer.sampler, trainer.train_prompts, 2, trainer.reward)
     ended_by = set()
-    for row, valid, stopped in zip(responses, rollout.response_mask, rollout.contains_stop, strict=True):
+    for row, valid, stopped in zip(
+        rollout.response_ids, rollout.response_mask, rollout.contains_stop, strict=True
+    ):
         length = int(valid.sum())
         is_stop = [int(token) in terminator_ids for token in row[:length]]
         assert not any(is_stop[:-1])  # no terminator before the end of the valid tokens

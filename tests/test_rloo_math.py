@@ -139,7 +139,7 @@ def test_larger_kl_coef_lowers_reward_of_drifting_completions():
 
 def test_normalize_advantage_rescales_to_unit_std_and_keeps_order():
     advantages = rloo.leave_one_out_advantages(torch.tensor([1.0, 2.0, 3.0, 9.0]), k=2)
-    normalised = rloo.normalize_advantages(advantages)
+    normalised = rloo.standardize(advantages)
     assert normalised.std().item() == pytest.approx(1.0, abs=1e-5)
     assert abs(normalised.mean().item()) < 1e-6
     assert torch.equal(torch.argsort(normalised), torch.argsort(advantages))
@@ -211,8 +211,54 @@ def test_clipping_stops_the_gradient_outside_the_trust_region():
     assert inside.clipped.tolist() == [False, False]
 
 
-def test_entropy_mean_counts_valid_tokens_only():
-    entropy = torch.tensor([[1.0, 2.0, -7.0], [3.0, -7.0, -7.0]])
-    mask = torch.tensor([[True, True, False], [True, False, False]])
-    assert rloo.masked_mean(entropy, mask).item() == pytest.approx(2.0)
-    assert rloo.masked_mean(entropy, torch.zeros_like(mask)).item() == 0.0
+def test_shape_rewards_penalises_then_normalises_then_folds_the_kl_in():
+    raw = torch.tensor([1.0, 2.0, 3.0, 4.0])  # k=2, P=2
+    logprobs = torch.tensor([[-1.0, -1.0], [-2.0, -9.0], [-1.0, -1.0], [-1.0, -1.0]])
+    ref_logprobs = torch.tensor([[-2.0, -1.0], [-2.0, -1.0], [-1.0, -3.0], [-1.0, -1.0]])
+    mask = torch.tensor([[True, True], [True, False], [True, True], [True, True]])
+    stopped = torch.tensor([True, False, True, True])
+    shaped = rloo.shape_rewards(
+        raw, logprobs, ref_logprobs, mask, stopped, k=2, kl_coef=0.5, missing_eos_penalty=10.0
+    )
+    assert shaped.scores.tolist() == [1.0, -8.0, 3.0, 4.0]
+    assert shaped.kl.tolist() == [1.0, 0.0, 2.0, 0.0]  # the masked -9 is not counted
+    assert shaped.non_score_reward.tolist() == [-0.5, 0.0, -1.0, 0.0]
+    assert shaped.rlhf_reward.tolist() == [0.5, -8.0, 2.0, 4.0]
+    torch.testing.assert_close(shaped.advantages, rloo.leave_one_out_advantages(shaped.rlhf_reward, 2))
+
+    normalised = rloo.shape_rewards(
+        raw,
+        logprobs,
+        ref_logprobs,
+        mask,
+        stopped,
+        k=2,
+        kl_coef=0.5,
+        normalize_reward=True,
+        reward_clip_range=1.0,
+    )
+    assert normalised.scores.abs().max() <= 1.0 and normalised.scores.argsort().tolist() == [0, 1, 2, 3]
+    advantages = rloo.shape_rewards(
+        raw, logprobs, ref_logprobs, mask, stopped, k=2, kl_coef=0.5, normalize_advantage=True
+    ).advantages
+    assert advantages.std().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_with_token_level_kl_advantages_come_from_the_scores_alone():
+    """token_level_kl moves the KL out of the reward: the advantages ignore it (it enters the loss per token),
+    while with the sequence-level penalty a different reference changes them."""
+    generator = torch.Generator().manual_seed(0)
+    raw = torch.rand(8, generator=generator)
+    logprobs = -torch.rand(8, 5, generator=generator)
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    stopped = torch.ones(8, dtype=torch.bool)
+    references = [-torch.rand(8, 5, generator=generator) for _ in range(2)]
+
+    def advantages(ref_logprobs, token_level_kl):
+        return rloo.shape_rewards(
+            raw, logprobs, ref_logprobs, mask, stopped, k=4, kl_coef=0.3, token_level_kl=token_level_kl
+        ).advantages
+
+    assert torch.equal(advantages(references[0], True), advantages(references[1], True))
+    torch.testing.assert_close(advantages(references[0], True), rloo.leave_one_out_advantages(raw, 4))
+    assert not torch.allclose(advantages(references[0], False), advantages(references[1], False))

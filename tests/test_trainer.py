@@ -12,6 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+from marl.errors import DataError
+from marl.rollout import Prompt, collect_rollout
 
 PROMPTS = ["the movie", "a film about", "review:", "good", "bad acting", "the plot", "write a", "an honest"]
 
@@ -28,6 +30,7 @@ RLOO_METRICS = {
     "policy/entropy_avg",
     "val/ratio",
     "val/ratio_var",
+    "val/ratio_first",
     "val/num_eos_tokens",
     "lr",
     "episode",
@@ -86,9 +89,9 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
     history = trainer.train()
 
     # old log-probs come from the rollout's forward pass (2 epochs × 2 mini-batches): two passes compared
-    assert len(trainer.first_microbatch_ratios) == 3
-    for ratio in trainer.first_microbatch_ratios:
-        assert abs(ratio - 1.0) < 1e-4
+    assert len(history) == 3
+    for record in history:
+        assert abs(record["val/ratio_first"] - 1.0) < 1e-4
     # the policy moved: later micro-batches see ratios away from 1
     assert any(record["val/ratio_var"] > 0 for record in history)
 
@@ -107,7 +110,7 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
         assert record["objective/non_score_reward"] == pytest.approx(-0.05 * record["objective/kl"], abs=1e-6)
         assert record["skipped_optimizer_steps"] == 0
     assert [record["episode"] for record in records] == [16, 32, 48]
-    assert trainer.state.global_step == 3 * 2 * 2
+    assert trainer.global_step == 3 * 2 * 2
     # `lr` is the rate the update's last optimizer step used: a linear schedule over all 12 steps gives
     # 1e-2 * (12 - 4) / 12, 1e-2 * (12 - 8) / 12 and 1e-2 * 1 / 12 (not the next update's rate)
     assert [record["lr"] for record in records] == pytest.approx([1e-2 * 9 / 12, 1e-2 * 5 / 12, 1e-2 / 12])
@@ -133,7 +136,7 @@ def test_warmup_steps_count_updates_as_in_trls_rloo(tiny_llama_dir, tmp_path):
 
 def test_an_update_that_fails_leaves_the_model_in_eval_mode(tiny_llama_dir, tmp_path):
     trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"))
-    rollout = trainer._rollout(trainer.train_prompts[:8])
+    rollout = collect_rollout(trainer.sampler, trainer.train_prompts[:8], 2, trainer.reward)
     with pytest.raises(IndexError):
         trainer._update(rollout, torch.zeros(3))  # advantages of the wrong size fail inside the loop
     assert not any(module.training for module in trainer.model.peft_model.modules())
@@ -208,7 +211,7 @@ def test_non_finite_reward_skips_the_update_and_continues(tiny_llama_dir, tmp_pa
     assert [record["skipped_optimizer_steps"] for record in history] == [4, 4, 4]
     assert "val/ratio" not in history[0]
     assert "val/ratio" in history[1]
-    assert trainer.state.global_step == 12
+    assert trainer.global_step == 12
     after = trainer.model.policy_parameters()
     assert any(not torch.equal(old, new) for old, new in zip(before, after, strict=True))
     assert all(math.isfinite(value) for value in after[0].flatten().tolist())
@@ -252,9 +255,9 @@ def test_token_level_kl_changes_training(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize(
     ("reward_fn", "error", "message"),
     [
-        (lambda prompts, completions: [1.0], ValueError, "returned 1 scores for 8 completions"),
-        (lambda prompts, completions: ["good"] * len(completions), TypeError, "must be real numbers"),
-        (lambda prompts, completions: None, TypeError, "one number per completion"),
+        (lambda prompts, completions: [1.0], DataError, "returned 1 scores for 8 completions"),
+        (lambda prompts, completions: ["good"] * len(completions), DataError, "must be real numbers"),
+        (lambda prompts, completions: None, DataError, "one per completion"),
     ],
 )
 def test_reward_fn_output_is_validated(tiny_llama_dir, tmp_path, reward_fn, error, message):
@@ -304,7 +307,7 @@ def test_dataset_and_reward_validation(tiny_llama_dir, tmp_path):
         RLOOTrainer(config, model, tokenizer, prompt_dataset())
     ids_only = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7], [8, 9]]})
     trainer = RLOOTrainer(config, model, tokenizer, ids_only, reward_fn=count_e)
-    assert [ids for ids, _ in trainer.train_prompts] == [[5, 6, 7], [8, 9]]
+    assert [list(prompt.ids) for prompt in trainer.train_prompts] == [[5, 6, 7], [8, 9]]
 
 
 def save_reward_adapter(model_dir: Path, directory: Path) -> Path:
@@ -389,8 +392,9 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
         for name, parameter in trainer.model.peft_model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(std=0.2)  # a policy that differs from the base
-    prompt_ids, prompt_mask = trainer._left_pad([[5, 6, 7, 8], [9, 10], [11, 12, 13]])
-    shared = trainer._sample_completions(prompt_ids, prompt_mask, samples_per_prompt=3)
+    prompts = trainer.sampler.batch([Prompt((5, 6, 7, 8), ""), Prompt((9, 10), ""), Prompt((11, 12, 13), "")])
+    prompt_ids, prompt_mask = prompts.ids, prompts.mask
+    shared = trainer.sampler.sample(prompts, k=3).response_ids
     with trainer.model.policy(), torch.no_grad():
         repeated = trainer.model.peft_model.generate(
             input_ids=prompt_ids.repeat(3, 1),
@@ -398,7 +402,7 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
             max_new_tokens=5,
             do_sample=False,
             eos_token_id=None,
-            pad_token_id=trainer.pad_token_id,
+            pad_token_id=trainer.sampler.settings.pad_token_id,
         )[:, prompt_ids.shape[1] :]
     assert shared.shape == (9, 5)
     assert torch.equal(shared, repeated)

@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
     trainer.train()
     weights = torch.cat([p.detach().flatten() for p in model.policy_parameters()])
     report = {"rank": rank, "world": trainer.accelerator.num_processes, "prompts": sorted(set(seen)),
-              "weights": weights.tolist(), "episode": trainer.state.episode}
+              "weights": weights.tolist(), "episode": trainer.episode}
     with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
         json.dump(report, handle)
     """
@@ -121,3 +121,68 @@ def test_train_rloo_script_under_torchrun_uses_both_processes(tiny_llama_dir, tm
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     # 2 processes × 4 completions per update: the episode count grows by 8, and 16 episodes take 2 updates
     assert [record["episode"] for record in records] == [8.0, 16.0]
+
+
+GRADIENT_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import datasets, torch
+    from transformers import AutoTokenizer
+    from marl import RLOOConfig, RLOOTrainer
+
+    torch.set_num_threads(1)
+    model_dir, output_dir = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    config = RLOOConfig(output_dir=output_dir, model_name_or_path=model_dir, rloo_k=2, lora_r=4, lora_alpha=8,
+                        per_device_train_batch_size=4, total_episodes=8, num_sample_generations=0)
+    torch.manual_seed(rank)
+    model = config.load_model()
+    prompts = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
+    trainer = RLOOTrainer(config, model, AutoTokenizer.from_pretrained(model_dir), prompts,
+                          reward_fn=lambda p, c: [0.0] * len(c))
+    with torch.no_grad():  # a policy away from the identity, the same on both processes after the broadcast
+        for parameter in trainer.policy_parameters:
+            values = torch.sin(torch.arange(parameter.numel(), dtype=torch.float32))
+            parameter.copy_(values.view_as(parameter))
+    rows = {0: [[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]], 1: [[11, 12, 13, 14, 15], [20, 21, 22, 23, 24]]}
+
+    def loss_of(batch):
+        ids = torch.tensor(batch)
+        with model.policy():
+            logprobs = model.token_logprobs(ids, torch.ones_like(ids), response_start=2)
+        return -logprobs.sum(dim=1).mean()
+
+    def gradient():
+        return torch.cat([parameter.grad.flatten() for parameter in trainer.policy_parameters])
+
+    model.train()
+    loss_of(rows[0] + rows[1]).backward()  # one process, the concatenated batch
+    concatenated = gradient().clone()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss_of(rows[rank]).backward()  # each process its own half, then the averaged gradient
+    trainer._average_gradients()
+    report = {"max_difference": float((gradient() - concatenated).abs().max()),
+              "gradient_norm": float(concatenated.norm())}
+    with open(os.path.join(output_dir, f"gradients_{rank}.json"), "w") as handle:
+        json.dump(report, handle)
+    """
+)
+
+
+@pytest.mark.slow
+def test_averaged_gradient_equals_one_process_on_the_concatenated_batch(tiny_llama_dir, tmp_path):
+    script = tmp_path / "gradients.py"
+    script.write_text(GRADIENT_SCRIPT)
+    output_dir = tmp_path / "run"
+    output_dir.mkdir()
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(script), str(tiny_llama_dir), str(output_dir),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        report = json.loads((output_dir / f"gradients_{rank}.json").read_text())
+        assert report["gradient_norm"] > 1e-3
+        assert report["max_difference"] <= 1e-6

@@ -1,0 +1,137 @@
+"""RLOO metrics: per-process sums kept in typed records, summed over processes in one collective, then turned
+into the logged means.
+
+Sums run over valid completion tokens only (up to and including the stop token, never padding), and every
+mean is taken after the sums of all processes are added, so it is the mean over the whole batch.
+
+Example:
+    >>> stats = RolloutStats(kl=2.0, entropy=6.0, non_score_reward=-0.1, rlhf_reward=1.9, scores=2.0,
+    ...                      num_eos=1.0, completions=2.0)
+    >>> rollout_metrics(stats)["objective/kl"]
+    1.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from marl import rloo
+
+Record = TypeVar("Record")
+
+
+@dataclass
+class RolloutStats:
+    """Sums over one process's completions of a rollout."""
+
+    kl: float
+    entropy: float  # Σ_t −log π(y_t) of the sampled tokens
+    non_score_reward: float
+    rlhf_reward: float
+    scores: float
+    num_eos: float  # completions with an end-of-sequence id among their valid tokens
+    completions: float
+
+    @classmethod
+    def of(
+        cls,
+        logprobs: torch.Tensor,
+        response_mask: torch.Tensor,
+        contains_eos: torch.Tensor,
+        shaped: rloo.ShapedRewards,
+    ) -> RolloutStats:
+        return cls(
+            kl=shaped.kl.sum(),
+            entropy=rloo.masked_sum(-logprobs, response_mask).sum(),
+            non_score_reward=shaped.non_score_reward.sum(),
+            rlhf_reward=shaped.rlhf_reward.sum(),
+            scores=shaped.scores.sum(),
+            num_eos=contains_eos.sum(),
+            completions=float(contains_eos.numel()),
+        )
+
+
+@dataclass
+class UpdateStats:
+    """Sums over one process's micro-batches of an update. ``first_ratio`` sums the sequence ratios of the
+    update's first micro-batch, which must be 1 when the update sees the function the rollout scored."""
+
+    approxkl: float | torch.Tensor = 0.0
+    clipped: float | torch.Tensor = 0.0
+    loss: float | torch.Tensor = 0.0
+    ratio: float | torch.Tensor = 0.0
+    ratio_squared: float | torch.Tensor = 0.0
+    completions: float | torch.Tensor = 0.0
+    entropy: float = 0.0  # Σ over valid tokens of the temperature-scaled policy entropy
+    tokens: float | torch.Tensor = 0.0
+    first_ratio: float | torch.Tensor = 0.0
+    first_completions: float | torch.Tensor = 0.0
+    _first_seen: bool = field(default=False, repr=False, compare=False)
+
+    def add(self, policy: rloo.PolicyLoss, entropy: torch.Tensor, mask: torch.Tensor) -> None:
+        """Add one micro-batch: its policy-loss output and per-token entropies with their validity mask."""
+        count = policy.ratio.numel()
+        self.approxkl += (0.5 * policy.log_ratio**2).sum()
+        self.clipped += policy.clipped.sum()
+        self.loss += policy.loss.detach() * count
+        self.ratio += policy.ratio.sum()
+        self.ratio_squared += (policy.ratio**2).sum()
+        self.completions += count
+        self.entropy += torch.where(mask, entropy, torch.zeros_like(entropy)).sum()
+        self.tokens += mask.sum()
+        if not self._first_seen:
+            self.first_ratio += policy.ratio.sum()
+            self.first_completions += count
+            self._first_seen = True
+
+
+def sum_over_processes(record: Record, accelerator: Any) -> Record:
+    """``record`` with every number summed over processes, in ONE collective; values become Python floats."""
+    fields = [item for item in dataclasses.fields(record) if item.init and not item.name.startswith("_")]
+    values = torch.stack(
+        [
+            torch.as_tensor(getattr(record, item.name), dtype=torch.float64).to(accelerator.device)
+            for item in fields
+        ]
+    )
+    if accelerator.num_processes > 1:
+        values = accelerator.reduce(values, reduction="sum")
+    return type(record)(**{item.name: value for item, value in zip(fields, values.tolist(), strict=True)})
+
+
+def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
+    """The ``objective/*`` means of a rollout, from sums over all processes."""
+    count = stats.completions
+    return {
+        "objective/kl": stats.kl / count,
+        "objective/entropy": stats.entropy / count,
+        "objective/non_score_reward": stats.non_score_reward / count,
+        "objective/rlhf_reward": stats.rlhf_reward / count,
+        "objective/scores": stats.scores / count,
+        "val/num_eos_tokens": stats.num_eos,
+    }
+
+
+def update_metrics(stats: UpdateStats) -> dict[str, float]:
+    """The ``policy/*``, ``loss/*`` and ``val/ratio*`` means of an update, from sums over all processes.
+
+    Example:
+        >>> update_metrics(UpdateStats(ratio=4.0, ratio_squared=4.0, completions=4.0, tokens=1.0,
+        ...                            first_ratio=2.0, first_completions=2.0))["val/ratio_first"]
+        1.0
+    """
+    count = stats.completions
+    ratio = stats.ratio / count
+    return {
+        "policy/approxkl_avg": stats.approxkl / count,
+        "policy/clipfrac_avg": stats.clipped / count,
+        "loss/policy_avg": stats.loss / count,
+        "policy/entropy_avg": stats.entropy / max(stats.tokens, 1.0),
+        "val/ratio": ratio,
+        "val/ratio_var": max(stats.ratio_squared / count - ratio**2, 0.0),
+        "val/ratio_first": stats.first_ratio / stats.first_completions,
+    }

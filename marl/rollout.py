@@ -1,0 +1,301 @@
+"""The rollout: prompts in, sampled and scored completions out, with no gradients.
+
+The RLOO trainer, its periodic sample tables and ``marl evaluate`` all sample here, the same way:
+
+1. prompts are tokenised once (:func:`prepare_prompts`) and left-padded per batch (:class:`PromptBatch`);
+2. :class:`Sampler` draws ``k`` completions of every prompt from ``softmax(logits / T)`` under a view of the
+   model, prefilling each prompt once for its k samples, cuts them after the stop token and decodes them
+   (:class:`Samples`, k-major: row ``j * P + i`` is sample ``j`` of prompt ``i``);
+3. :meth:`Sampler.logprobs` scores the completions under the policy and the reference by forward passes, in
+   float32, at the sampling temperature;
+4. :func:`collect_rollout` adds the reward source's scores: a :class:`Rollout` holds everything an update
+needs,
+   and :meth:`Rollout.select` cuts micro-batches from it.
+
+Example:
+    >>> batch = PromptBatch.of([Prompt((5, 6), "a b"), Prompt((7,), "c")], pad_token_id=0)
+    >>> batch.ids, batch.mask
+    (tensor([[5, 6],
+            [0, 7]]), tensor([[1, 1],
+            [0, 1]]))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from marl import rloo
+from marl.data import left_pad, tokenize_prompt
+from marl.errors import DataError
+from marl.model import position_ids_from_mask
+from marl.rewards import ScoringBatch
+from marl.sampling import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
+
+if TYPE_CHECKING:
+    from marl.model import MultiAdapterModel
+    from marl.rewards import RewardSource
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One tokenised prompt: the ids the model reads, and the text shown to reward functions and in tables."""
+
+    ids: tuple[int, ...]
+    text: str
+
+
+def prepare_prompts(
+    dataset: Any, tokenizer: Any, name: str, *, context_length: int | None, response_length: int
+) -> list[Prompt]:
+    """Tokenise every prompt of ``dataset`` once (a ``prompt`` column of text or conversations rendered with
+    the chat template, or an ``input_ids`` column), and check that each fits the context with its completion.
+    """
+    if dataset is None or len(dataset) == 0:
+        raise DataError(f"{name} is empty; pass a dataset with at least one prompt")
+    columns = list(dataset.column_names) if hasattr(dataset, "column_names") else list(dataset[0].keys())
+    if "prompt" not in columns and "input_ids" not in columns:
+        raise DataError(
+            f"{name} has no 'prompt' or 'input_ids' column (columns: {columns}). Rename the prompt column, "
+            "e.g. "
+            "dataset.rename_column('text', 'prompt')"
+        )
+    use_ids = "prompt" not in columns
+    prompts = []
+    for index in range(len(dataset)):
+        row = dataset[index]
+        if use_ids:
+            ids = [int(token) for token in row["input_ids"]]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+        else:
+            ids, text = tokenize_prompt(tokenizer, row["prompt"], f"{name} row {index}")
+        if not ids:
+            raise DataError(f"{name} row {index} has an empty prompt; remove it or give it text")
+        prompts.append(Prompt(tuple(ids), text))
+    longest = max(len(prompt.ids) for prompt in prompts)
+    if context_length is not None and longest + response_length > context_length:
+        too_long = sum(len(prompt.ids) + response_length > context_length for prompt in prompts)
+        raise DataError(
+            f"{too_long} prompt(s) of {name} (longest {longest} tokens) plus "
+            f"response_length={response_length} "
+            f"exceed the model's context of {context_length} tokens. Filter or shorten those prompts, or "
+            "lower "
+            "--response_length"
+        )
+    return prompts
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """Prompts left-padded to one width: ``ids`` and ``mask`` are ``[P, L]``."""
+
+    texts: list[str]
+    ids: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, prompts: Sequence[Prompt], pad_token_id: int, device: torch.device | str = "cpu"
+    ) -> PromptBatch:
+        ids, mask = left_pad([prompt.ids for prompt in prompts], pad_token_id)
+        return cls([prompt.text for prompt in prompts], ids.to(device), mask.to(device))
+
+
+@dataclass
+class Samples:
+    """Sampled completions, k-major, cut after their stop token. Every tensor has one row per completion."""
+
+    prompt_texts: list[str]
+    completions: list[str]
+    prompt_ids: torch.Tensor  # [B, L], left-padded
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor  # [B, T]; padding after the stop token
+    response_mask: torch.Tensor  # [B, T] bool: the valid tokens, through the stop token
+    contains_stop: torch.Tensor  # [B] bool
+    contains_eos: torch.Tensor  # [B] bool: an end-of-sequence id among the valid tokens
+
+    @property
+    def prompt_length(self) -> int:
+        return self.prompt_ids.shape[1]
+
+    @property
+    def query_responses(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(dim=1)
+
+    def scoring_batch(self) -> ScoringBatch:
+        return ScoringBatch(self.prompt_texts, self.completions, self.query_responses, self.attention_mask)
+
+    def select(self, rows: torch.Tensor) -> Samples:
+        """The same record for the given rows only (a micro-batch)."""
+        positions = rows.tolist()
+        values = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            values[field.name] = (
+                value[rows] if isinstance(value, torch.Tensor) else [value[i] for i in positions]
+            )
+        return type(self)(**values)
+
+
+@dataclass
+class Rollout(Samples):
+    """Samples with what the update needs: float32 log-probs under the policy at sampling time and under the
+    reference ``[B, T]``, and the reward source's raw scores ``[B]``."""
+
+    logprobs: torch.Tensor = None
+    ref_logprobs: torch.Tensor = None
+    scores: torch.Tensor = None
+
+
+class Sampler:
+    """Samples and scores completions for one model, tokenizer and sampling setting.
+
+    Args:
+        model: the multi-adapter model.
+        tokenizer: its tokenizer (pad token, EOS, decoding).
+        temperature, response_length: the sampling temperature and the completion length limit.
+        stop_at_eos: end completions at any of the model's end-of-sequence ids; ``stop_token_id`` ends them at
+            that id instead; neither: every completion runs to ``response_length``.
+        rows_per_pass: rows per chunk of generation and of the no-grad forward passes.
+        autocast: a context manager factory for mixed precision (e.g. ``accelerator.autocast``).
+    """
+
+    def __init__(
+        self,
+        model: MultiAdapterModel,
+        tokenizer: Any,
+        *,
+        temperature: float,
+        response_length: int,
+        stop_at_eos: bool = False,
+        stop_token_id: int | None = None,
+        rows_per_pass: int = 64,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        # Every end-of-sequence id of the model: a list in generation_config.eos_token_id (Llama-3.x-Instruct
+        # has three) all end a completion with stop_at_eos, and all count as an EOS.
+        self.eos_token_ids = eos_token_ids(tokenizer, model.generation_config)
+        if stop_at_eos and not self.eos_token_ids:
+            raise DataError("stop_token='eos' but the tokenizer has no EOS token; pass --stop_token_id ID")
+        stop_ids = self.eos_token_ids if stop_at_eos else (() if stop_token_id is None else (stop_token_id,))
+        self.settings = SamplingSettings(temperature, response_length, stop_ids, pad_token_id(tokenizer))
+        self.rows_per_pass = rows_per_pass
+        self.autocast = autocast
+        self.share_prompt_cache = prompt_cache_can_be_shared(model.peft_model.get_base_model())
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def batch(self, prompts: Sequence[Prompt]) -> PromptBatch:
+        return PromptBatch.of(prompts, self.settings.pad_token_id, self.device)
+
+    def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
+        """``k`` completions of every prompt under ``view`` (``"policy"`` or ``"reference"``), k-major."""
+        responses = self._generate(prompts, k, view)
+        stop_ids, pad = self.settings.stop_token_ids, self.settings.pad_token_id
+        responses, contains_stop = rloo.truncate_after_stop_token(responses, stop_ids, pad)
+        lengths = rloo.response_lengths(responses, stop_ids)
+        response_mask = rloo.response_mask(lengths, responses.shape[1])
+        contains_eos = (rloo.is_stop_token(responses, self.eos_token_ids) & response_mask).any(dim=1)
+        completions = self.tokenizer.batch_decode(
+            [row[:length].tolist() for row, length in zip(responses, lengths.tolist(), strict=True)],
+            skip_special_tokens=True,
+        )
+        return Samples(
+            prompt_texts=prompts.texts * k,
+            completions=completions,
+            prompt_ids=prompts.ids.repeat(k, 1),
+            prompt_mask=prompts.mask.repeat(k, 1),
+            response_ids=responses,
+            response_mask=response_mask,
+            contains_stop=contains_stop,
+            contains_eos=contains_eos,
+        )
+
+    def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
+        """Completion ids ``[k * P, response_length]``, k-major, in chunks of ``rows_per_pass`` sampled rows.
+
+        Each prompt is prefilled ONCE: its KV cache is copied to its k samples, instead of running the prompt
+        through the model k times.
+        """
+        prompts_per_chunk = max(1, self.rows_per_pass // k)
+        pieces = []
+        for start in range(0, prompts.ids.shape[0], prompts_per_chunk):
+            ids = prompts.ids[start : start + prompts_per_chunk]
+            mask = prompts.mask[start : start + prompts_per_chunk]
+            with self.model.view(view), self.autocast():
+                responses = self.model.sample(
+                    ids.repeat_interleave(k, dim=0),
+                    mask.repeat_interleave(k, dim=0),
+                    self.settings,
+                    past_key_values=self._shared_prompt_cache(ids, mask, k),
+                )
+            # generate ran prompt-major (row i * k + j); the rollout layout is k-major (row j * P + i)
+            pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
+        return torch.cat(pieces, dim=1).reshape(k * prompts.ids.shape[0], -1)
+
+    def _shared_prompt_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int) -> Any:
+        """KV cache of all prompt tokens but the last (generate feeds that one), repeated ``copies`` times.
+
+        ``None`` (generate prefills by itself) when there is nothing to share, or the model's cache holds
+        states that cannot be repeated.
+        """
+        if copies == 1 or prompt_ids.shape[1] < 2 or not self.share_prompt_cache:
+            return None
+        with torch.no_grad():
+            prefill = self.model.peft_model(
+                input_ids=prompt_ids[:, :-1],
+                attention_mask=prompt_mask[:, :-1],
+                position_ids=position_ids_from_mask(prompt_mask[:, :-1]),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        cache = prefill.past_key_values
+        cache.batch_repeat_interleave(copies)
+        return cache
+
+    def logprobs(self, samples: Samples) -> tuple[torch.Tensor, torch.Tensor]:
+        """No-grad float32 log-probs of the completions under the policy and the reference, ``[B, T]``."""
+        step = self.rows_per_pass
+        query_responses, attention_mask = samples.query_responses, samples.attention_mask
+        arguments = dict(response_start=samples.prompt_length, temperature=self.settings.temperature)
+        logprobs, ref_logprobs = [], []
+        with torch.no_grad(), self.autocast():
+            for start in range(0, query_responses.shape[0], step):
+                rows = slice(start, start + step)
+                with self.model.policy():
+                    logprobs.append(
+                        self.model.token_logprobs(query_responses[rows], attention_mask[rows], **arguments)
+                    )
+                with self.model.reference():
+                    ref_logprobs.append(
+                        self.model.token_logprobs(query_responses[rows], attention_mask[rows], **arguments)
+                    )
+        return torch.cat(logprobs).float(), torch.cat(ref_logprobs).float()
+
+
+def collect_rollout(sampler: Sampler, prompts: Sequence[Prompt], k: int, reward: RewardSource) -> Rollout:
+    """Everything one update needs: k completions per prompt under the policy, their policy and reference
+    log-probs, and their scores from ``reward``."""
+    samples = sampler.sample(sampler.batch(prompts), k)
+    logprobs, ref_logprobs = sampler.logprobs(samples)
+    with sampler.autocast():
+        scores = reward.score(samples.scoring_batch()).float()
+    values = {field.name: getattr(samples, field.name) for field in dataclasses.fields(Samples)}
+    return Rollout(**values, logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores)

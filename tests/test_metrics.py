@@ -1,0 +1,51 @@
+"""Metric records: sums over valid tokens, the first micro-batch's ratio, the reduction to means."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from marl import rloo
+from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
+
+
+def policy_loss(new: list[float], old: list[float], advantages: list[float]) -> rloo.PolicyLoss:
+    return rloo.clipped_policy_loss(
+        torch.tensor(new), torch.tensor(old), torch.tensor(advantages), cliprange=0.2
+    )
+
+
+def test_update_stats_count_valid_tokens_only_and_keep_the_first_ratio():
+    stats = UpdateStats()
+    entropy = torch.tensor([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    stats.add(policy_loss([0.0, 0.0], [0.0, 0.0], [1.0, -1.0]), entropy, mask)  # ratio 1
+    stats.add(policy_loss([0.5, 0.5], [0.0, 0.0], [1.0, 1.0]), entropy, mask)  # ratio e^0.5, clipped
+    metrics = update_metrics(sum_over_processes(stats, Accelerator(cpu=True)))
+    assert metrics["policy/entropy_avg"] == pytest.approx((1.0 + 2.0 + 3.0) / 3)
+    assert metrics["val/ratio_first"] == pytest.approx(1.0)
+    assert metrics["val/ratio"] == pytest.approx((2 + 2 * torch.e**0.5) / 4)
+    assert metrics["policy/clipfrac_avg"] == pytest.approx(0.5)
+
+
+def test_rollout_metrics_are_means_over_completions():
+    zero = torch.zeros(2, 2)
+    shaped = rloo.shape_rewards(
+        torch.tensor([1.0, 3.0]),
+        zero - 1.0,
+        zero - 2.0,
+        torch.ones(2, 2, dtype=torch.bool),
+        torch.tensor([True, False]),
+        k=2,
+        kl_coef=0.1,
+    )
+    stats = RolloutStats.of(
+        zero - 1.0, torch.tensor([[True, True], [True, False]]), torch.tensor([True, False]), shaped
+    )
+    metrics = rollout_metrics(sum_over_processes(stats, Accelerator(cpu=True)))
+    assert metrics["objective/scores"] == pytest.approx(2.0)
+    assert metrics["objective/kl"] == pytest.approx(2.0)
+    assert metrics["objective/entropy"] == pytest.approx(1.5)  # 2 valid tokens, then 1, of -log p = 1
+    assert metrics["objective/rlhf_reward"] == pytest.approx(2.0 - 0.2)
+    assert metrics["val/num_eos_tokens"] == 1.0
