@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
+# How a policy's reference is built: the base with adapters disabled, a frozen copy of the policy's starting
+# weights, or "auto" (the base for a fresh LoRA, the starting copy for a loaded adapter).
+REFERENCE_MODES = ("auto", "base", "initial-policy")
 # Where a reward adapter made by marl records the padding id its training used, i.e. where its score is read.
 REWARD_READING_FILE = "marl_reward.json"
 

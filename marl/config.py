@@ -18,13 +18,14 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from marl.adapters import REFERENCE_MODES
+from marl.quantization import parse_quantization
+
 if TYPE_CHECKING:
     from peft import LoraConfig
 
     from marl.model import MultiAdapterModel
 
-QUANTIZATION_CHOICES = ("4bit", "8bit")
-REFERENCE_CHOICES = ("auto", "base", "initial-policy")
 # Trackers that accelerate can log to ("none" turns trackers off; metrics.jsonl is always written).
 REPORT_TO_CHOICES = (
     "none",
@@ -58,14 +59,12 @@ class BatchSizes:
     processes.
     """
 
-    world_size: int
     local_batch_size: int
     batch_size: int
     prompts_per_process: int
     prompts_per_update: int
     local_mini_batch_size: int
     mini_batch_size: int
-    micro_batch_size: int
     total_episodes: int
     num_total_batches: int
     optimizer_steps_per_update: int
@@ -113,6 +112,10 @@ class RLOOConfig:
             "help": "Start the policy from this PEFT adapter folder (e.g. an SFT adapter), not a new LoRA."
         },
     )
+    policy_adapter_name: str = field(
+        default="policy",
+        metadata={"help": "Name of the policy adapter that trains (a model may hold several policies)."},
+    )
     reference: str = field(
         default="auto",
         metadata={
@@ -122,13 +125,6 @@ class RLOOConfig:
     )
     lora_r: int = field(default=16, metadata={"help": "Rank of a new policy LoRA."})
     lora_alpha: int = field(default=32, metadata={"help": "Scaling alpha of a new policy LoRA."})
-    lora_dropout: float = field(
-        default=0.0,
-        metadata={
-            "help": "Dropout of a new policy LoRA. Above 0 the update sees a different model than the "
-            "rollout, so the first ratio of an update is no longer 1."
-        },
-    )
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["all-linear"],
         metadata={
@@ -244,8 +240,7 @@ class RLOOConfig:
             self.report_to = [self.report_to]
         if isinstance(self.lora_target_modules, str):
             self.lora_target_modules = [self.lora_target_modules]
-        if self.quantization in ("", "none", "None"):
-            self.quantization = None
+        self.quantization = parse_quantization(self.quantization)
         self._validate()
 
     def _validate(self) -> None:
@@ -322,17 +317,13 @@ class RLOOConfig:
             )
         if self.normalize_reward and self.reward_clip_range <= 0:
             fail(f"reward_clip_range={self.reward_clip_range} must be > 0", "Use e.g. --reward_clip_range 10")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_CHOICES:
-            fail(f"quantization={self.quantization!r} is unknown", "Use 4bit, 8bit, or leave it unset")
-        if self.reference not in REFERENCE_CHOICES:
-            fail(f"reference={self.reference!r} is unknown", f"Use one of {REFERENCE_CHOICES}")
+        if self.reference not in REFERENCE_MODES:
+            fail(f"reference={self.reference!r} is unknown", f"Use one of {REFERENCE_MODES}")
         if self.reference == "initial-policy" and self.policy_adapter is None:
             fail(
                 "reference='initial-policy' needs a starting policy adapter",
                 "Pass --policy_adapter DIR, or use --reference base",
             )
-        if not 0.0 <= self.lora_dropout < 1.0:
-            fail(f"lora_dropout={self.lora_dropout} must be in [0, 1)", "Use e.g. --lora_dropout 0.0")
         if self.bf16 and self.fp16:
             fail("bf16 and fp16 are both set", "Choose one mixed-precision type")
         unknown = [name for name in self.report_to if name not in REPORT_TO_CHOICES]
@@ -385,14 +376,12 @@ class RLOOConfig:
         num_total_batches = math.ceil(total_episodes / batch_size)
         optimizer_steps_per_update = self.num_ppo_epochs * self.num_mini_batches
         return BatchSizes(
-            world_size=world_size,
             local_batch_size=local_batch_size,
             batch_size=batch_size,
             prompts_per_process=local_batch_size // self.rloo_k,
             prompts_per_update=batch_size // self.rloo_k,
             local_mini_batch_size=local_batch_size // self.num_mini_batches,
             mini_batch_size=batch_size // self.num_mini_batches,
-            micro_batch_size=self.per_device_train_batch_size * world_size,
             total_episodes=total_episodes,
             num_total_batches=num_total_batches,
             optimizer_steps_per_update=optimizer_steps_per_update,
@@ -414,7 +403,6 @@ class RLOOConfig:
         return LoraConfig(
             r=self.lora_r,
             lora_alpha=self.lora_alpha,
-            lora_dropout=self.lora_dropout,
             target_modules=target,
             task_type="CAUSAL_LM",
         )
@@ -432,16 +420,17 @@ class RLOOConfig:
 
         from marl.model import MultiAdapterModel
 
-        dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+        # The compute dtype follows the mixed-precision flag; without one, the default of marl.quantization.
+        dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
         arguments: dict[str, Any] = dict(
             quantization=self.quantization,
             reward_adapter=self.reward_adapter,
             policy_adapter=self.policy_adapter
             if self.policy_adapter is not None
             else self.policy_lora_config(),
+            policy_name=self.policy_adapter_name,
             reference=self.reference,
             dtype=dtype,
-            gradient_checkpointing=self.gradient_checkpointing,
         )
         arguments.update(overrides)
         return MultiAdapterModel.from_pretrained(self.model_name_or_path, **arguments)

@@ -172,6 +172,8 @@ class MemoryReport:
     trainable_parameters: int
     trainable_bytes: int
     optimizer_state_bytes: int
+    num_policies: int = 1
+    num_rewards: int = 1
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -185,15 +187,21 @@ class MemoryReport:
         )
 
     @property
+    def separate_copies(self) -> int:
+        """Base copies that separate models would hold: a policy and a reference per policy, and a reward
+        model per reward (at least one)."""
+        return 2 * self.num_policies + max(self.num_rewards, 1)
+
+    @property
     def separate_rloo_bytes(self) -> int:
-        return self.total_bytes + 2 * self.base_bytes
+        return self.total_bytes + (self.separate_copies - 1) * self.base_bytes
 
     @property
     def separate_ppo_bytes(self) -> int:
         value_model = (
             self.base_bytes + self.score_head_bytes + self.trainable_bytes + self.optimizer_state_bytes
         )
-        return self.separate_rloo_bytes + value_model
+        return self.separate_rloo_bytes + self.num_policies * value_model
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) lines of the card, in display order."""
@@ -206,7 +214,8 @@ class MemoryReport:
                 (f"adapter '{name}'", f"{format_bytes(size)}  ({self.adapter_parameters[name]:,} params)")
             )
         if self.score_head_bytes:
-            rows.append(("score head", format_bytes(self.score_head_bytes)))
+            heads = "score head" if self.num_rewards == 1 else f"{self.num_rewards} score heads"
+            rows.append((heads, format_bytes(self.score_head_bytes)))
         rows.append(
             (
                 "training state",
@@ -243,8 +252,9 @@ class MemoryReport:
         return table
 
 
-def build_memory_report(model: Any) -> MemoryReport:
-    """The :class:`MemoryReport` of a loaded ``MultiAdapterModel`` (what ``model.memory_report()`` returns).
+def build_memory_report(model: Any, policy: str | None = None) -> MemoryReport:
+    """The :class:`MemoryReport` of a loaded ``MultiAdapterModel`` (what ``model.memory_report()`` returns),
+    with the training state of ``policy`` (default: the first policy).
 
     Example:
         >>> print(build_memory_report(model))  # doctest: +SKIP
@@ -265,15 +275,19 @@ def build_memory_report(model: Any) -> MemoryReport:
     base_bytes = stored_bytes([*base_tensors, *(b for _, b in peft_model.named_buffers())], seen)
     adapter_bytes = {name: stored_bytes(tensors, seen) for name, tensors in adapter_tensors.items()}
     adapter_parameters = {name: sum(t.numel() for t in tensors) for name, tensors in adapter_tensors.items()}
-    head_bytes = stored_bytes(model.score_head.parameters(), seen) if model.score_head is not None else 0
-    trainable = model.policy_parameters()
+    head_bytes = sum(stored_bytes(reward.head.parameters(), seen) for reward in model.rewards.values())
+    trainable = model.policy_parameters(policy)
     trainable_parameters = sum(p.numel() for p in trainable)
     trainable_bytes = sum(_tensor_bytes(p) for p in trainable)
     # Gradients match the parameters' dtype; AdamW keeps two float32 moments.
     optimizer_state_bytes = trainable_bytes + 8 * trainable_parameters
-    notes = []
-    if model.reference_mode == "base":
-        notes.append("reference = base with adapters disabled (no extra weights)")
+    notes = [
+        f"reference of '{name}' = base with adapters disabled (no extra weights)"
+        if len(model.policies) > 1
+        else "reference = base with adapters disabled (no extra weights)"
+        for name, adapter in model.policies.items()
+        if adapter.reference_mode == "base"
+    ]
     return MemoryReport(
         quantization=model.quantization,
         compute_dtype=str(model.dtype).removeprefix("torch."),
@@ -285,5 +299,7 @@ def build_memory_report(model: Any) -> MemoryReport:
         trainable_parameters=trainable_parameters,
         trainable_bytes=trainable_bytes,
         optimizer_state_bytes=optimizer_state_bytes,
+        num_policies=len(model.policies),
+        num_rewards=len(model.rewards),
         notes=notes,
     )

@@ -1,57 +1,49 @@
-"""One base model hosting the policy, the reference and the reward as views: ``MultiAdapterModel``.
+"""One base model hosting the policies, their references and the rewards as views: ``MultiAdapterModel``.
 
 PPO-style RLHF keeps four models in memory (policy, reference, reward, value); RLOO needs no value model,
 and here the other three share ONE set of base weights (optionally 4-bit NF4 or 8-bit through bitsandbytes):
 
-* policy    = base + trainable LoRA adapter ``"policy"``
-* reference = base with adapters disabled, or a frozen copy ``"reference"`` of the policy's starting adapter
-* reward    = base + frozen LoRA adapter ``"reward"`` + frozen score head ``Linear(hidden, 1)`` beside it
+* a policy    = base + a trainable LoRA adapter (``"policy"`` by default; any number of named policies)
+* its reference = base with adapters disabled, or a frozen copy ``"<policy>-reference"`` of its starting
+  adapter
+* a reward    = base + a frozen LoRA adapter (``"reward"`` by default; any number of named ones) + its frozen
+  float32 score head ``Linear(hidden, 1)``
 
 Views are switched with nestable context managers that restore the previous active adapter, every parameter's
-``requires_grad`` and every module's train/eval mode on exit, also when the body raises.
+``requires_grad`` and every module's train/eval mode on exit, also when the body raises. Building the model
+(:mod:`marl.loading`) checks every adapter before the base loads and refuses anything that would move the
+shared base.
 
 Example:
-    >>> model = MultiAdapterModel.from_pretrained("smollm2-135m-instruct", quantization="4bit",
-    ...                                           reward_adapter="adapters/sentiment-reward")
-    >>> scores = model.compute_reward_score(input_ids, attention_mask)
-    >>> with model.reference():
+    >>> model = MultiAdapterModel.from_pretrained(  # doctest: +SKIP
+    ...     "smollm2-135m-instruct", quantization="4bit", reward_adapter="adapters/sentiment-reward")
+    >>> scores = model.compute_reward_score(input_ids, attention_mask)  # doctest: +SKIP
+    >>> with model.reference():  # doctest: +SKIP
     ...     ref_logprobs = model.token_logprobs(input_ids, attention_mask, response_start=prompt_len)
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
-import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
-from transformers import AutoModelForCausalLM
 
-from marl import adapters
-from marl.errors import AdapterError, ConfigError, ModelError
-from marl.families import LogitHead, check_logit_head, check_train_matches_eval, disable_dropout
+from marl import adapters, loading
+from marl.errors import ConfigError
+from marl.families import LogitHead
 from marl.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, selective_log_softmax
-from marl.quantization import (
-    bitsandbytes_config,
-    default_compute_dtype,
-    parse_quantization,
-    prepare_quantized_base,
-)
 from marl.sampling import SamplingSettings, sample
 
 if TYPE_CHECKING:
     from marl.memory import MemoryReport
-
-REFERENCE_MODES = ("auto", "base", "initial-policy")
 
 # Default policy LoRA. r=16 with alpha=32 (scale 2) on every linear layer of the blocks: RL fine-tuning
 # moves far fewer bits than SFT (one scalar reward per completion), and low ranks are known to match full
@@ -83,22 +75,6 @@ def default_policy_lora_config() -> LoraConfig:
     )
 
 
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last position with ``attention_mask == 1`` in each row (works for left and right padding).
-
-    Example:
-        >>> last_token_index(torch.tensor([[0, 1, 1], [1, 1, 0]]))
-        tensor([2, 1])
-    """
-    if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must be [batch, time], got shape {tuple(attention_mask.shape)}")
-    real = attention_mask.bool()
-    if not real.any(dim=1).all():
-        raise ValueError("a row of attention_mask has no real token; every sequence needs at least one token")
-    length = attention_mask.shape[1]
-    return (length - 1) - real.flip(dims=[1]).int().argmax(dim=1)
-
-
 def reward_read_positions(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int
 ) -> torch.Tensor:
@@ -120,8 +96,39 @@ def reward_read_positions(
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only, as ``generate`` does, so a left-padded row sees the same
-    positions as the unpadded one (padding gets position 0; it is masked anyway)."""
+    positions as the unpadded one (padding gets position 0; it is masked anyway).
+
+    Example:
+        >>> position_ids_from_mask(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
+        tensor([[0, 0, 0, 1],
+                [0, 1, 2, 3]])
+    """
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+@dataclass
+class PolicyAdapter:
+    """A trainable policy on the base: its LoRA tensors and how its reference is built (``"base"``: adapters
+    disabled; ``"initial-policy"``: the frozen copy of its starting weights)."""
+
+    name: str
+    parameters: list[nn.Parameter]
+    reference_mode: str
+
+    @property
+    def reference_adapter(self) -> str | None:
+        return loading.reference_adapter_name(self.name) if self.reference_mode == "initial-policy" else None
+
+
+@dataclass
+class RewardAdapter:
+    """A frozen reward on the base: its LoRA (the adapter ``name``), its float32 score head, what was read
+    from the head, and the padding id that decides where its score is read."""
+
+    name: str
+    head: nn.Linear
+    info: adapters.RewardHead
+    pad_token_id: int
 
 
 @dataclass
@@ -133,49 +140,33 @@ class _ViewState:
 
 
 class MultiAdapterModel:
-    """The policy, the reference and the reward as adapter views of ONE base causal LM.
+    """Policies, their references and rewards as adapter views of ONE base causal LM.
 
-    Build it with :meth:`from_pretrained`. The underlying ``peft.PeftModel`` is :attr:`peft_model`; the
-    optimizer gets :meth:`policy_parameters`. The model starts in eval mode; call ``model.train()`` before
-    an update so that gradient checkpointing (if enabled) is active. Every dropout is off: the rollout and the
-    update must compute the same function.
+    Build it with :meth:`from_pretrained`; add more adapters with :meth:`add_policy` and
+    :meth:`add_reward_adapter`. The underlying ``peft.PeftModel`` is :attr:`peft_model`; an optimizer gets
+    :meth:`policy_parameters`. The model starts in eval mode; call ``model.train()`` before an update so that
+    gradient checkpointing (if enabled) is active. Every dropout is off: the rollout and the update must
+    compute the same function. Every policy's tensors are trainable, always (a view never flips a flag); an
+    optimizer over one policy's parameters leaves the others bit-identical.
 
     Example:
-        >>> model = MultiAdapterModel.from_pretrained("path/to/base", reward_adapter="path/to/reward")
-        >>> with model.use_adapter("reward"):
+        >>> model = MultiAdapterModel.from_pretrained("base", reward_adapter="reward")  # doctest: +SKIP
+        >>> with model.use_adapter("reward"):  # doctest: +SKIP
         ...     ...
     """
 
-    POLICY_ADAPTER = "policy"
-    REWARD_ADAPTER = "reward"
-    REFERENCE_ADAPTER = "reference"
-
     def __init__(
-        self,
-        peft_model: PeftModel,
-        *,
-        name_or_path: str,
-        quantization: str | None,
-        dtype: torch.dtype,
-        reference_mode: str,
-        policy_parameters: list[nn.Parameter],
-        score_head: nn.Linear | None = None,
-        reward_head_info: adapters.RewardHead | None = None,
-        reward_pad_token_id: int | None = None,
-    ) -> None:
+        self, peft_model: PeftModel, *, name_or_path: str, quantization: str | None, dtype: torch.dtype
+    ):
         self.peft_model = peft_model
         self.name_or_path = name_or_path
         self.quantization = quantization
         self.dtype = dtype
-        self.reference_mode = reference_mode
-        self._policy_parameters = policy_parameters
-        self.score_head = score_head
-        self.reward_head_info = reward_head_info
-        self.reward_pad_token_id = reward_pad_token_id
-        base = peft_model.get_base_model()
-        self.logit_head = LogitHead.of(base)
+        self.policies: dict[str, PolicyAdapter] = {}
+        self.rewards: dict[str, RewardAdapter] = {}
+        self.logit_head = LogitHead.of(peft_model.get_base_model())
 
-    # ------------------------------------------------------------------ loading
+    # ------------------------------------------------------------------ building
 
     @classmethod
     def from_pretrained(
@@ -184,7 +175,9 @@ class MultiAdapterModel:
         *,
         quantization: str | None = None,
         reward_adapter: str | os.PathLike | None = None,
+        reward_adapters: Mapping[str, str | os.PathLike] | None = None,
         policy_adapter: LoraConfig | str | os.PathLike | None = None,
+        policy_name: str = loading.DEFAULT_POLICY,
         reference: str = "auto",
         dtype: torch.dtype | None = None,
         device_map: str | dict[str, Any] | torch.device | None = None,
@@ -192,7 +185,7 @@ class MultiAdapterModel:
         allow_pickle: bool = False,
         trust_remote_code: bool = False,
     ) -> MultiAdapterModel:
-        """Load a causal LM once and attach the policy (trainable), the reference and the reward (frozen).
+        """Load a causal LM once and attach a policy (trainable), its reference and the rewards (frozen).
 
         Args:
             model_name_or_path: a local model folder, a hub id already in the local cache, or the embedded
@@ -200,10 +193,13 @@ class MultiAdapterModel:
             quantization: ``None`` (compute dtype), ``"4bit"`` (NF4 with double quantization) or ``"8bit"``
                 (LLM.int8), through bitsandbytes (see :mod:`marl.quantization`).
             reward_adapter: a PEFT folder written by TRL's ``RewardTrainer`` with a LoRA ``peft_config``
-                (task ``SEQ_CLS``: LoRA on inner layers + score head), or by ``marl train-reward``. Optional:
-                without it, :meth:`compute_reward_score` is unavailable and rewards must come from elsewhere.
+                (task ``SEQ_CLS``: LoRA on inner layers + score head), or by ``marl train-reward``; it becomes
+                the reward adapter ``"reward"``. Optional: rewards may come from functions instead.
+            reward_adapters: several reward adapters by name, ``{"sentiment": DIR1, "fluency": DIR2}``
+                (instead of ``reward_adapter``).
             policy_adapter: ``None`` (fresh LoRA, see :func:`default_policy_lora_config`), a
                 ``LoraConfig``, or a PEFT adapter folder to continue training (loaded trainable).
+            policy_name: the name of that policy (more can be added with :meth:`add_policy`).
             reference: ``"base"`` (adapters disabled), ``"initial-policy"`` (frozen copy of the policy
                 adapter's starting weights) or ``"auto"``: base when the policy starts as the identity
                 (fresh LoRA with zero-initialised B), initial-policy otherwise (e.g. an SFT adapter).
@@ -218,119 +214,60 @@ class MultiAdapterModel:
 
         Refused with an error, before the base is loaded: adapters that would train or rewrite the shared base
         (``bias`` other than ``"none"``, PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA initialisations, layer replication),
-        and bad adapter folders. Refused after loading: a model whose forward computes its logits in a way
-        marl does not reproduce, or that computes differently in train and eval mode with dropout off.
+        bad adapter folders, and names that are reserved or used twice. Refused after loading: a model whose
+        forward computes its logits in a way marl does not reproduce, or that computes differently in train
+        and eval mode with dropout off.
 
         Example:
-            >>> model = MultiAdapterModel.from_pretrained("smollm2-135m-instruct", quantization="4bit")
-            >>> model.reference_mode
+            >>> model = MultiAdapterModel.from_pretrained("smollm2-135m-instruct")  # doctest: +SKIP
+            >>> model.reference_mode  # doctest: +SKIP
             'base'
         """
-        quantization = parse_quantization(quantization)
-        if reference not in REFERENCE_MODES:
-            raise ConfigError(f"reference must be one of {REFERENCE_MODES}, got {reference!r}")
-        if policy_adapter is not None and not isinstance(policy_adapter, (LoraConfig, str, os.PathLike)):
-            raise TypeError(
-                "policy_adapter must be None (fresh LoRA), a peft.LoraConfig, or a PEFT adapter folder; "
-                f"got {type(policy_adapter).__name__}"
-            )
-        # Every adapter is validated before the (possibly slow) base load.
-        policy_dir = None
-        if isinstance(policy_adapter, (str, os.PathLike)):
-            policy_dir = Path(policy_adapter)
-            policy_config = adapters.read_adapter_config(policy_dir, role="policy")
-            adapters.load_adapter_state(
-                adapters.adapter_weights_file(policy_dir, allow_pickle=allow_pickle, role="policy")
-            )
-            if str(policy_config.get("task_type")) == "SEQ_CLS":
-                raise AdapterError(
-                    f"policy_adapter {policy_dir} is a sequence-classification (reward) adapter; pass it as "
-                    "reward_adapter=..., and give policy_adapter a causal-LM adapter or None for a fresh LoRA"
-                )
-            adapters.check_keeps_base_fixed(policy_config, f"policy adapter {policy_dir}")
-        else:
-            lora_config = copy.deepcopy(policy_adapter) if policy_adapter is not None else None
-            lora_config = lora_config or default_policy_lora_config()
-            adapters.check_keeps_base_fixed(lora_config.to_dict(), "policy LoraConfig")
-        reward = None
-        if reward_adapter is not None:
-            reward_dir = Path(reward_adapter)
-            reward_config = adapters.read_adapter_config(reward_dir, role="reward")
-            adapters.check_keeps_base_fixed(reward_config, f"reward adapter {reward_dir}")
-            reward_state = adapters.load_adapter_state(
-                adapters.adapter_weights_file(reward_dir, allow_pickle=allow_pickle, role="reward")
-            )
-            reward = (reward_dir, reward_config, reward_state)
-
-        from marl.assets import resolve_model_path
-
-        path = resolve_model_path(str(model_name_or_path))
-        compute_dtype = dtype or default_compute_dtype()
-        if device_map is None and torch.cuda.is_available():
-            device_map = {"": torch.cuda.current_device()}
-        base = AutoModelForCausalLM.from_pretrained(
-            path,
-            dtype=compute_dtype,
-            trust_remote_code=trust_remote_code,
-            quantization_config=bitsandbytes_config(quantization, compute_dtype),
-            **({"device_map": device_map} if device_map is not None else {}),
-        )
-        base = prepare_quantized_base(base, quantization)
-
-        if policy_dir is not None:
-            peft_model = PeftModel.from_pretrained(
-                base, str(policy_dir), adapter_name=cls.POLICY_ADAPTER, is_trainable=True
-            )
-            starts_as_identity = False
-        else:
-            if lora_config.task_type is None:
-                lora_config.task_type = "CAUSAL_LM"
-            lora_config.inference_mode = False
-            peft_model = get_peft_model(base, lora_config, adapter_name=cls.POLICY_ADAPTER)
-            starts_as_identity = lora_config.init_lora_weights in (True, "gaussian")
-        policy_parameters = [p for p in peft_model.parameters() if p.requires_grad]
-        if not policy_parameters:
-            raise AdapterError("the policy adapter has no trainable parameters; check its target_modules")
-
-        reference_mode = reference
-        if reference == "auto":
-            reference_mode = "base" if starts_as_identity else "initial-policy"
-        if reference_mode == "initial-policy":
-            _add_frozen_copy(peft_model, cls.POLICY_ADAPTER, cls.REFERENCE_ADAPTER)
-
-        score_head = head = reward_pad = None
-        if reward is not None:
-            score_head, head = _attach_reward_adapter(
-                peft_model, *reward, cls.REWARD_ADAPTER, compute_dtype, path
-            )
-            reward_pad = head.pad_token_id
-            if reward_pad is None:
-                reward_pad = _tokenizer_pad_token_id(path, trust_remote_code)
-
-        _check_only_policy_trains(peft_model, policy_parameters, cls.POLICY_ADAPTER)
-        # Only the policy trains: adding adapters may have flipped requires_grad flags.
-        policy_ids = {id(p) for p in policy_parameters}
-        for parameter in peft_model.parameters():
-            parameter.requires_grad_(id(parameter) in policy_ids)
-        peft_model.set_adapter(cls.POLICY_ADAPTER)
-        disable_dropout(peft_model)
-        model = cls(
-            peft_model,
-            name_or_path=path,
+        return loading.load_multi_adapter_model(
+            cls,
+            model_name_or_path,
             quantization=quantization,
-            dtype=compute_dtype,
-            reference_mode=reference_mode,
-            policy_parameters=policy_parameters,
-            score_head=score_head,
-            reward_head_info=head,
-            reward_pad_token_id=reward_pad,
+            policy_adapter=policy_adapter,
+            policy_name=policy_name,
+            reference=reference,
+            reward_adapters=loading.named_reward_adapters(reward_adapter, reward_adapters),
+            dtype=dtype,
+            device_map=device_map,
+            gradient_checkpointing=gradient_checkpointing,
+            allow_pickle=allow_pickle,
+            trust_remote_code=trust_remote_code,
         )
-        if gradient_checkpointing:
-            model.enable_gradient_checkpointing()
-        peft_model.eval()
-        check_logit_head(base, model._backbone(), model.logit_head)
-        check_train_matches_eval(base)
-        return model
+
+    def add_policy(
+        self,
+        name: str,
+        adapter: LoraConfig | str | os.PathLike | None = None,
+        *,
+        reference: str = "auto",
+        allow_pickle: bool = False,
+    ) -> PolicyAdapter:
+        """Add a trainable policy ``name``: a fresh LoRA (``None`` or a ``LoraConfig``) or a saved adapter
+        folder, with its own reference (as in :meth:`from_pretrained`).
+
+        Example:
+            >>> model.add_policy("negative")  # doctest: +SKIP
+            >>> with model.policy("negative"):  # doctest: +SKIP
+            ...     ...
+        """
+        loading.attach_policy(self, name, adapter, reference, allow_pickle)
+        return self.policies[name]
+
+    def add_reward_adapter(
+        self, name: str, directory: str | os.PathLike, *, allow_pickle: bool = False
+    ) -> RewardAdapter:
+        """Add a frozen reward adapter ``name`` (LoRA + score head) from a PEFT ``SEQ_CLS`` folder.
+
+        Example:
+            >>> model.add_reward_adapter("fluency", "adapters/fluency-reward")  # doctest: +SKIP
+        """
+        loading.check_adapter_name(name, self.adapter_names, "reward adapter")
+        loading.attach_reward_adapter(self, name, loading.RewardFolder.check(directory, allow_pickle))
+        return self.rewards[name]
 
     # ------------------------------------------------------------------ attributes
 
@@ -350,26 +287,53 @@ class MultiAdapterModel:
         return self.peft_model.get_base_model().get_input_embeddings().weight.device
 
     @property
-    def has_reward_adapter(self) -> bool:
-        return self.score_head is not None
-
-    @property
     def adapter_names(self) -> list[str]:
-        """Names of the adapters in :attr:`peft_model` (``policy``, and ``reference`` / ``reward`` if
-        present)."""
+        """Names of every adapter on the base: policies, reference copies, reward adapters."""
         return list(self.peft_model.peft_config)
 
-    def policy_parameters(self) -> list[nn.Parameter]:
-        """The trainable parameters of the policy adapter: what the optimizer gets.
+    @property
+    def default_policy(self) -> str:
+        """The first policy: what :meth:`policy`, :meth:`reference` and friends use without a name."""
+        return next(iter(self.policies))
+
+    @property
+    def has_reward_adapter(self) -> bool:
+        return bool(self.rewards)
+
+    @property
+    def reference_mode(self) -> str:
+        """How the default policy's reference is built: ``"base"`` or ``"initial-policy"``."""
+        return self.policies[self.default_policy].reference_mode
+
+    def get_policy(self, name: str | None) -> PolicyAdapter:
+        name = self.default_policy if name is None else name
+        if name not in self.policies:
+            raise ConfigError(f"no policy named {name!r} on this model; its policies: {list(self.policies)}")
+        return self.policies[name]
+
+    def get_reward(self, name: str | None) -> RewardAdapter:
+        if not self.rewards:
+            raise ConfigError(
+                "no reward adapter is loaded; pass reward_adapter=<PEFT folder from RewardTrainer> to "
+                "from_pretrained, or compute rewards with a reward function"
+            )
+        name = next(iter(self.rewards)) if name is None else name
+        if name not in self.rewards:
+            raise ConfigError(
+                f"no reward adapter named {name!r}; loaded reward adapters: {list(self.rewards)}"
+            )
+        return self.rewards[name]
+
+    def policy_parameters(self, name: str | None = None) -> list[nn.Parameter]:
+        """The trainable tensors of policy ``name`` (default: the first policy): what an optimizer gets.
 
         Example:
-            >>> optimizer = torch.optim.AdamW(model.policy_parameters(), lr=1e-5)
+            >>> optimizer = torch.optim.AdamW(model.policy_parameters(), lr=1e-5)  # doctest: +SKIP
         """
-        return list(self._policy_parameters)
+        return list(self.get_policy(name).parameters)
 
     def train(self, mode: bool = True) -> MultiAdapterModel:
-        """Put the model in train mode (needed for gradient checkpointing during updates). Returns
-        ``self``."""
+        """Put the model in train mode (for gradient checkpointing during updates). Returns ``self``."""
         self.peft_model.train(mode)
         return self
 
@@ -446,46 +410,46 @@ class MultiAdapterModel:
         changed inside either: only the policy adapter ever trains.
 
         Example:
-            >>> with model.use_adapter("reward"):
+            >>> with model.use_adapter("reward"):  # doctest: +SKIP
             ...     hidden = model.peft_model(input_ids).logits
         """
         if name not in self.peft_model.peft_config:
-            raise ValueError(f"no adapter named {name!r}; loaded adapters: {self.adapter_names}")
+            raise ConfigError(f"no adapter named {name!r}; loaded adapters: {self.adapter_names}")
         return self._view(name)
 
-    def reference(self) -> contextlib.AbstractContextManager[MultiAdapterModel]:
-        """Context manager: the reference policy (base with adapters disabled, or the frozen
-        ``"reference"`` copy).
+    def reference(self, policy: str | None = None) -> contextlib.AbstractContextManager[MultiAdapterModel]:
+        """Context manager: the reference of ``policy`` (default: the first policy): the base with adapters
+        disabled, or the frozen copy of the policy's starting weights.
 
         Example:
-            >>> with model.reference():
+            >>> with model.reference():  # doctest: +SKIP
             ...     ref_logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
         """
-        if self.reference_mode == "base":
-            return self._view(None)
-        return self._view(self.REFERENCE_ADAPTER)
+        return self._view(self.get_policy(policy).reference_adapter)
 
     def view(self, name: str) -> contextlib.AbstractContextManager[MultiAdapterModel]:
         """Context manager: ``"policy"``, ``"reference"`` (however it is built) or any adapter name.
 
         Example:
-            >>> with model.view("reference"):
+            >>> with model.view("reference"):  # doctest: +SKIP
             ...     ref_logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
         """
-        if name == "policy":
+        if name == loading.DEFAULT_POLICY:
             return self.policy()
-        if name == "reference":
+        if name == loading.REFERENCE_VIEW:
             return self.reference()
+        if name in self.policies:
+            return self.policy(name)
         return self.use_adapter(name)
 
-    def policy(self) -> contextlib.AbstractContextManager[MultiAdapterModel]:
-        """Context manager: the policy adapter (what is trained).
+    def policy(self, name: str | None = None) -> contextlib.AbstractContextManager[MultiAdapterModel]:
+        """Context manager: policy ``name`` (default: the first policy).
 
         Example:
-            >>> with model.policy():
+            >>> with model.policy():  # doctest: +SKIP
             ...     logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
         """
-        return self._view(self.POLICY_ADAPTER)
+        return self._view(self.get_policy(name).name)
 
     @contextlib.contextmanager
     def _inference(self) -> Iterator[None]:
@@ -538,7 +502,7 @@ class MultiAdapterModel:
         of the temperature-scaled distribution at each of those positions (detached: it is a metric).
 
         Example:
-            >>> with model.policy():
+            >>> with model.policy():  # doctest: +SKIP
             ...     logprobs = model.token_logprobs(ids, mask, response_start=8, temperature=0.7)
         """
         length = input_ids.shape[1]
@@ -568,8 +532,11 @@ class MultiAdapterModel:
             return logprobs, torch.cat(entropy_pieces).reshape(batch, steps)
         return logprobs
 
-    def compute_reward_score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """One float32 score per row under ``reward``: the score head on the final hidden state where a
+    def compute_reward_score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, name: str | None = None
+    ) -> torch.Tensor:
+        """One float32 score per row under reward adapter ``name`` (default: the first one): its score head
+        on the final hidden state where a
         transformers sequence classifier reads it (:func:`reward_read_positions`), with the padding id the
         reward adapter was trained with.
 
@@ -580,22 +547,16 @@ class MultiAdapterModel:
         active adapter and modes are restored after. The head runs in float32.
 
         Example:
-            >>> scores = model.compute_reward_score(batch["input_ids"], batch["attention_mask"])
-            >>> scores.shape
-            torch.Size([8])
+            >>> scores = model.compute_reward_score(ids, mask)  # doctest: +SKIP
         """
-        if self.score_head is None:
-            raise RuntimeError(
-                "no reward adapter is loaded; pass reward_adapter=<PEFT dir from RewardTrainer> to "
-                "from_pretrained, or compute rewards with a reward function"
-            )
-        with self.use_adapter(self.REWARD_ADAPTER), self._inference():
+        reward = self.get_reward(name)
+        with self.use_adapter(reward.name), self._inference():
             hidden = self._hidden_states(input_ids, attention_mask)
             rows = torch.arange(hidden.shape[0], device=hidden.device)
-            read_at = reward_read_positions(input_ids, attention_mask, self.reward_pad_token_id)
+            read_at = reward_read_positions(input_ids, attention_mask, reward.pad_token_id)
             pooled = hidden[rows, read_at.to(hidden.device)]
-            pooled = pooled.to(device=self.score_head.weight.device, dtype=torch.float32)
-            return self.score_head(pooled).squeeze(-1)
+            pooled = pooled.to(device=reward.head.weight.device, dtype=torch.float32)
+            return reward.head(pooled).squeeze(-1)
 
     def sample(
         self,
@@ -609,144 +570,29 @@ class MultiAdapterModel:
         config (a repetition penalty, top-k, ...) does not apply: see :func:`marl.sampling.sample`.
 
         Example:
-            >>> with model.policy():
+            >>> with model.policy():  # doctest: +SKIP
             ...     completions = model.sample(ids, mask, SamplingSettings(0.7, 16, (eos,), pad))
         """
         with self._inference():
             return sample(self.peft_model, input_ids, attention_mask, settings, past_key_values)
 
-    def save_policy_adapter(self, directory: str | os.PathLike) -> None:
-        """Write the policy adapter alone as a standard PEFT folder (``adapter_config.json`` +
-        ``adapter_model.safetensors``), loadable with ``PeftModel.from_pretrained(base, directory)``.
+    def save_policy_adapter(self, directory: str | os.PathLike, name: str | None = None) -> None:
+        """Write policy ``name`` (default: the first) alone as a standard PEFT folder
+        (``adapter_config.json`` + ``adapter_model.safetensors``), loadable with
+        ``PeftModel.from_pretrained(base, directory)``.
 
         Example:
-            >>> model.save_policy_adapter("runs/final-adapter")
+            >>> model.save_policy_adapter("runs/final-adapter")  # doctest: +SKIP
         """
-        adapters.save_adapter(self.peft_model, self.POLICY_ADAPTER, Path(directory), self.name_or_path)
+        adapters.save_adapter(self.peft_model, self.get_policy(name).name, Path(directory), self.name_or_path)
 
-    def memory_report(self) -> MemoryReport:
-        """What each part costs in memory, and what separate model copies would cost (the "memory card").
+    def memory_report(self, policy: str | None = None) -> MemoryReport:
+        """What each part costs in memory, and what separate model copies would cost (the "memory card"),
+        with the training state of ``policy`` (default: the first policy).
 
         Example:
-            >>> print(model.memory_report())
+            >>> print(model.memory_report())  # doctest: +SKIP
         """
         from marl.memory import build_memory_report
 
-        return build_memory_report(self)
-
-
-# ---------------------------------------------------------------------- building the views
-
-
-def _add_frozen_copy(peft_model: PeftModel, source: str, target: str) -> None:
-    """Add adapter ``target`` holding the exact current weights of adapter ``source``."""
-    config = copy.deepcopy(peft_model.peft_config[source])
-    config.inference_mode = True
-    # The copy's initial values are overwritten below; no initialisation needs to run.
-    config.init_lora_weights = False
-    peft_model.add_adapter(target, config)
-    state = get_peft_model_state_dict(peft_model, adapter_name=source)
-    result = set_peft_model_state_dict(peft_model, state, adapter_name=target)
-    if result.unexpected_keys:
-        raise RuntimeError(
-            f"copying adapter {source!r} to {target!r} left keys unused: {result.unexpected_keys[:5]}"
-        )
-
-
-def _attach_reward_adapter(
-    peft_model: PeftModel,
-    directory: Path,
-    raw_config: dict[str, Any],
-    state: dict[str, torch.Tensor],
-    adapter_name: str,
-    dtype: torch.dtype,
-    base_path: str,
-) -> tuple[nn.Linear, adapters.RewardHead]:
-    """Load a checked SEQ_CLS reward adapter's LoRA into ``peft_model`` (frozen, compute dtype) and its score
-    head into a frozen float32 Linear."""
-    base = peft_model.get_base_model()
-    hidden_size = base.get_output_embeddings().weight.shape[1]
-    head = adapters.read_reward_head(state, directory, hidden_size)
-    recorded_base = raw_config.get("base_model_name_or_path")
-    if recorded_base and not adapters.same_model(recorded_base, base_path):
-        warnings.warn(
-            f"reward adapter {directory} was trained on {recorded_base!r} but is loaded on {base_path!r}; "
-            "its "
-            "scores are only meaningful on the base it was trained on",
-            stacklevel=3,
-        )
-    lora_state = adapters.lora_tensors(state)
-    adapters.check_lora_targets(base, lora_state, directory)
-
-    try:
-        config = LoraConfig.from_pretrained(str(directory))
-    except Exception as error:
-        raise AdapterError(
-            f"reward adapter {directory}: {adapters.ADAPTER_CONFIG_NAME} is not a LoRA configuration this "
-            "peft "
-            f"version reads ({type(error).__name__}: {error})"
-        ) from error
-    config.task_type = "CAUSAL_LM"
-    config.modules_to_save = None
-    config.inference_mode = True
-    config.init_lora_weights = False  # the saved weights replace the initial values
-    peft_model.add_adapter(adapter_name, config)
-    result = set_peft_model_state_dict(peft_model, lora_state, adapter_name=adapter_name)
-    if result.unexpected_keys:
-        raise AdapterError(
-            f"reward adapter {directory}: weights that match no module of this base: "
-            f"{result.unexpected_keys[:5]}"
-        )
-    missing = [key for key in result.missing_keys if f".{adapter_name}." in key and "lora_" in key]
-    if missing:
-        raise AdapterError(
-            f"reward adapter {directory} is incomplete: no weights for {missing[:5]}; re-save it"
-        )
-    for name, parameter in peft_model.named_parameters():
-        if f".{adapter_name}." in name:
-            parameter.data = parameter.data.to(dtype)
-            parameter.requires_grad_(False)
-
-    device = base.get_output_embeddings().weight.device
-    # float32: bf16 would round scores to about three digits before the leave-one-out differences.
-    score_head = nn.Linear(hidden_size, 1, bias=head.has_bias, dtype=torch.float32, device=device)
-    with torch.no_grad():
-        score_head.weight.copy_(head.weight)
-        if head.bias is not None:
-            score_head.bias.copy_(head.bias)
-    score_head.requires_grad_(False)
-    score_head.eval()
-    return score_head, head
-
-
-def _tokenizer_pad_token_id(path: str, trust_remote_code: bool) -> int:
-    """The padding id TRL's ``RewardTrainer`` would have used with this base's tokenizer (pad, else EOS)."""
-    from transformers import AutoTokenizer
-
-    from marl.sampling import pad_token_id
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as error:
-        raise ModelError(
-            f"the reward adapter does not record its padding token ({adapters.REWARD_READING_FILE}) and the "
-            f"tokenizer of {path} cannot be loaded to find it ({type(error).__name__}: {error}). Add "
-            f'{adapters.REWARD_READING_FILE} with {{"pad_token_id": ID}} to the adapter folder'
-        ) from error
-    return pad_token_id(tokenizer)
-
-
-def _check_only_policy_trains(
-    peft_model: PeftModel, policy_parameters: list[nn.Parameter], policy_name: str
-) -> None:
-    """Every trainable tensor must belong to the policy adapter: a trainable base tensor would move the reward
-    and the reference too."""
-    names = {id(parameter): name for name, parameter in peft_model.named_parameters()}
-    foreign = [names[id(p)] for p in policy_parameters if f".{policy_name}." not in names[id(p)]]
-    if foreign:
-        raise AdapterError(
-            f"the policy adapter would train {len(foreign)} tensor(s) of the shared base, e.g. "
-            f"{foreign[:3]}; "
-            "the reward and the reference would move with them. Train only adapter weights (LoraConfig with "
-            "bias='none' and no trainable base modules)"
-        )
+        return build_memory_report(self, policy)

@@ -171,6 +171,8 @@ class Sampler:
             that id instead; neither: every completion runs to ``response_length``.
         rows_per_pass: rows per chunk of generation and of the no-grad forward passes.
         autocast: a context manager factory for mixed precision (e.g. ``accelerator.autocast``).
+        policy: the policy adapter that samples (default: the model's first policy); its reference is the
+            ``"reference"`` view.
     """
 
     def __init__(
@@ -184,8 +186,10 @@ class Sampler:
         stop_token_id: int | None = None,
         rows_per_pass: int = 64,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        policy: str | None = None,
     ) -> None:
         self.model = model
+        self.policy = policy or model.default_policy
         self.tokenizer = tokenizer
         # Every end-of-sequence id of the model: a list in generation_config.eos_token_id (Llama-3.x-Instruct
         # has three) all end a completion with stop_at_eos, and all count as an EOS.
@@ -239,7 +243,7 @@ class Sampler:
         for start in range(0, prompts.ids.shape[0], prompts_per_chunk):
             ids = prompts.ids[start : start + prompts_per_chunk]
             mask = prompts.mask[start : start + prompts_per_chunk]
-            with self.model.view(view), self.autocast():
+            with self._view(view), self.autocast():
                 responses = self.model.sample(
                     ids.repeat_interleave(k, dim=0),
                     mask.repeat_interleave(k, dim=0),
@@ -249,6 +253,11 @@ class Sampler:
             # generate ran prompt-major (row i * k + j); the rollout layout is k-major (row j * P + i)
             pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
         return torch.cat(pieces, dim=1).reshape(k * prompts.ids.shape[0], -1)
+
+    def _view(self, view: str) -> contextlib.AbstractContextManager:
+        if view == "reference":
+            return self.model.reference(self.policy)
+        return self.model.policy(self.policy)
 
     def _shared_prompt_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int) -> Any:
         """KV cache of all prompt tokens but the last (generate feeds that one), repeated ``copies`` times.
@@ -279,11 +288,11 @@ class Sampler:
         with torch.no_grad(), self.autocast():
             for start in range(0, query_responses.shape[0], step):
                 rows = slice(start, start + step)
-                with self.model.policy():
+                with self.model.policy(self.policy):
                     logprobs.append(
                         self.model.token_logprobs(query_responses[rows], attention_mask[rows], **arguments)
                     )
-                with self.model.reference():
+                with self.model.reference(self.policy):
                     ref_logprobs.append(
                         self.model.token_logprobs(query_responses[rows], attention_mask[rows], **arguments)
                     )

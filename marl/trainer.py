@@ -108,6 +108,7 @@ class RLOOTrainer:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
+        self.policy = model.get_policy(config.policy_adapter_name).name
         self.reward = as_reward_source(reward_fn, model, config.local_rollout_forward_batch_size)
 
         self.accelerator = Accelerator(
@@ -129,6 +130,7 @@ class RLOOTrainer:
             stop_token_id=config.stop_token_id,
             rows_per_pass=config.local_rollout_forward_batch_size,
             autocast=self.accelerator.autocast,
+            policy=self.policy,
         )
         context = getattr(model.config, "max_position_embeddings", None)
         prompts = dict(context_length=context, response_length=config.response_length)
@@ -147,7 +149,7 @@ class RLOOTrainer:
         )
         if config.gradient_checkpointing:
             model.enable_gradient_checkpointing()
-        self.policy_parameters = model.policy_parameters()
+        self.policy_parameters = model.policy_parameters(self.policy)
         self._broadcast_policy_weights()
 
         optimizer = torch.optim.AdamW(
@@ -245,7 +247,7 @@ class RLOOTrainer:
                     ):
                         rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
                         batch = rollout.select(rows)
-                        with self.model.policy(), self.accelerator.autocast():
+                        with self.model.policy(self.policy), self.accelerator.autocast():
                             new_logprobs, entropy = self.model.token_logprobs(
                                 batch.query_responses,
                                 batch.attention_mask,
@@ -390,7 +392,7 @@ class RLOOTrainer:
         if accelerator.is_main_process:
             run_dir.remove_files([staging])
             staging.mkdir(parents=True)
-            self.model.save_policy_adapter(staging)
+            self.model.save_policy_adapter(staging, self.policy)
             torch.save(self.optimizer.state_dict(), staging / run_dir.OPTIMIZER_FILE)
             torch.save(self.lr_scheduler.state_dict(), staging / run_dir.SCHEDULER_FILE)
             run_dir.write_trainer_state(
@@ -425,9 +427,7 @@ class RLOOTrainer:
                 "settings, total_episodes and dataset of the original run"
             )
         weights = load_file(str(path / SAFETENSORS_WEIGHTS_NAME), device=str(self.accelerator.device))
-        result = set_peft_model_state_dict(
-            self.model.peft_model, weights, adapter_name=MultiAdapterModel.POLICY_ADAPTER
-        )
+        result = set_peft_model_state_dict(self.model.peft_model, weights, adapter_name=self.policy)
         if result.unexpected_keys:
             raise ConfigError(
                 f"{path}: adapter weights that match no policy parameter: {result.unexpected_keys[:5]}"
@@ -463,7 +463,8 @@ class RLOOTrainer:
                 "name_or_path": model.name_or_path,
                 "quantization": model.quantization,
                 "dtype": str(model.dtype).removeprefix("torch."),
-                "reference": model.reference_mode,
+                "policy": self.policy,
+                "reference": model.policies[self.policy].reference_mode,
                 "gradient_checkpointing": model.gradient_checkpointing,
             },
             "world_size": self.accelerator.num_processes,
@@ -555,7 +556,7 @@ class RLOOTrainer:
         progress.close()
 
         if accelerator.is_main_process:
-            self.model.save_policy_adapter(self.output_dir)
+            self.model.save_policy_adapter(self.output_dir, self.policy)
         accelerator.wait_for_everyone()
         accelerator.end_training()
         return self.log_history

@@ -31,6 +31,7 @@ def test_defaults_follow_the_reference_trainer():
 def test_no_flag_that_would_do_nothing():
     names = {f.name for f in dataclasses.fields(RLOOConfig)}
     assert "whiten_rewards" not in names
+    assert "lora_dropout" not in names  # dropout is off for RL (the rollout and the update see one function)
 
 
 def test_parses_from_the_command_line():
@@ -90,7 +91,6 @@ def test_single_strings_are_accepted_from_python():
         ({"lr_scheduler_type": "linearr"}, "lr_scheduler_type"),
         ({"total_episodes": 0}, "total_episodes"),
         ({"save_total_limit": 0}, "save_total_limit"),
-        ({"lora_dropout": 1.0}, "lora_dropout"),
     ],
 )
 def test_invalid_settings_fail_early_with_the_fix(overrides, message):

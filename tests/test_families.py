@@ -31,7 +31,6 @@ from transformers import (
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer, rloo
 from marl.errors import ModelError
-from marl.model import last_token_index
 from marl.rollout import collect_rollout
 from marl.sampling import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
 
@@ -262,7 +261,8 @@ def test_trl_reward_adapter_with_pad_equal_to_eos_reads_like_transformers(
         # Read AT the final EOS (the last attended token, marl's former rule) the scores are other numbers.
         with model.use_adapter("reward"), torch.no_grad():
             hidden = model._hidden_states(ids, mask)
-            at_eos = model.score_head(hidden[torch.arange(3), last_token_index(mask)]).squeeze(-1)
+            last_attended = (mask.shape[1] - 1) - mask.flip(dims=[1]).argmax(dim=1)
+            at_eos = model.rewards["reward"].head(hidden[torch.arange(3), last_attended]).squeeze(-1)
         assert (at_eos - theirs).abs().max() > 1e-3
 
 

@@ -117,7 +117,7 @@ def test_memory_report_of_a_loaded_model(tiny_llama_dir):
     assert report.base_parameters == plain.num_parameters()
     # q_proj 64 -> 64 and v_proj 64 -> 32 (2 kv heads of 16) in each of 2 layers, rank 4.
     expected_lora = 2 * (lora_parameter_count(64, 64, 4) + lora_parameter_count(64, 32, 4))
-    assert report.adapter_parameters == {"policy": expected_lora, "reference": expected_lora}
+    assert report.adapter_parameters == {"policy": expected_lora, "policy-reference": expected_lora}
     assert report.adapter_bytes["policy"] == 4 * expected_lora
     assert report.trainable_parameters == expected_lora
     assert report.optimizer_state_bytes + report.trainable_bytes == adamw_training_bytes(expected_lora)

@@ -15,7 +15,8 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from marl.model import MultiAdapterModel, last_token_index, position_ids_from_mask
+from marl.errors import ConfigError
+from marl.model import MultiAdapterModel, position_ids_from_mask, reward_read_positions
 from marl.sampling import SamplingSettings
 
 QUANTIZATIONS = (None, "8bit", "4bit")
@@ -55,11 +56,13 @@ def full_softmax_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperatur
 # ---------------------------------------------------------------------- helpers
 
 
-def test_last_token_index_left_and_right_padding():
-    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
-    assert last_token_index(mask).tolist() == [3, 2, 0, 3]
-    with pytest.raises(ValueError, match="no real token"):
-        last_token_index(torch.tensor([[0, 0]]))
+def test_reward_read_positions_follow_transformers_rule():
+    """The last token that is not the padding id, whatever the padding side; masked positions are padding."""
+    ids = torch.tensor([[0, 0, 5, 6], [5, 6, 7, 0], [5, 0, 0, 0], [5, 6, 7, 8], [5, 6, 2, 2]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]])
+    assert reward_read_positions(ids, mask, pad_token_id=0).tolist() == [3, 2, 0, 3, 2]
+    # pad == eos == 2: an EOS that ends the text is padding to the classifier, read one token earlier
+    assert reward_read_positions(ids, mask, pad_token_id=2).tolist() == [3, 2, 0, 3, 1]
 
 
 def test_position_ids_skip_left_padding():
@@ -93,12 +96,13 @@ def test_reward_score_matches_sequence_classification_model(
     # The adapter matters: the same head on the bare base gives other numbers.
     with model.use_adapter("reward"), model.peft_model.disable_adapter(), torch.no_grad():
         hidden = model._hidden_states(ids, mask)
-        bare = model.score_head(hidden[torch.arange(3), last_token_index(mask)]).squeeze(-1)
+        read_at = reward_read_positions(ids, mask, model.rewards["reward"].pad_token_id)
+        bare = model.rewards["reward"].head(hidden[torch.arange(3), read_at]).squeeze(-1)
     assert (bare - scores).abs().max() > 1e-4
 
 
 def test_reward_score_reads_eos_when_it_is_a_real_token(llama_model):
-    """The attention mask decides the last token, not pad_token_id: scoring at the EOS itself."""
+    """With pad != eos an EOS is a real token: the score is read at the EOS itself."""
     ids = torch.tensor([[5, 6, 7, 1]])
     with_eos = llama_model.compute_reward_score(ids, torch.ones_like(ids))
     eos_masked = llama_model.compute_reward_score(ids, torch.tensor([[1, 1, 1, 0]]))
@@ -139,7 +143,7 @@ def test_load_score_switch_and_train_step(
     assert scores.shape == (3,) and torch.isfinite(scores).all()
 
     reward_before = {n: p.detach().clone() for n, p in model.peft_model.named_parameters() if ".reward." in n}
-    head_before = model.score_head.weight.detach().clone()
+    head_before = model.rewards["reward"].head.weight.detach().clone()
     optimizer = torch.optim.AdamW(model.policy_parameters(), lr=1e-2)
     model.train()
     with model.policy():
@@ -154,7 +158,7 @@ def test_load_score_switch_and_train_step(
     for name, parameter in model.peft_model.named_parameters():
         if ".reward." in name:
             assert torch.equal(parameter, reward_before[name])
-    assert torch.equal(model.score_head.weight, head_before)
+    assert torch.equal(model.rewards["reward"].head.weight, head_before)
     with model.policy(), torch.no_grad():
         updated = model.token_logprobs(ids, mask, response_start=2)
     with model.reference(), torch.no_grad():
@@ -285,7 +289,7 @@ def test_initial_policy_reference_from_an_adapter_directory(tiny_llama_dir, tmp_
     start.save_policy_adapter(tmp_path / "sft")
     model = MultiAdapterModel.from_pretrained(tiny_llama_dir, policy_adapter=tmp_path / "sft")
     assert model.reference_mode == "initial-policy"
-    assert set(model.adapter_names) == {"policy", "reference"}
+    assert set(model.adapter_names) == {"policy", "policy-reference"}
     ids, mask = padded_batch("right")
     with model.policy(), torch.no_grad():
         policy_before = model.token_logprobs(ids, mask, response_start=1)
@@ -310,7 +314,7 @@ def test_initial_policy_reference_from_an_adapter_directory(tiny_llama_dir, tmp_
 
 def test_reference_modes(tiny_llama_dir):
     explicit = MultiAdapterModel.from_pretrained(tiny_llama_dir, reference="initial-policy")
-    assert explicit.reference_mode == "initial-policy" and "reference" in explicit.adapter_names
+    assert explicit.reference_mode == "initial-policy" and "policy-reference" in explicit.adapter_names
     with pytest.raises(ValueError, match="reference must be one of"):
         MultiAdapterModel.from_pretrained(tiny_llama_dir, reference="sft")
 
@@ -444,7 +448,7 @@ def test_reward_two_label_head_reads_the_log_odds(tiny_llama_dir, reward_adapter
     torch.manual_seed(0)
     _edit_weights(adapter, lambda s: s.__setitem__(key, torch.cat([torch.randn(1, 64), s[key]])))
     model = MultiAdapterModel.from_pretrained(tiny_llama_dir, reward_adapter=adapter)
-    assert model.reward_head_info.num_labels == 2
+    assert model.rewards["reward"].info.num_labels == 2
     classifier = AutoModelForSequenceClassification.from_pretrained(tiny_llama_dir, num_labels=2)
     reference = PeftModel.from_pretrained(classifier, str(adapter)).eval()
     ids, mask = padded_batch("right")
@@ -456,7 +460,7 @@ def test_reward_two_label_head_reads_the_log_odds(tiny_llama_dir, reward_adapter
 
 
 def test_reward_head_is_frozen_and_outside_the_optimizer(llama_model):
-    head = llama_model.score_head
+    head = llama_model.rewards["reward"].head
     assert not any(p.requires_grad for p in head.parameters())
     policy_ids = {id(p) for p in llama_model.policy_parameters()}
     assert not any(id(p) in policy_ids for p in head.parameters())
@@ -466,7 +470,7 @@ def test_reward_head_is_frozen_and_outside_the_optimizer(llama_model):
 def test_compute_reward_score_without_adapter_explains(tiny_llama_dir):
     model = MultiAdapterModel.from_pretrained(tiny_llama_dir)
     assert not model.has_reward_adapter
-    with pytest.raises(RuntimeError, match="reward_adapter="):
+    with pytest.raises(ConfigError, match="reward_adapter="):
         model.compute_reward_score(*padded_batch("left"))
 
 
@@ -486,7 +490,7 @@ def test_base_weights_exist_once(tiny_llama_dir, reward_adapter_factory):
         reward_adapter=reward_adapter_factory("llama"),
         policy_adapter=LoraConfig(r=4, init_lora_weights=False),
     )
-    assert set(model.adapter_names) == {"policy", "reference", "reward"}
+    assert set(model.adapter_names) == {"policy", "policy-reference", "reward"}
     storages = {}
     for name, parameter in model.peft_model.named_parameters():
         if "lora_" in name:
@@ -543,7 +547,7 @@ def test_bfloat16_compute_dtype(tiny_llama_dir, reward_adapter_factory):
         tiny_llama_dir, dtype=torch.bfloat16, reward_adapter=reward_adapter_factory("llama")
     )
     # the score head runs in float32 whatever the compute dtype: bf16 would round scores to ~3 digits
-    assert model.dtype == torch.bfloat16 and model.score_head.weight.dtype == torch.float32
+    assert model.dtype == torch.bfloat16 and model.rewards["reward"].head.weight.dtype == torch.float32
     ids, mask = padded_batch("right")
     assert model.compute_reward_score(ids, mask).dtype == torch.float32
     with model.reference(), torch.no_grad():
@@ -704,7 +708,7 @@ def test_reward_head_bias_and_modules_to_save_keys(
 
     _edit_weights(adapter, rename_and_add_bias)
     model = MultiAdapterModel.from_pretrained(tiny_llama_dir, reward_adapter=adapter)
-    assert model.reward_head_info.has_bias
+    assert model.rewards["reward"].info.has_bias
     ids, mask = padded_batch("right")
     torch.testing.assert_close(
         model.compute_reward_score(ids, mask),

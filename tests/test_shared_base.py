@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.errors import AdapterError
-from marl.model import _check_only_policy_trains
+from marl.loading import _check_only_policies_train
 
 MISSING_BASE = "/nonexistent/base-model"  # the adapter checks must fail before this folder is ever opened
 
@@ -57,8 +57,10 @@ def test_a_trainable_base_tensor_is_refused(family_dir):
     """The last line of defence behind the settings checks: a trainable tensor outside the policy adapter."""
     model = MultiAdapterModel.from_pretrained(family_dir("qwen2"))
     bias = model.peft_model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.bias
-    with pytest.raises(AdapterError, match=r"would train 1 tensor\(s\) of the shared base.*q_proj"):
-        _check_only_policy_trains(model.peft_model, [*model.policy_parameters(), bias], "policy")
+    bias.requires_grad_(True)
+    policy = {id(parameter) for parameter in model.policy_parameters()}
+    with pytest.raises(AdapterError, match=r"would train 1 tensor\(s\) outside its LoRA weights.*q_proj"):
+        _check_only_policies_train(model.peft_model, policy)
 
 
 @pytest.mark.parametrize("quantization", [None, "4bit"])

@@ -330,9 +330,9 @@ def reward_state(model: MultiAdapterModel) -> dict[str, bytes]:
     state = {
         name: parameter.detach().cpu().numpy().tobytes()
         for name, parameter in model.peft_model.named_parameters()
-        if f".{MultiAdapterModel.REWARD_ADAPTER}." in name
+        if ".reward." in name
     }
-    for name, parameter in model.score_head.named_parameters():
+    for name, parameter in model.rewards["reward"].head.named_parameters():
         state[f"score_head.{name}"] = parameter.detach().cpu().numpy().tobytes()
     return state
 
