@@ -47,11 +47,12 @@ class ScriptArguments:
         },
     )
     prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
-    reward_fn: str | None = field(
+    reward_fn: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Instead of --reward_adapter: 'module:function' (or 'file.py:function') called as "
-            "function(prompts, completions) -> one number per completion."
+            "help": "Reward function(s) 'module:function' (or 'file.py:function') called as "
+            "function(prompts, completions) -> one number (or None) per completion; with or instead of "
+            "--reward_adapter, weighted by --reward_weights. Repeat the flag for several."
         },
     )
     overwrite_output_dir: bool = field(
@@ -62,6 +63,43 @@ class ScriptArguments:
         default=None,
         metadata={"help": "Continue the run in --output_dir from this checkpoint folder, or 'latest'."},
     )
+
+
+def merge_repeated_list_flags(words: list[str], dataclass_types: list[type]) -> list[str]:
+    """Let a list flag be repeated: ``--reward_fn a --reward_fn b`` becomes ``--reward_fn a b`` (argparse
+    keeps only the last occurrence of a flag).
+
+    Example:
+        >>> words = ["--reward_fn", "a", "--rloo_k", "2", "--reward-fn", "b"]
+        >>> merge_repeated_list_flags(words, [ScriptArguments])
+        ['--reward_fn', 'a', 'b', '--rloo_k', '2']
+    """
+    import dataclasses
+
+    list_fields = {
+        item.name
+        for kind in dataclass_types
+        for item in dataclasses.fields(kind)
+        if str(item.type).startswith("list[")
+    }
+    values: dict[str, list[str]] = {}
+    rest: list[str] = []
+    current = None
+    for word in words:
+        name = word[2:].replace("-", "_") if word.startswith("--") and "=" not in word else None
+        if name is not None:
+            current = name if name in list_fields else None
+            if current is None:
+                rest.append(word)
+            else:
+                values.setdefault(current, [])
+            continue
+        if current is not None:
+            values[current].append(word)
+        else:
+            rest.append(word)
+    merged = [item for name, items in values.items() for item in (f"--{name}", *items)]
+    return merged + rest
 
 
 def _parser(dataclass_types: list[type], prog: str):
@@ -80,20 +118,19 @@ def parse_train_rloo_args(
     Example:
         >>> script, config = parse_train_rloo_args(["--reward-adapter", "rm", "--rloo_k", "4"])
         >>> config.reward_adapter, config.rloo_k
-        ('rm', 4)
+        (['rm'], 4)
     """
     from marl.config import RLOOConfig
 
-    script, config = _parser([ScriptArguments, RLOOConfig], prog).parse_args_and_config(
-        list(sys.argv[1:] if argv is None else argv)
+    words = merge_repeated_list_flags(
+        list(sys.argv[1:] if argv is None else argv), [ScriptArguments, RLOOConfig]
     )
-    if script.reward_fn is None and config.reward_adapter is None:
+    script, config = _parser([ScriptArguments, RLOOConfig], prog).parse_args_and_config(words)
+    if not script.reward_fn and not config.reward_adapter:
         raise ConfigError(
-            "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) or "
+            "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "
             "--reward_fn module:function"
         )
-    if script.reward_fn is not None and config.reward_adapter is not None:
-        raise ConfigError("both --reward_adapter and --reward_fn are set: the reward comes from one of them")
     if script.resume_from_checkpoint is not None and script.overwrite_output_dir:
         raise ConfigError(
             "--resume_from_checkpoint continues the run in --output_dir while --overwrite_output_dir would "
@@ -115,7 +152,8 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from marl.data import load_prompt_dataset, load_reward_fn
+    from marl.data import load_prompt_dataset
+    from marl.rewards import load_reward_fn
     from marl.run_dir import check_output_dir, remove_files
     from marl.trainer import RLOOTrainer
 
@@ -131,7 +169,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     state.wait_for_everyone()
     if state.is_main_process:
         remove_files(previous)
-    reward_fn = load_reward_fn(script.reward_fn) if script.reward_fn else None
+    reward_functions = [load_reward_fn(spec) for spec in script.reward_fn or []]
     train_dataset = load_prompt_dataset(
         script.dataset_name, script.dataset_train_split, script.prompt_column, seed=config.seed
     )
@@ -147,7 +185,9 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         if command:
             console.print(f"[bold]{command}[/bold]")
         console.print(model.memory_report())
-    return RLOOTrainer(config, model, tokenizer, train_dataset, eval_dataset, reward_fn=reward_fn)
+    # The reward adapters first, then the functions: the order of --reward_weights.
+    reward_funcs = [*model.rewards, *reward_functions]
+    return RLOOTrainer(config, model, tokenizer, train_dataset, eval_dataset, reward_funcs=reward_funcs)
 
 
 def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-rloo") -> Any:
@@ -164,12 +204,10 @@ def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-r
         trainer = build_rloo_trainer(script, config, command=f"{prog} {shlex.join(words)}")
     except (MarlError, ValueError, FileNotFoundError, ImportError) as error:
         raise SystemExit(f"{prog}: error: {error}") from error
-    from marl.data import DataError
-
     resume = script.resume_from_checkpoint
     try:
         trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
-    except DataError as error:  # a --reward_fn that returned something unusable
+    except MarlError as error:  # e.g. a --reward_fn that returned something unusable
         raise SystemExit(f"{prog}: error: {error}") from error
     return trainer
 

@@ -15,10 +15,12 @@ Example:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from marl.adapters import REFERENCE_MODES
+from marl.errors import ConfigError
 from marl.quantization import parse_quantization
 
 if TYPE_CHECKING:
@@ -102,9 +104,19 @@ class RLOOConfig:
             "help": "Load the base in '4bit' (NF4) or '8bit' through bitsandbytes; unset for no quantization."
         },
     )
-    reward_adapter: str | None = field(
+    reward_adapter: list[str] | None = field(
         default=None,
-        metadata={"help": "Folder of the frozen reward LoRA + score head (a PEFT SEQ_CLS adapter)."},
+        metadata={
+            "help": "Reward adapter folder(s), each a frozen LoRA + score head (a PEFT SEQ_CLS adapter): "
+            "DIR, or NAME=DIR to name it (its mean is logged as rewards/NAME). Repeat the flag for several."
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={
+            "help": "One weight per reward source, in order: the reward adapters, then the reward functions. "
+            "The reward is the weighted sum. Default: 1 each."
+        },
     )
     policy_adapter: str | None = field(
         default=None,
@@ -240,12 +252,14 @@ class RLOOConfig:
             self.report_to = [self.report_to]
         if isinstance(self.lora_target_modules, str):
             self.lora_target_modules = [self.lora_target_modules]
+        if isinstance(self.reward_adapter, str | os.PathLike):
+            self.reward_adapter = [str(self.reward_adapter)]
         self.quantization = parse_quantization(self.quantization)
         self._validate()
 
     def _validate(self) -> None:
         def fail(problem: str, fix: str) -> None:
-            raise ValueError(f"{problem}. {fix}")
+            raise ConfigError(f"{problem}. {fix}")
 
         if self.rloo_k < 2:
             fail(
@@ -361,9 +375,9 @@ class RLOOConfig:
             (8, 7, 56)
         """
         if world_size < 1:
-            raise ValueError(f"world_size={world_size} must be >= 1")
+            raise ConfigError(f"world_size={world_size} must be >= 1")
         if dataset_length < 1:
-            raise ValueError("the training dataset is empty. Pass a dataset with at least one prompt")
+            raise ConfigError("the training dataset is empty. Pass a dataset with at least one prompt")
         local_batch_size = (
             self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
         )
@@ -407,6 +421,29 @@ class RLOOConfig:
             task_type="CAUSAL_LM",
         )
 
+    def reward_adapter_folders(self) -> dict[str, str]:
+        """The reward adapters by name: ``NAME=DIR`` entries keep their name; bare folders are named
+        ``reward``, ``reward_2``, ... in order.
+
+        Example:
+            >>> RLOOConfig(reward_adapter=["rm", "fluency=adapters/fluency"]).reward_adapter_folders()
+            {'reward': 'rm', 'fluency': 'adapters/fluency'}
+        """
+        folders: dict[str, str] = {}
+        unnamed = 0
+        for entry in self.reward_adapter or []:
+            name, separator, folder = entry.partition("=")
+            if not separator:
+                unnamed += 1
+                name, folder = ("reward" if unnamed == 1 else f"reward_{unnamed}"), entry
+            if name in folders:
+                raise ConfigError(
+                    f"two reward adapters are named {name!r}; give each one a distinct name with "
+                    "--reward_adapter NAME=DIR"
+                )
+            folders[name] = folder
+        return folders
+
     def load_model(self, **overrides: Any) -> MultiAdapterModel:
         """Build the :class:`marl.MultiAdapterModel` these model fields describe.
 
@@ -424,7 +461,7 @@ class RLOOConfig:
         dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
         arguments: dict[str, Any] = dict(
             quantization=self.quantization,
-            reward_adapter=self.reward_adapter,
+            reward_adapters=self.reward_adapter_folders(),
             policy_adapter=self.policy_adapter
             if self.policy_adapter is not None
             else self.policy_lora_config(),

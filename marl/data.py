@@ -1,19 +1,17 @@
-"""Prompt datasets and user-supplied scoring functions for the command-line tools.
+"""Prompts: datasets, tokenisation, padding, and importing the user's own functions.
 
 - :func:`load_prompt_dataset` turns ``--dataset_name`` into a ``datasets.Dataset`` with a ``prompt``
   column: the bundled Rotten Tomatoes prompts, a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file or a
   folder of them, or a dataset hub name (the only case that may reach the network, because the user named it).
-- :func:`load_reward_fn` and :func:`load_judge` import ``module:function`` (or ``path/to/file.py:function``)
-  and wrap it so that a wrong number of scores, or scores that are not finite numbers, fail at once with the
-  function's name in the message instead of deep inside training.
+- :func:`tokenize_prompt` and :func:`left_pad` prepare prompts the same way for training and evaluation.
+- :func:`import_function` imports ``module:function`` (or ``path/to/file.py:function``) for ``--reward_fn``
+  and ``--judge`` (see :mod:`marl.rewards`, which checks what those functions return).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
-import numbers
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -271,38 +269,6 @@ def _import_file(path: Path):
     return module
 
 
-def check_scores(scores: Any, expected: int, name: str, *, allow_non_finite: bool = False) -> list[float]:
-    """``scores`` as a list of floats; raise, naming ``name``, unless it is ``expected`` real numbers (finite
-    ones unless ``allow_non_finite``).
-
-    Accepts lists, tuples, numpy arrays and 1-D torch tensors.
-
-    Example:
-        >>> check_scores([1, 0.5], 2, "my_reward")
-        [1.0, 0.5]
-    """
-    if hasattr(scores, "tolist") and not isinstance(scores, list | tuple):
-        scores = scores.tolist()
-    if not isinstance(scores, list | tuple):
-        raise DataError(
-            f"{name} returned a {type(scores).__name__}; it must return a list of {expected} numbers, "
-            "one per completion"
-        )
-    if len(scores) != expected:
-        raise DataError(
-            f"{name} returned {len(scores)} scores for {expected} completions; "
-            "it must return one per completion, in order"
-        )
-    values = []
-    for index, score in enumerate(scores):
-        if isinstance(score, bool) or not isinstance(score, numbers.Real):
-            raise DataError(f"{name} returned {score!r} at position {index}; scores must be real numbers")
-        if not allow_non_finite and not math.isfinite(score):
-            raise DataError(f"{name} returned {score!r} at position {index}; scores must be finite numbers")
-        values.append(float(score))
-    return values
-
-
 def prompt_text(prompt: Any) -> str:
     """The text a reader sees of a prompt: the string itself, or a conversation's last message and a newline.
 
@@ -311,64 +277,3 @@ def prompt_text(prompt: Any) -> str:
         'Review the film\\n'
     """
     return prompt if isinstance(prompt, str) else prompt[-1]["content"] + "\n"
-
-
-class CheckedRewardFunction:
-    """A user reward function ``fn(prompts, completions) -> scores`` whose output is checked on every call.
-
-    Example:
-        >>> reward = CheckedRewardFunction(lambda prompts, texts: [len(t) for t in texts], "length")
-        >>> reward(["Say hi"], ["hi!"])
-        [3.0]
-    """
-
-    def __init__(self, function: Callable[..., Any], name: str) -> None:
-        self.function = function
-        self.name = name
-        self.__name__ = name
-
-    def __call__(self, prompts: Sequence[Any], completions: Sequence[str], **kwargs: Any) -> list[float]:
-        return check_scores(self.function(prompts, completions, **kwargs), len(completions), self.name)
-
-    def __repr__(self) -> str:
-        return f"CheckedRewardFunction({self.name})"
-
-
-class CheckedJudge:
-    """A judge ``fn(texts) -> scores`` (higher is better) whose output is checked on every call.
-
-    Example:
-        >>> judge = CheckedJudge(lambda texts: [t.count("!") for t in texts], "excitement")
-        >>> judge(["wow!", "ok"])
-        [1.0, 0.0]
-    """
-
-    def __init__(self, function: Callable[[Sequence[str]], Any], name: str) -> None:
-        self.function = function
-        self.name = name
-
-    def __call__(self, texts: Sequence[str]) -> list[float]:
-        return check_scores(self.function(list(texts)), len(texts), self.name)
-
-
-def load_reward_fn(spec: str) -> CheckedRewardFunction:
-    """Import ``--reward_fn module:function``: called as ``function(prompts, completions)`` → one number each.
-
-    Example:
-        >>> reward = load_reward_fn("my_rewards:length_bonus")  # doctest: +SKIP
-    """
-    return CheckedRewardFunction(import_function(spec, "--reward_fn"), f"reward function {spec!r}")
-
-
-def load_judge(spec: str | None) -> CheckedJudge:
-    """Import ``--judge module:function``, called as ``function(texts)``; ``None`` gives the VADER judge.
-
-    Example:
-        >>> load_judge(None)(["a wonderful film"])[0] > 0
-        True
-    """
-    if spec is None:
-        from marl.assets import gold_judge_scores
-
-        return CheckedJudge(gold_judge_scores, "the VADER judge")
-    return CheckedJudge(import_function(spec, "--judge"), f"judge {spec!r}")

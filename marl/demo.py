@@ -194,10 +194,10 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from rich.table import Table
     from transformers import AutoTokenizer
 
-    from marl.data import load_judge, rotten_tomatoes_prompts
+    from marl.data import rotten_tomatoes_prompts
     from marl.evaluate import generate_and_score, results_table, summarize, write_results
     from marl.plotting import plot_training_curves
-    from marl.rewards import EosTerminatedAdapterReward
+    from marl.rewards import EosTerminatedAdapterReward, load_judge
     from marl.run_dir import METRICS_FILE, check_output_dir
     from marl.trainer import RLOOTrainer
 
@@ -240,8 +240,10 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     )
     # The reward adapter scores every completion as it was trained, text + EOS: read at the last word of a
     # completion cut off by the length limit, it rewards stopping early over what the text says.
-    reward = EosTerminatedAdapterReward(model, tokenizer, config.local_rollout_forward_batch_size)
-    trainer = RLOOTrainer(config, model, tokenizer, train_prompts, reward_fn=reward)
+    reward = EosTerminatedAdapterReward(
+        model, tokenizer, rows_per_pass=config.local_rollout_forward_batch_size
+    )
+    trainer = RLOOTrainer(config, model, tokenizer, train_prompts, reward_funcs=reward)
     trainer.train()
     train_seconds = time.perf_counter() - start
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from marl.data import CheckedJudge
     from marl.model import MultiAdapterModel
+    from marl.rewards import CheckedJudge
 
 RESULTS_FILE = "eval_results.json"
 COMPLETIONS_FILE = "eval_completions.jsonl"
@@ -202,7 +202,11 @@ def generate_and_score(
         context_length=getattr(model.config, "max_position_embeddings", None),
         response_length=response_length,
     )
-    reward = EosTerminatedAdapterReward(model, tokenizer, batch_size) if model.has_reward_adapter else None
+    reward = (
+        EosTerminatedAdapterReward(model, tokenizer, rows_per_pass=batch_size)
+        if model.has_reward_adapter
+        else None
+    )
     views = {"base": "reference", "policy": "policy"} if with_policy else {"base": "reference"}
     results = {name: ScoredCompletions() for name in views}
     starts = range(0, len(prompts), batch_size)
@@ -322,8 +326,9 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     from rich.console import Console
     from transformers import AutoTokenizer
 
-    from marl.data import load_judge, load_prompt_dataset
+    from marl.data import load_prompt_dataset
     from marl.model import MultiAdapterModel
+    from marl.rewards import load_judge
 
     console = Console()
     judge = load_judge(arguments.judge)

@@ -6,14 +6,16 @@ mean is taken after the sums of all processes are added, so it is the mean over 
 
 Example:
     >>> stats = RolloutStats(kl=2.0, entropy=6.0, non_score_reward=-0.1, rlhf_reward=1.9, scores=2.0,
-    ...                      num_eos=1.0, completions=2.0)
-    >>> rollout_metrics(stats)["objective/kl"]
-    1.0
+    ...                      num_eos=1.0, completions=2.0, source_sums=torch.tensor([3.0]),
+    ...                      source_counts=torch.tensor([2.0]))
+    >>> rollout_metrics(stats, ["sentiment"])["rewards/sentiment"]
+    1.5
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -35,23 +37,23 @@ class RolloutStats:
     scores: float
     num_eos: float  # completions with an end-of-sequence id among their valid tokens
     completions: float
+    source_sums: torch.Tensor  # [S] each reward source's scores, over the completions it judged
+    source_counts: torch.Tensor  # [S] how many completions each source judged
 
     @classmethod
-    def of(
-        cls,
-        logprobs: torch.Tensor,
-        response_mask: torch.Tensor,
-        contains_eos: torch.Tensor,
-        shaped: rloo.ShapedRewards,
-    ) -> RolloutStats:
+    def of(cls, rollout: Any, shaped: rloo.ShapedRewards) -> RolloutStats:
+        """From a :class:`marl.rollout.Rollout` and its shaped rewards."""
+        judged = ~torch.isnan(rollout.source_scores)
         return cls(
             kl=shaped.kl.sum(),
-            entropy=rloo.masked_sum(-logprobs, response_mask).sum(),
+            entropy=rloo.masked_sum(-rollout.logprobs, rollout.response_mask).sum(),
             non_score_reward=shaped.non_score_reward.sum(),
             rlhf_reward=shaped.rlhf_reward.sum(),
             scores=shaped.scores.sum(),
-            num_eos=contains_eos.sum(),
-            completions=float(contains_eos.numel()),
+            num_eos=rollout.contains_eos.sum(),
+            completions=float(rollout.contains_eos.numel()),
+            source_sums=torch.where(judged, rollout.source_scores, 0.0).sum(dim=0),
+            source_counts=judged.sum(dim=0),
         )
 
 
@@ -90,23 +92,38 @@ class UpdateStats:
 
 
 def sum_over_processes(record: Record, accelerator: Any) -> Record:
-    """``record`` with every number summed over processes, in ONE collective; values become Python floats."""
+    """``record`` with every number (and every 1-D tensor, elementwise) summed over processes, in ONE
+    collective; numbers come back as Python floats, tensors as float64 CPU tensors."""
     fields = [item for item in dataclasses.fields(record) if item.init and not item.name.startswith("_")]
-    values = torch.stack(
-        [
-            torch.as_tensor(getattr(record, item.name), dtype=torch.float64).to(accelerator.device)
-            for item in fields
-        ]
-    )
+    pieces = [
+        torch.as_tensor(getattr(record, item.name), dtype=torch.float64).to(accelerator.device).reshape(-1)
+        for item in fields
+    ]
+    values = torch.cat(pieces)
     if accelerator.num_processes > 1:
         values = accelerator.reduce(values, reduction="sum")
-    return type(record)(**{item.name: value for item, value in zip(fields, values.tolist(), strict=True)})
+    values = values.cpu()
+    summed, offset = {}, 0
+    for item, piece in zip(fields, pieces, strict=True):
+        part = values[offset : offset + piece.numel()]
+        offset += piece.numel()
+        value = getattr(record, item.name)
+        summed[item.name] = (
+            part if isinstance(value, torch.Tensor) and value.dim() > 0 else float(part.item())
+        )
+    return type(record)(**summed)
 
 
-def rollout_metrics(stats: RolloutStats) -> dict[str, float]:
-    """The ``objective/*`` means of a rollout, from sums over all processes."""
+def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, float]:
+    """The ``objective/*`` means of a rollout and each reward source's mean ``rewards/<name>`` (over the
+    completions it judged), from sums over all processes."""
     count = stats.completions
+    per_source = {
+        f"rewards/{name}": float(total / judged) if judged > 0 else math.nan
+        for name, total, judged in zip(source_names, stats.source_sums, stats.source_counts, strict=True)
+    }
     return {
+        **per_source,
         "objective/kl": stats.kl / count,
         "objective/entropy": stats.entropy / count,
         "objective/non_score_reward": stats.non_score_reward / count,

@@ -35,7 +35,9 @@ def parse_quantization(value: str | None) -> str | None:
     if value in _NO_QUANTIZATION:
         return None
     if value not in QUANTIZATION_CHOICES:
-        raise ConfigError(f"quantization={value!r} is unknown: quantization must be one of 4bit, 8bit or none")
+        raise ConfigError(
+            f"quantization={value!r} is unknown: quantization must be one of 4bit, 8bit or none"
+        )
     return value
 
 

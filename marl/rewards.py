@@ -1,34 +1,40 @@
-"""Where RLOO scores come from: the model's reward adapter, or a user function of the texts.
+"""Where scores come from: reward adapters on the shared base, user functions of the texts, their weighted
+sum,
+and the judges that evaluate a policy.
 
-Every source's :meth:`~RewardSource.score` takes a :class:`ScoringBatch` (the rollout's rows as ids and as
-text)
-and returns one float32 score per row. A user function's output is checked by :func:`marl.data.check_scores`
-(one number per
-completion, in order); a non-finite score passes the check, and the trainer then skips that update with a
-warning.
+A reward source has a ``name`` and a ``score(batch)`` method: given a :class:`ScoringBatch` (the rollout's
+rows as ids and as text) it returns one float32 score per row. :class:`WeightedRewards` combines several
+sources as ``Σ_i w_i · r_i``, as TRL's ``reward_funcs`` with ``reward_weights`` do.
+
+``None`` from a reward function means "this source does not judge this completion" (NaN works the same way,
+as in TRL): the completion's reward is then the weighted sum over the sources that did judge it. A completion
+that no source judged has no reward, and the update it belongs to is skipped with a warning. Infinite scores
+from a function, a wrong count or a non-number are errors that name the function.
 
 Example:
     >>> length = FunctionReward(lambda prompts, completions: [len(c) for c in completions], "length")
     >>> batch = ScoringBatch(["Say"], [" hi!"], torch.tensor([[5, 6]]), torch.tensor([[1, 1]]))
-    >>> length.score(batch)
-    tensor([4.])
+    >>> WeightedRewards([length], [0.5]).score(batch).total
+    tensor([2.])
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from marl.data import check_scores, prompt_text
-from marl.errors import ConfigError
+from marl.data import import_function, left_pad, prompt_text
+from marl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from marl.model import MultiAdapterModel
 
-RewardFunction = Callable[[list[str], list[str]], Sequence[float]]
+RewardFunction = Callable[..., Sequence[float | None]]
 
 
 @dataclass(frozen=True)
@@ -44,71 +50,97 @@ class ScoringBatch:
 
 @runtime_checkable
 class RewardSource(Protocol):
-    """Anything with a ``name`` and a ``score(batch) -> float32 [B]`` method."""
+    """Anything with a ``name`` and a ``score(batch) -> float32 [B]`` method (NaN where it does not judge)."""
 
     name: str
 
     def score(self, batch: ScoringBatch) -> torch.Tensor: ...
 
 
-def as_reward_source(
-    reward: RewardFunction | RewardSource | None, model: MultiAdapterModel, rows_per_pass: int
-) -> RewardSource:
-    """``None``: the model's reward adapter; a :class:`RewardSource` as it is; a function of
-    ``(prompts, completions)``: a checked :class:`FunctionReward`."""
-    if reward is None:
-        return AdapterReward(model, rows_per_pass)
-    if isinstance(reward, RewardSource):
-        return reward
-    return FunctionReward(reward)
+def check_scores(scores: Any, expected: int, name: str, *, allow_none: bool = False) -> list[float | None]:
+    """``scores`` as a list of floats; raise, naming ``name``, unless it is ``expected`` finite real numbers.
+    With ``allow_none``, ``None`` (and NaN) stand for "not judged" and come back as ``None``.
+
+    Accepts lists, tuples, numpy arrays and 1-D torch tensors.
+
+    Example:
+        >>> check_scores([1, 0.5], 2, "my_reward")
+        [1.0, 0.5]
+        >>> check_scores([None, float("nan"), 2], 3, "my_reward", allow_none=True)
+        [None, None, 2.0]
+    """
+    if hasattr(scores, "tolist") and not isinstance(scores, list | tuple):
+        scores = scores.tolist()
+    if not isinstance(scores, list | tuple):
+        raise DataError(
+            f"{name} returned a {type(scores).__name__}; it must return a list of {expected} numbers, one "
+            "per "
+            "completion"
+        )
+    if len(scores) != expected:
+        raise DataError(
+            f"{name} returned {len(scores)} scores for {expected} completions; it must return one per "
+            "completion, in order"
+        )
+    values: list[float | None] = []
+    for index, score in enumerate(scores):
+        if allow_none and (score is None or (isinstance(score, float) and math.isnan(score))):
+            values.append(None)
+            continue
+        if isinstance(score, bool) or not isinstance(score, numbers.Real):
+            raise DataError(f"{name} returned {score!r} at position {index}; scores must be real numbers")
+        if not math.isfinite(score):
+            raise DataError(f"{name} returned {score!r} at position {index}; scores must be finite numbers")
+        values.append(float(score))
+    return values
 
 
 class AdapterReward:
-    """The model's reward adapter on the ids as they were sampled, ``rows_per_pass`` rows per forward pass."""
+    """A reward adapter of the model on the ids as they were sampled, ``rows_per_pass`` rows per pass."""
 
-    def __init__(self, model: MultiAdapterModel, rows_per_pass: int = 64) -> None:
-        if not model.has_reward_adapter:
-            raise ConfigError(
-                "no reward: the model has no reward adapter and no reward_fn was given. Load it with "
-                "reward_adapter=DIR, or pass reward_fn=callable(prompts, completions) -> list of floats"
-            )
+    def __init__(self, model: MultiAdapterModel, adapter: str | None = None, rows_per_pass: int = 64) -> None:
         self.model = model
+        self.name = model.get_reward(adapter).name
         self.rows_per_pass = rows_per_pass
-        self.name = "reward adapter"
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
-        step = self.rows_per_pass
-        ids, mask = batch.input_ids, batch.attention_mask
+        ids, mask, step = batch.input_ids, batch.attention_mask, self.rows_per_pass
         scores = [
-            self.model.compute_reward_score(ids[start : start + step], mask[start : start + step])
+            self.model.compute_reward_score(ids[start : start + step], mask[start : start + step], self.name)
             for start in range(0, ids.shape[0], step)
         ]
         return torch.cat(scores)
 
 
 class FunctionReward:
-    """A user function ``function(prompts, completions) -> one number per completion``, output checked."""
+    """A user function ``function(prompts, completions) -> one number (or None) per completion``, its output
+    checked on every call. Calling it returns the checked list.
+
+    Example:
+        >>> reward = FunctionReward(lambda prompts, texts: [len(t) for t in texts], "length")
+        >>> reward(["Say hi"], ["hi!"])
+        [3.0]
+    """
 
     def __init__(self, function: RewardFunction, name: str | None = None) -> None:
         if not callable(function):
             raise ConfigError(
-                f"reward_fn must be callable(prompts, completions), got {type(function).__name__}"
+                f"a reward function must be callable(prompts, completions), got {type(function).__name__}"
             )
         self.function = function
         self.name = name or getattr(function, "__name__", type(function).__name__)
 
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str]) -> list[float | None]:
+        output = self.function(list(prompts), list(completions))
+        return check_scores(output, len(completions), f"reward function {self.name!r}", allow_none=True)
+
     def score(self, batch: ScoringBatch) -> torch.Tensor:
-        values = check_scores(
-            self.function(batch.prompts, batch.completions),
-            len(batch.completions),
-            f"reward_fn {self.name}",
-            allow_non_finite=True,
-        )
+        values = [math.nan if value is None else value for value in self(batch.prompts, batch.completions)]
         return torch.tensor(values, dtype=torch.float32, device=batch.input_ids.device)
 
 
 class EosTerminatedAdapterReward:
-    """The reward adapter's score of ``prompt + completion`` always followed by EOS, as the shipped adapter
+    """A reward adapter's score of ``prompt + completion`` always followed by EOS, as the shipped adapter
     was trained: on complete texts ending in EOS.
 
     Read at the last word of a completion cut off by the length limit, such an adapter scores it out of
@@ -122,22 +154,20 @@ class EosTerminatedAdapterReward:
         tensor([2.3100])
     """
 
-    def __init__(self, model: MultiAdapterModel, tokenizer: Any, rows_per_pass: int = 64) -> None:
-        if not model.has_reward_adapter:
-            raise ConfigError("the model has no reward adapter: load it with reward_adapter=DIR")
+    def __init__(
+        self, model: MultiAdapterModel, tokenizer: Any, adapter: str | None = None, rows_per_pass: int = 64
+    ) -> None:
         if tokenizer.eos_token_id is None:
             raise ConfigError("the tokenizer has no EOS token to end the scored texts with")
         self.model = model
         self.tokenizer = tokenizer
+        self.name = model.get_reward(adapter).name
         self.rows_per_pass = rows_per_pass
-        self.name = "reward adapter (texts ending in EOS)"
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
         return self.score_texts(batch.prompts, batch.completions).to(batch.input_ids.device)
 
     def score_texts(self, prompts: Sequence[Any], completions: Sequence[str]) -> torch.Tensor:
-        from marl.data import left_pad
-
         eos = self.tokenizer.eos_token_id
         rows = [
             [*self.tokenizer(prompt_text(prompt) + completion, add_special_tokens=False)["input_ids"], eos]
@@ -147,5 +177,127 @@ class EosTerminatedAdapterReward:
         scores = []
         for start in range(0, len(rows), self.rows_per_pass):
             input_ids, attention_mask = left_pad(rows[start : start + self.rows_per_pass], eos)
-            scores.append(self.model.compute_reward_score(input_ids.to(device), attention_mask.to(device)))
+            scores.append(
+                self.model.compute_reward_score(input_ids.to(device), attention_mask.to(device), self.name)
+            )
         return torch.cat(scores)
+
+
+class RewardScores(NamedTuple):
+    """The weighted sum per row (NaN where no source judged it) and each source's own scores ``[B, S]``."""
+
+    total: torch.Tensor
+    per_source: torch.Tensor
+
+
+class WeightedRewards:
+    """Several reward sources combined as ``Σ_i w_i · r_i`` over the sources that judged each row.
+
+    Source names label the logged ``rewards/<name>`` metrics; repeated names get a ``_2``, ``_3``... suffix.
+    """
+
+    def __init__(self, sources: Sequence[RewardSource], weights: Sequence[float] | None = None) -> None:
+        if not sources:
+            raise ConfigError("no reward: give at least one reward adapter or reward function")
+        weights = [1.0] * len(sources) if weights is None else [float(weight) for weight in weights]
+        if len(weights) != len(sources):
+            names = [source.name for source in sources]
+            raise ConfigError(
+                f"{len(weights)} reward weights for {len(sources)} reward sources {names}: give one weight "
+                "per "
+                "source (--reward_weights), in the order of the sources, or none for weight 1 each"
+            )
+        if not all(math.isfinite(weight) for weight in weights):
+            raise ConfigError(f"reward weights must be finite numbers, got {weights}")
+        self.sources = list(sources)
+        self.weights = weights
+        self.names: list[str] = []
+        for source in self.sources:
+            name, count = source.name, 1
+            while name in self.names:
+                count += 1
+                name = f"{source.name}_{count}"
+            self.names.append(name)
+
+    def score(self, batch: ScoringBatch) -> RewardScores:
+        per_source = torch.stack([source.score(batch).float() for source in self.sources], dim=1)
+        weights = torch.tensor(self.weights, dtype=torch.float32, device=per_source.device)
+        judged = ~torch.isnan(per_source)
+        total = torch.where(judged, per_source * weights, torch.zeros_like(per_source)).sum(dim=1)
+        total = torch.where(judged.any(dim=1), total, torch.full_like(total, math.nan))
+        return RewardScores(total, per_source)
+
+
+def build_rewards(
+    model: MultiAdapterModel,
+    reward_funcs: Any = None,
+    weights: Sequence[float] | None = None,
+    rows_per_pass: int = 64,
+) -> WeightedRewards:
+    """The reward of a run: ``reward_funcs`` is ``None`` (every reward adapter of the model), or one or a list
+    of reward adapter names, reward functions ``f(prompts, completions)`` and :class:`RewardSource` objects.
+
+    Example:
+        >>> rewards = build_rewards(model, ["sentiment", length_bonus], [1.0, 0.1])  # doctest: +SKIP
+    """
+    if reward_funcs is None:
+        if not model.rewards:
+            raise ConfigError(
+                "no reward: the model has no reward adapter and no reward function was given. Load it with "
+                "reward_adapter=DIR, or pass reward_funcs=callable(prompts, completions) -> list of floats"
+            )
+        reward_funcs = list(model.rewards)
+    items = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    sources: list[RewardSource] = []
+    for item in items:
+        if isinstance(item, str):
+            sources.append(AdapterReward(model, item, rows_per_pass))
+        elif isinstance(item, RewardSource):
+            sources.append(item)
+        else:
+            sources.append(FunctionReward(item))
+    return WeightedRewards(sources, weights)
+
+
+# ---------------------------------------------------------------------- user functions from the command line
+
+
+def load_reward_fn(spec: str) -> FunctionReward:
+    """Import ``--reward_fn module:function`` (or ``path/to/file.py:function``), called as
+    ``function(prompts, completions)``; the spec names it in errors and in the ``rewards/<spec>`` metric.
+
+    Example:
+        >>> reward = load_reward_fn("my_rewards:length_bonus")  # doctest: +SKIP
+    """
+    return FunctionReward(import_function(spec, "--reward_fn"), spec)
+
+
+class CheckedJudge:
+    """A judge ``fn(texts) -> scores`` (higher is better) whose output is checked on every call.
+
+    Example:
+        >>> judge = CheckedJudge(lambda texts: [t.count("!") for t in texts], "excitement")
+        >>> judge(["wow!", "ok"])
+        [1.0, 0.0]
+    """
+
+    def __init__(self, function: Callable[[Sequence[str]], Any], name: str) -> None:
+        self.function = function
+        self.name = name
+
+    def __call__(self, texts: Sequence[str]) -> list[float]:
+        return check_scores(self.function(list(texts)), len(texts), self.name)
+
+
+def load_judge(spec: str | None) -> CheckedJudge:
+    """Import ``--judge module:function``, called as ``function(texts)``; ``None`` gives the VADER judge.
+
+    Example:
+        >>> load_judge(None)(["a wonderful film"])[0] > 0
+        True
+    """
+    if spec is None:
+        from marl.assets import gold_judge_scores
+
+        return CheckedJudge(gold_judge_scores, "the VADER judge")
+    return CheckedJudge(import_function(spec, "--judge"), f"judge {spec!r}")

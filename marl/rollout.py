@@ -39,7 +39,7 @@ from marl.sampling import SamplingSettings, eos_token_ids, pad_token_id, prompt_
 
 if TYPE_CHECKING:
     from marl.model import MultiAdapterModel
-    from marl.rewards import RewardSource
+    from marl.rewards import WeightedRewards
 
 
 @dataclass(frozen=True)
@@ -153,11 +153,13 @@ class Samples:
 @dataclass
 class Rollout(Samples):
     """Samples with what the update needs: float32 log-probs under the policy at sampling time and under the
-    reference ``[B, T]``, and the reward source's raw scores ``[B]``."""
+    reference ``[B, T]``, the reward's weighted scores ``[B]`` (NaN where no source judged a completion) and
+    each source's own scores ``[B, S]``."""
 
     logprobs: torch.Tensor = None
     ref_logprobs: torch.Tensor = None
     scores: torch.Tensor = None
+    source_scores: torch.Tensor = None
 
 
 class Sampler:
@@ -299,12 +301,18 @@ class Sampler:
         return torch.cat(logprobs).float(), torch.cat(ref_logprobs).float()
 
 
-def collect_rollout(sampler: Sampler, prompts: Sequence[Prompt], k: int, reward: RewardSource) -> Rollout:
+def collect_rollout(sampler: Sampler, prompts: Sequence[Prompt], k: int, reward: WeightedRewards) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy, their policy and reference
     log-probs, and their scores from ``reward``."""
     samples = sampler.sample(sampler.batch(prompts), k)
     logprobs, ref_logprobs = sampler.logprobs(samples)
-    with sampler.autocast():
-        scores = reward.score(samples.scoring_batch()).float()
+    with torch.no_grad(), sampler.autocast():
+        scores = reward.score(samples.scoring_batch())
     values = {field.name: getattr(samples, field.name) for field in dataclasses.fields(Samples)}
-    return Rollout(**values, logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores)
+    return Rollout(
+        **values,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        scores=scores.total,
+        source_scores=scores.per_source,
+    )

@@ -51,7 +51,7 @@ from marl.config import RLOOConfig
 from marl.errors import ConfigError, RunFolderError
 from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 from marl.model import MultiAdapterModel
-from marl.rewards import RewardFunction, RewardSource, as_reward_source
+from marl.rewards import build_rewards
 from marl.rollout import Prompt, Rollout, Sampler, collect_rollout, prepare_prompts
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
@@ -80,9 +80,10 @@ class RLOOTrainer:
             conversation as a list of ``{"role", "content"}`` rendered with the chat template) or an
             ``input_ids`` column.
         eval_dataset: optional prompts in the same format; the periodic sample tables use them when given.
-        reward_fn: ``None`` to score with the model's reward adapter, a function
-            ``reward_fn(prompts, completions)`` returning one number per completion, or a
-            :class:`marl.rewards.RewardSource`.
+        reward_funcs: ``None`` to score with every reward adapter of the model, or one or a list of: reward
+            adapter names, functions ``f(prompts, completions)`` returning one number (or ``None``) per
+            completion, :class:`marl.rewards.RewardSource` objects. They are combined as
+            ``Σ_i w_i · r_i`` with ``config.reward_weights`` (1 each by default); see :mod:`marl.rewards`.
 
     Attributes:
         state: :class:`TrainerState`.
@@ -101,7 +102,7 @@ class RLOOTrainer:
         tokenizer: Any,
         train_dataset: Any,
         eval_dataset: Any = None,
-        reward_fn: RewardFunction | RewardSource | None = None,
+        reward_funcs: Any = None,
     ) -> None:
         if not isinstance(config, RLOOConfig):
             raise TypeError(f"config must be a marl.RLOOConfig, got {type(config).__name__}")
@@ -109,7 +110,9 @@ class RLOOTrainer:
         self.model = model
         self.tokenizer = tokenizer
         self.policy = model.get_policy(config.policy_adapter_name).name
-        self.reward = as_reward_source(reward_fn, model, config.local_rollout_forward_batch_size)
+        self.reward = build_rewards(
+            model, reward_funcs, config.reward_weights, config.local_rollout_forward_batch_size
+        )
 
         self.accelerator = Accelerator(
             # a model on the CPU trains on the CPU (also under torchrun, where accelerate would otherwise
@@ -334,7 +337,9 @@ class RLOOTrainer:
         started_at, started_episode = start
         elapsed = max(time.perf_counter() - started_at, 1e-9)
         metrics = {"eps": (self.episode - started_episode) / elapsed}
-        metrics.update(rollout_metrics(sum_over_processes(rollout_stats, self.accelerator)))
+        metrics.update(
+            rollout_metrics(sum_over_processes(rollout_stats, self.accelerator), self.reward.names)
+        )
         if update_stats is not None:
             metrics.update(update_metrics(sum_over_processes(update_stats, self.accelerator)))
         metrics.update(
@@ -363,7 +368,7 @@ class RLOOTrainer:
             with torch.random.fork_rng(devices=devices):
                 samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:SAMPLE_TABLE_ROWS]), k=1)
             with torch.no_grad(), self.accelerator.autocast():
-                scores = self.reward.score(samples.scoring_batch()).tolist()
+                scores = self.reward.score(samples.scoring_batch()).total.tolist()
         else:
             samples, scores = rollout, rollout.scores.tolist()
         rows = [
@@ -527,8 +532,11 @@ class RLOOTrainer:
             )
             update_stats = None
             if self._any_process(not rewards_finite):
+                unjudged = int(torch.isnan(rollout.source_scores).all(dim=1).sum())
                 warnings.warn(
-                    f"update {self.state.update + 1}: non-finite reward; its optimizer steps are skipped",
+                    f"update {self.state.update + 1}: non-finite reward ({unjudged} completion(s) that no "
+                    "reward "
+                    "source judged); its optimizer steps are skipped",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -537,9 +545,7 @@ class RLOOTrainer:
                 update_stats = self._update(rollout, shaped.advantages)
             self.state.update += 1
 
-            rollout_stats = RolloutStats.of(
-                rollout.logprobs, rollout.response_mask, rollout.contains_eos, shaped
-            )
+            rollout_stats = RolloutStats.of(rollout, shaped)
             metrics = self._metrics(rollout_stats, update_stats, start)
             if self.state.update % config.logging_steps == 0 or self.state.update == sizes.num_total_batches:
                 self._log(metrics)

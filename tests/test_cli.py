@@ -17,7 +17,7 @@ def test_reward_adapter_flag_with_dashes_or_underscores(flag):
     script, config = parse_train_rloo_args(
         [flag, "rm-dir", "--rloo-k", "4", "--per_device_train_batch_size", "8"]
     )
-    assert config.reward_adapter == "rm-dir"
+    assert config.reward_adapter == ["rm-dir"] and config.reward_adapter_folders() == {"reward": "rm-dir"}
     assert config.rloo_k == 4 and config.per_device_train_batch_size == 8
     assert script.dataset_name == "rotten-tomatoes" and script.reward_fn is None
 
@@ -45,7 +45,7 @@ def test_every_rloo_config_field_is_a_flag():
             "64",
         ]
     )
-    assert script.reward_fn == "rewards:score"
+    assert script.reward_fn == ["rewards:score"]
     assert config.quantization == "4bit" and config.lora_target_modules == ["q_proj", "v_proj"]
     assert config.kl_coef == 0.1 and config.normalize_advantage is True
     assert config.stop_token == "eos" and config.total_episodes == 64
@@ -63,7 +63,7 @@ def test_yaml_config_sets_defaults_that_flags_override(tmp_path):
         "prompt_column: question\nlora_target_modules: [q_proj, k_proj]\n"
     )
     script, config = parse_train_rloo_args(["--config", str(config_file), "--rloo_k", "2"])
-    assert config.reward_adapter == "adapters/rm" and config.learning_rate == 1e-4
+    assert config.reward_adapter == ["adapters/rm"] and config.learning_rate == 1e-4
     assert config.rloo_k == 2  # the flag wins over the file
     assert config.lora_target_modules == ["q_proj", "k_proj"]
     assert (script.dataset_name, script.prompt_column) == ("prompts.jsonl", "question")
@@ -79,8 +79,21 @@ def test_yaml_config_with_an_unknown_key_fails(tmp_path):
 def test_a_reward_is_required_and_only_one(capsys):
     with pytest.raises(ConfigError, match=r"--reward_adapter DIR.*--reward_fn"):
         parse_train_rloo_args([])
-    with pytest.raises(ConfigError, match="both --reward_adapter and --reward_fn"):
-        parse_train_rloo_args(["--reward_adapter", "rm", "--reward_fn", "m:f"])
+    # several reward sources combine: adapters and functions, each flag repeatable
+    script, config = parse_train_rloo_args(
+        [
+            "--reward_adapter",
+            "rm",
+            "--reward_fn",
+            "m:f",
+            "--reward-adapter",
+            "fluency=fl",
+            "--reward_fn",
+            "m:g",
+        ]
+    )
+    assert config.reward_adapter_folders() == {"reward": "rm", "fluency": "fl"}
+    assert script.reward_fn == ["m:f", "m:g"]
     with pytest.raises(SystemExit, match="marl train-rloo: error: no reward"):
         train_rloo_main([])
 

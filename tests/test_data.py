@@ -7,14 +7,9 @@ import math
 
 import pytest
 
-from marl.data import (
-    DataError,
-    check_scores,
-    load_judge,
-    load_prompt_dataset,
-    load_reward_fn,
-    rotten_tomatoes_prompts,
-)
+from marl.data import load_prompt_dataset, rotten_tomatoes_prompts
+from marl.errors import DataError
+from marl.rewards import check_scores, load_judge, load_reward_fn
 
 ROWS = [{"question": "Say something kind", "id": 1}, {"question": "Describe a film", "id": 2}]
 
@@ -105,7 +100,9 @@ def user_module(tmp_path, monkeypatch):
         "def words(prompts, completions):\n"
         "    return ['good' for c in completions]\n"
         "def not_finite(prompts, completions):\n"
-        "    return [float('nan') for c in completions]\n"
+        "    return [float('inf') for c in completions]\n"
+        "def some_unjudged(prompts, completions):\n"
+        "    return [None if 'skip' in c else 1.0 for c in completions]\n"
         "def exclamations(texts):\n"
         "    return [t.count('!') for t in texts]\n"
         "NOT_CALLABLE = 3\n"
@@ -137,6 +134,8 @@ def test_reward_fn_wrong_length_or_non_numbers_name_the_function(user_module):
         load_reward_fn("user_rewards:words")(["p"], ["a"])
     with pytest.raises(DataError, match=r"'user_rewards:not_finite'.*finite"):
         load_reward_fn("user_rewards:not_finite")(["p"], ["a"])
+    # None (as TRL allows) means "not judged", and is kept as None
+    assert load_reward_fn("user_rewards:some_unjudged")(["p", "q"], ["skip me", "ok"]) == [None, 1.0]
 
 
 def test_check_scores_accepts_arrays_and_tensors_and_rejects_bools():

@@ -201,7 +201,7 @@ def test_first_microbatch_ratio_is_one_with_a_loaded_dropout_adapter(family, fam
     tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
     prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"]})
     trainer = RLOOTrainer(
-        config, model, tokenizer, prompts, reward_fn=lambda p, c: [float(len(text)) for text in c]
+        config, model, tokenizer, prompts, reward_funcs=lambda p, c: [float(len(text)) for text in c]
     )
     history = trainer.train()
     assert len(history) == 2
@@ -299,7 +299,7 @@ def test_several_terminators_all_stop_the_rollout(family_dir, tmp_path):
     move_policy(model)
     words = ["the movie", "a film", "review:", "good", "bad", "the plot", "write a", "an honest"]
     prompts = datasets.Dataset.from_dict({"prompt": words})
-    trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_fn=lambda p, c: [0.0] * len(c))
+    trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [0.0] * len(c))
     terminators = set(FAMILY_SPECS["llama3"].terminators)
     terminator_ids = set(tokenizer.convert_tokens_to_ids(sorted(terminators)))
     assert set(trainer.sampler.settings.stop_token_ids) == terminator_ids and len(terminator_ids) == 3

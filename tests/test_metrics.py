@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 from accelerate import Accelerator
@@ -29,7 +32,7 @@ def test_update_stats_count_valid_tokens_only_and_keep_the_first_ratio():
     assert metrics["policy/clipfrac_avg"] == pytest.approx(0.5)
 
 
-def test_rollout_metrics_are_means_over_completions():
+def test_rollout_metrics_are_means_over_completions_and_per_source_over_judged_ones():
     zero = torch.zeros(2, 2)
     shaped = rloo.shape_rewards(
         torch.tensor([1.0, 3.0]),
@@ -40,12 +43,18 @@ def test_rollout_metrics_are_means_over_completions():
         k=2,
         kl_coef=0.1,
     )
-    stats = RolloutStats.of(
-        zero - 1.0, torch.tensor([[True, True], [True, False]]), torch.tensor([True, False]), shaped
+    rollout = SimpleNamespace(
+        logprobs=zero - 1.0,
+        response_mask=torch.tensor([[True, True], [True, False]]),
+        contains_eos=torch.tensor([True, False]),
+        source_scores=torch.tensor([[1.0, math.nan], [3.0, 5.0]]),  # the second source judged one completion
     )
-    metrics = rollout_metrics(sum_over_processes(stats, Accelerator(cpu=True)))
+    stats = sum_over_processes(RolloutStats.of(rollout, shaped), Accelerator(cpu=True))
+    metrics = rollout_metrics(stats, ["sentiment", "length"])
     assert metrics["objective/scores"] == pytest.approx(2.0)
     assert metrics["objective/kl"] == pytest.approx(2.0)
     assert metrics["objective/entropy"] == pytest.approx(1.5)  # 2 valid tokens, then 1, of -log p = 1
     assert metrics["objective/rlhf_reward"] == pytest.approx(2.0 - 0.2)
     assert metrics["val/num_eos_tokens"] == 1.0
+    assert metrics["rewards/sentiment"] == pytest.approx(2.0)
+    assert metrics["rewards/length"] == pytest.approx(5.0)

@@ -71,7 +71,7 @@ def build(model_dir: Path, config: RLOOConfig, reward_fn=count_e, dataset=None, 
     torch.manual_seed(0)  # the fresh LoRA's initialisation
     model = config.load_model(**model_overrides)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return RLOOTrainer(config, model, tokenizer, dataset or prompt_dataset(), reward_fn=reward_fn)
+    return RLOOTrainer(config, model, tokenizer, dataset or prompt_dataset(), reward_funcs=reward_fn)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -99,7 +99,7 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
     assert records == history
     assert [record["update"] for record in records] == [1, 2, 3]
     for record in records:
-        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps"}
+        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps", "rewards/count_e"}
         assert record["objective/entropy"] > 0
         assert record["policy/entropy_avg"] > 0
         assert 0 <= record["val/num_eos_tokens"] <= 16
@@ -293,20 +293,24 @@ def test_dataset_and_reward_validation(tiny_llama_dir, tmp_path):
     model = config.load_model()
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     with pytest.raises(ValueError, match=r"no 'prompt' or 'input_ids' column.*rename_column"):
-        RLOOTrainer(config, model, tokenizer, datasets.Dataset.from_dict({"text": ["a"]}), reward_fn=count_e)
+        RLOOTrainer(
+            config, model, tokenizer, datasets.Dataset.from_dict({"text": ["a"]}), reward_funcs=count_e
+        )
     with pytest.raises(ValueError, match="empty"):
-        RLOOTrainer(config, model, tokenizer, datasets.Dataset.from_dict({"prompt": []}), reward_fn=count_e)
+        RLOOTrainer(
+            config, model, tokenizer, datasets.Dataset.from_dict({"prompt": []}), reward_funcs=count_e
+        )
     long_prompt = " ".join(["movie"] * 300)
     with pytest.raises(ValueError, match=r"exceed the model's context of 256 tokens.*--response_length"):
-        RLOOTrainer(config, model, tokenizer, prompt_dataset([long_prompt, "short"]), reward_fn=count_e)
+        RLOOTrainer(config, model, tokenizer, prompt_dataset([long_prompt, "short"]), reward_funcs=count_e)
     with pytest.raises(ValueError, match="must be a string or a list"):
         RLOOTrainer(
-            config, model, tokenizer, datasets.Dataset.from_dict({"prompt": [[1, 2]]}), reward_fn=count_e
+            config, model, tokenizer, datasets.Dataset.from_dict({"prompt": [[1, 2]]}), reward_funcs=count_e
         )
-    with pytest.raises(ValueError, match="no reward adapter and no reward_fn"):
+    with pytest.raises(ValueError, match="no reward adapter and no reward function"):
         RLOOTrainer(config, model, tokenizer, prompt_dataset())
     ids_only = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7], [8, 9]]})
-    trainer = RLOOTrainer(config, model, tokenizer, ids_only, reward_fn=count_e)
+    trainer = RLOOTrainer(config, model, tokenizer, ids_only, reward_funcs=count_e)
     assert [list(prompt.ids) for prompt in trainer.train_prompts] == [[5, 6, 7], [8, 9]]
 
 
@@ -370,7 +374,7 @@ def test_tensorboard_tracker_and_eval_samples(tiny_llama_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     held_out = prompt_dataset(["held out one", "held out two"])
     trainer = RLOOTrainer(
-        config, model, tokenizer, prompt_dataset(), eval_dataset=held_out, reward_fn=count_e
+        config, model, tokenizer, prompt_dataset(), eval_dataset=held_out, reward_funcs=count_e
     )
     trainer.train()
     assert list((tmp_path / "run").rglob("events.out.tfevents.*"))

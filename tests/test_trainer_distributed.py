@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
     model = config.load_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = datasets.Dataset.from_dict({"prompt": [f"prompt number {i}" for i in range(16)]})
-    trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_fn=reward_fn)
+    trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=reward_fn)
     trainer.train()
     weights = torch.cat([p.detach().flatten() for p in model.policy_parameters()])
     report = {"rank": rank, "world": trainer.accelerator.num_processes, "prompts": sorted(set(seen)),
@@ -139,7 +139,7 @@ GRADIENT_SCRIPT = textwrap.dedent(
     model = config.load_model()
     prompts = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
     trainer = RLOOTrainer(config, model, AutoTokenizer.from_pretrained(model_dir), prompts,
-                          reward_fn=lambda p, c: [0.0] * len(c))
+                          reward_funcs=lambda p, c: [0.0] * len(c))
     with torch.no_grad():  # a policy away from the identity, the same on both processes after the broadcast
         for parameter in trainer.policy_parameters:
             values = torch.sin(torch.arange(parameter.numel(), dtype=torch.float32))

@@ -44,7 +44,7 @@ def run(model_dir, output_dir, learning_rate: float) -> list[dict]:
     model = config.load_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = RLOOTrainer(
-        config, model, tokenizer, datasets.Dataset.from_dict({"prompt": PROMPTS}), reward_fn=count_e
+        config, model, tokenizer, datasets.Dataset.from_dict({"prompt": PROMPTS}), reward_funcs=count_e
     )
     return trainer.train()
 
