@@ -13,14 +13,16 @@ _PUBLIC = {
     "MultiAdapterModel": "marl.model",
     "RLOOConfig": "marl.config",
     "RLOOTrainer": "marl.trainer",
+    "RewardAdapterFunction": "marl.rewards",
 }
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
     from marl.model import MultiAdapterModel
+    from marl.rewards import RewardAdapterFunction
     from marl.trainer import RLOOTrainer
 
-__all__ = ["MultiAdapterModel", "RLOOConfig", "RLOOTrainer", "__version__"]
+__all__ = ["MultiAdapterModel", "RLOOConfig", "RLOOTrainer", "RewardAdapterFunction", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

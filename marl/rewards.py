@@ -30,6 +30,7 @@ import torch
 
 from marl.data import import_function, left_pad, prompt_text
 from marl.errors import ConfigError, DataError
+from marl.sampling import pad_token_id
 
 if TYPE_CHECKING:
     from marl.model import MultiAdapterModel
@@ -301,3 +302,75 @@ def load_judge(spec: str | None) -> CheckedJudge:
 
         return CheckedJudge(gold_judge_scores, "the VADER judge")
     return CheckedJudge(import_function(spec, "--judge"), f"judge {spec!r}")
+
+
+# ---------------------------------------------------------------------- interop
+
+
+class RewardAdapterFunction:
+    """A reward adapter as a reward function for TRL's ``GRPOTrainer`` / ``RLOOTrainer`` (``reward_funcs``).
+
+    Scores ``prompt + completion`` (a conversation through the chat template) tokenised as TRL tokenises the
+    texts for a reward model (no special tokens added; ``append_eos=True`` ends each text with EOS, for an
+    adapter trained on texts ending in EOS), read where the adapter was trained to be read. The adapter lives
+    on a :class:`~marl.model.MultiAdapterModel`: pass one (it gets the adapter as ``name`` unless it already
+    has it), or a base model name/folder to load one.
+
+    Example:
+        >>> from trl import GRPOTrainer  # doctest: +SKIP
+        >>> sentiment = RewardAdapterFunction("base", "adapters/rm", name="sentiment")  # doctest: +SKIP
+        >>> GRPOTrainer(model=..., reward_funcs=[sentiment], ...)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        base_or_model: Any,
+        adapter_dir: str | None = None,
+        *,
+        name: str = "reward",
+        quantization: str | None = None,
+        append_eos: bool = False,
+        rows_per_pass: int = 64,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        from marl.model import MultiAdapterModel
+
+        if isinstance(base_or_model, MultiAdapterModel):
+            model = base_or_model
+            if name not in model.rewards:
+                if adapter_dir is None:
+                    raise ConfigError(f"the model has no reward adapter {name!r}: pass adapter_dir")
+                model.add_reward_adapter(name, adapter_dir)
+        else:
+            if adapter_dir is None:
+                raise ConfigError("pass the reward adapter folder: RewardAdapterFunction(base, adapter_dir)")
+            model = MultiAdapterModel.from_pretrained(
+                base_or_model, quantization=quantization, reward_adapters={name: adapter_dir}
+            )
+        self.model = model
+        self.name = self.__name__ = name  # TRL labels its rewards/<name> metrics with __name__
+        self.tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+        self.append_eos = append_eos
+        self.rows_per_pass = rows_per_pass
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        if isinstance(prompts[0], list):  # conversations, rendered as TRL renders them for a reward model
+            texts = [
+                self.tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+                for prompt, completion in zip(prompts, completions, strict=True)
+            ]
+        else:
+            texts = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
+        rows = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        if self.append_eos:
+            rows = [[*row, self.tokenizer.eos_token_id] for row in rows]
+        pad, device = pad_token_id(self.tokenizer), self.model.device
+        scores: list[float] = []
+        for start in range(0, len(rows), self.rows_per_pass):
+            input_ids, attention_mask = left_pad(rows[start : start + self.rows_per_pass], pad)
+            batch_scores = self.model.compute_reward_score(
+                input_ids.to(device), attention_mask.to(device), self.name
+            )
+            scores.extend(batch_scores.tolist())
+        return scores

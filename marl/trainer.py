@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from accelerate.utils import broadcast, set_seed
 from peft.utils import set_peft_model_state_dict
 from safetensors.torch import load_file
@@ -114,6 +115,10 @@ class RLOOTrainer:
             model, reward_funcs, config.reward_weights, config.local_rollout_forward_batch_size
         )
 
+        # accelerate keeps one process-wide state whose mixed precision cannot change once set: a trainer that
+        # ran before in this process (TRL's RewardTrainer in bf16, another RLOO run) would make this one fail.
+        # Like transformers' own trainers, start a fresh state; the process group (PartialState) is kept.
+        AcceleratorState._reset_state()
         self.accelerator = Accelerator(
             # a model on the CPU trains on the CPU (also under torchrun, where accelerate would otherwise
             # ignore the launcher on machines without a GPU)
