@@ -124,9 +124,9 @@ def load_prompt_dataset(
     ``max_prompts`` keeps the first that many rows.
 
     Example:
-        >>> prompts = load_prompt_dataset("prompts.jsonl", prompt_column="question")  # doctest: +SKIP
-        >>> prompts.column_names
-        ['prompt']
+        >>> prompts = load_prompt_dataset("rotten-tomatoes", "test", max_prompts=3)
+        >>> prompts.column_names, len(prompts)
+        (['prompt'], 3)
     """
     if dataset_name == ROTTEN_TOMATOES:
         dataset = rotten_tomatoes_prompts(split, seed=seed)

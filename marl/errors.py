@@ -39,3 +39,7 @@ class MissingPathError(MarlError, FileNotFoundError):
 
 class RunFolderError(MarlError, FileExistsError):
     """An output folder that holds an earlier run which the new run would mix with or overwrite."""
+
+
+class CheckpointError(MarlError, ValueError):
+    """A checkpoint that cannot be resumed from: damaged, incomplete, or written by another run setting."""

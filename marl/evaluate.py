@@ -174,8 +174,8 @@ def generate_and_score(
     Both models see the same prompts in the same batches with the same seed per batch.
 
     Example:
-        >>> judge = load_judge(None)
-        >>> samples = generate_and_score(model, tokenizer, ["The film is"], judge)  # doctest: +SKIP
+        >>> from marl.rewards import load_judge
+        >>> samples = generate_and_score(model, tokenizer, ["A film"], load_judge(None))  # doctest: +SKIP
         >>> samples["policy"].means().judge_score  # doctest: +SKIP
     """
     import torch

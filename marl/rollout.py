@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ from marl.rewards import ScoringBatch
 from marl.sampling import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
 
 if TYPE_CHECKING:
+    from marl.config import BatchSizes
     from marl.model import MultiAdapterModel
     from marl.rewards import WeightedRewards
 
@@ -88,6 +90,28 @@ def prepare_prompts(
             "--response_length"
         )
     return prompts
+
+
+def prompts_for_update(
+    prompts: Sequence[Prompt], update: int, process_index: int, sizes: BatchSizes, seed: int
+) -> list[Prompt]:
+    """The prompts of process ``process_index`` for update ``update`` (0-based).
+
+    The order is an endless concatenation of seeded permutations of the dataset, so the data position is a
+    function of the update number alone and a resumed run sees the same prompts. Processes take consecutive
+    slices of each update's prompts.
+    """
+    start = update * sizes.prompts_per_update + process_index * sizes.prompts_per_process
+    chosen = []
+    for position in range(start, start + sizes.prompts_per_process):
+        epoch, offset = divmod(position, len(prompts))
+        chosen.append(prompts[_epoch_order(seed + epoch, len(prompts))[offset]])
+    return chosen
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(seed: int, size: int) -> list[int]:
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @dataclass(frozen=True)

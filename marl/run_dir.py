@@ -23,11 +23,12 @@ import random
 import re
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from marl.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
-from marl.errors import MissingPathError, RunFolderError
+from marl.errors import CheckpointError, MissingPathError, RunFolderError
 
 CONFIG_FILE = "rloo_config.json"
 METRICS_FILE = "metrics.jsonl"
@@ -156,6 +157,16 @@ def write_run_config(output_dir: Path, settings: dict[str, Any]) -> None:
 
 
 def write_sample_table(output_dir: Path, update: int, rows: list[dict[str, Any]]) -> None:
+    """Print a table of sample completions (prompt, completion, score) and save it as JSON lines."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"samples at update {update}", show_lines=True)
+    for column in ("prompt", "completion", "score"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["prompt"], row["completion"], f"{row['score']:.4f}")
+    Console().print(table)
     path = sample_table_file(output_dir, update)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -220,9 +231,64 @@ def resolve_checkpoint(output_dir: Path, checkpoint: str | os.PathLike | bool) -
     return path
 
 
-def read_trainer_state(checkpoint: Path) -> dict[str, Any]:
-    return json.loads((checkpoint / TRAINER_STATE_FILE).read_text())
+def write_checkpoint(
+    folder: Path, *, model: Any, policy: str, optimizer: Any, scheduler: Any, trainer_state: dict[str, Any]
+) -> None:
+    """The shared files of a checkpoint (written by the main process): the policy adapter, the optimizer and
+    scheduler states and the trainer state. Each process adds its RNG state with :func:`write_rng_state`."""
+    import torch
+
+    remove_files([folder])
+    folder.mkdir(parents=True)
+    model.save_policy_adapter(folder, policy)
+    torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
+    torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+    (folder / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
 
 
-def write_trainer_state(folder: Path, state: dict[str, Any]) -> None:
-    (folder / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+def write_rng_state(folder: Path, process_index: int) -> None:
+    import torch
+
+    torch.save(rng_state(), folder / rng_state_file(process_index))
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint folder holds, read back."""
+
+    path: Path
+    trainer_state: dict[str, Any]
+    adapter: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
+    """Read every file of a checkpoint; a missing or damaged file is named in the error."""
+    import torch
+    from safetensors.torch import load_file
+
+    def read(name: str, load: Any) -> Any:
+        file = path / name
+        if not file.is_file():
+            raise MissingPathError(
+                f"checkpoint {path} is incomplete: {name} is missing; resume from another one"
+            )
+        try:
+            return load(file)
+        except Exception as error:
+            raise CheckpointError(
+                f"cannot read {file} ({type(error).__name__}: {error}); the checkpoint is damaged: resume "
+                "from "
+                "another one"
+            ) from error
+
+    return Checkpoint(
+        path=path,
+        trainer_state=read(TRAINER_STATE_FILE, lambda file: json.loads(file.read_text())),
+        adapter=read(SAFETENSORS_WEIGHTS_NAME, lambda file: load_file(str(file), device=str(device))),
+        optimizer=read(OPTIMIZER_FILE, lambda file: torch.load(file, map_location=device)),
+        scheduler=read(SCHEDULER_FILE, lambda file: torch.load(file, weights_only=False)),
+        rng=read(rng_state_file(process_index), lambda file: torch.load(file, weights_only=False)),
+    )

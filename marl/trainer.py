@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -40,20 +39,18 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import broadcast, set_seed
+from accelerate.utils import set_seed
 from peft.utils import set_peft_model_state_dict
-from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from marl import rloo, run_dir
-from marl.adapters import SAFETENSORS_WEIGHTS_NAME
+from marl import distributed, rloo, run_dir
 from marl.config import RLOOConfig
-from marl.errors import ConfigError, RunFolderError
+from marl.errors import CheckpointError, ConfigError, RunFolderError
 from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 from marl.model import MultiAdapterModel
 from marl.rewards import build_rewards
-from marl.rollout import Prompt, Rollout, Sampler, collect_rollout, prepare_prompts
+from marl.rollout import Rollout, Sampler, collect_rollout, prepare_prompts, prompts_for_update
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
 PROCESS_SEED_STRIDE = 100_003
@@ -158,7 +155,7 @@ class RLOOTrainer:
         if config.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         self.policy_parameters = model.policy_parameters(self.policy)
-        self._broadcast_policy_weights()
+        distributed.broadcast_from_main(self.policy_parameters, self.accelerator)
 
         optimizer = torch.optim.AdamW(
             self.policy_parameters, lr=config.learning_rate, weight_decay=config.weight_decay
@@ -210,30 +207,6 @@ class RLOOTrainer:
                 "accelerate state was created earlier for another device. On CPU, launch with `torchrun "
                 "--nproc_per_node N ...` and create PartialState(cpu=True) before loading the model"
             )
-
-    def _prompt_rows(self, update: int) -> list[Prompt]:
-        """This process's prompts for ``update`` (0-based).
-
-        The prompt order is an endless concatenation of seeded permutations of the dataset, so the data
-        position is a function of the update number alone and a resumed run sees the same prompts.
-        """
-        per_update, per_process = self.sizes.prompts_per_update, self.sizes.prompts_per_process
-        start = update * per_update + self.accelerator.process_index * per_process
-        size = len(self.train_prompts)
-        rows = []
-        for position in range(start, start + per_process):
-            epoch, offset = divmod(position, size)
-            rows.append(self.train_prompts[_epoch_order(self.config.seed + epoch, size)[offset]])
-        return rows
-
-    def _broadcast_policy_weights(self) -> None:
-        """Start every process from process 0's policy adapter (a fresh LoRA is initialised randomly), sent
-        as one flat buffer."""
-        if self.accelerator.num_processes == 1:
-            return
-        with torch.no_grad():
-            flat = broadcast(_flatten(self.policy_parameters), from_process=0)
-            _unflatten_into(flat, self.policy_parameters)
 
     # ------------------------------------------------------------------ update
 
@@ -291,8 +264,8 @@ class RLOOTrainer:
 
     def _optimizer_step(self, loss_finite: bool) -> bool:
         """Average gradients, clip, step; skip (and count) the step if anything is not finite."""
-        self._average_gradients()
-        skip = self._any_process(not loss_finite)
+        distributed.average_gradients(self.policy_parameters, self.accelerator)
+        skip = distributed.any_process(not loss_finite, self.accelerator)
         if not skip:
             max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
             grad_norm = self.accelerator.clip_grad_norm_(self.policy_parameters, max_norm)
@@ -318,23 +291,6 @@ class RLOOTrainer:
         for _ in range(self.sizes.optimizer_steps_per_update):
             self._advance_schedule()
             self.state.skipped_optimizer_steps += 1
-
-    def _average_gradients(self) -> None:
-        """Mean of the policy gradients over processes, in one collective on a flat buffer."""
-        if self.accelerator.num_processes == 1:
-            return
-        gradients = [
-            parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
-            for parameter in self.policy_parameters
-        ]
-        flat = self.accelerator.reduce(_flatten(gradients), reduction="mean")
-        for parameter, gradient in zip(self.policy_parameters, gradients, strict=True):
-            parameter.grad = gradient
-        _unflatten_into(flat, gradients)
-
-    def _any_process(self, flag: bool) -> bool:
-        value = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(value, reduction="sum").item() > 0)
 
     # ------------------------------------------------------------------ logging
 
@@ -382,15 +338,6 @@ class RLOOTrainer:
                 samples.prompt_texts, samples.completions, scores, strict=True
             )
         ][:SAMPLE_TABLE_ROWS]
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=f"samples at update {self.state.update}", show_lines=True)
-        for column in ("prompt", "completion", "score"):
-            table.add_column(column)
-        for row in rows:
-            table.add_row(row["prompt"], row["completion"], f"{row['score']:.4f}")
-        Console().print(table)
         run_dir.write_sample_table(self.output_dir, self.state.update, rows)
 
     # ------------------------------------------------------------------ checkpoints
@@ -400,14 +347,13 @@ class RLOOTrainer:
         accelerator, update = self.accelerator, self.state.update
         staging = run_dir.staging_folder(self.output_dir, update)
         if accelerator.is_main_process:
-            run_dir.remove_files([staging])
-            staging.mkdir(parents=True)
-            self.model.save_policy_adapter(staging, self.policy)
-            torch.save(self.optimizer.state_dict(), staging / run_dir.OPTIMIZER_FILE)
-            torch.save(self.lr_scheduler.state_dict(), staging / run_dir.SCHEDULER_FILE)
-            run_dir.write_trainer_state(
+            run_dir.write_checkpoint(
                 staging,
-                {
+                model=self.model,
+                policy=self.policy,
+                optimizer=self.optimizer,
+                scheduler=self.lr_scheduler,
+                trainer_state={
                     **dataclasses.asdict(self.state),
                     "world_size": accelerator.num_processes,
                     "batch_size": self.sizes.batch_size,
@@ -415,7 +361,7 @@ class RLOOTrainer:
                 },
             )
         accelerator.wait_for_everyone()
-        torch.save(run_dir.rng_state(), staging / run_dir.rng_state_file(accelerator.process_index))
+        run_dir.write_rng_state(staging, accelerator.process_index)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             run_dir.publish_checkpoint(self.output_dir, update, self.config.save_total_limit)
@@ -423,35 +369,32 @@ class RLOOTrainer:
 
     def _load_checkpoint(self, checkpoint: str | os.PathLike | bool) -> None:
         path = run_dir.resolve_checkpoint(self.output_dir, checkpoint)
-        saved = run_dir.read_trainer_state(path)
-        if saved["world_size"] != self.accelerator.num_processes:
-            raise ConfigError(
-                f"{path} was written by {saved['world_size']} processes but this run has "
+        saved = run_dir.read_checkpoint(path, self.accelerator.process_index, self.accelerator.device)
+        state = saved.trainer_state
+        if state["world_size"] != self.accelerator.num_processes:
+            raise CheckpointError(
+                f"{path} was written by {state['world_size']} processes but this run has "
                 f"{self.accelerator.num_processes}; resume with the same number of processes"
             )
         planned = (self.sizes.batch_size, self.sizes.num_total_batches)
-        if (saved["batch_size"], saved["num_total_batches"]) != planned:
-            raise ConfigError(
-                f"{path} belongs to a run of {saved['num_total_batches']} updates of {saved['batch_size']} "
+        if (state["batch_size"], state["num_total_batches"]) != planned:
+            raise CheckpointError(
+                f"{path} belongs to a run of {state['num_total_batches']} updates of {state['batch_size']} "
                 f"completions, this config plans {planned[1]} updates of {planned[0]}; resume with the batch "
                 "settings, total_episodes and dataset of the original run"
             )
-        weights = load_file(str(path / SAFETENSORS_WEIGHTS_NAME), device=str(self.accelerator.device))
-        result = set_peft_model_state_dict(self.model.peft_model, weights, adapter_name=self.policy)
+        result = set_peft_model_state_dict(self.model.peft_model, saved.adapter, adapter_name=self.policy)
         if result.unexpected_keys:
-            raise ConfigError(
-                f"{path}: adapter weights that match no policy parameter: {result.unexpected_keys[:5]}"
+            raise CheckpointError(
+                f"{path}: adapter weights that match no tensor of policy {self.policy!r}: "
+                f"{result.unexpected_keys[:5]}"
             )
-        self.optimizer.load_state_dict(
-            torch.load(path / run_dir.OPTIMIZER_FILE, map_location=self.accelerator.device)
-        )
-        self.lr_scheduler.load_state_dict(torch.load(path / run_dir.SCHEDULER_FILE, weights_only=False))
+        self.optimizer.load_state_dict(saved.optimizer)
+        self.lr_scheduler.load_state_dict(saved.scheduler)
         self.state = TrainerState(
-            **{field.name: saved[field.name] for field in dataclasses.fields(TrainerState)}
+            **{field.name: state[field.name] for field in dataclasses.fields(TrainerState)}
         )
-        run_dir.set_rng_state(
-            torch.load(path / run_dir.rng_state_file(self.accelerator.process_index), weights_only=False)
-        )
+        run_dir.set_rng_state(saved.rng)
         if self.accelerator.is_main_process:
             self.log_history = run_dir.truncate_metrics(self.output_dir, self.state.update)
 
@@ -515,9 +458,14 @@ class RLOOTrainer:
         start = (time.perf_counter(), self.episode)
         while self.state.update < sizes.num_total_batches:
             self.model.eval()
-            rollout = collect_rollout(
-                self.sampler, self._prompt_rows(self.state.update), config.rloo_k, self.reward
+            prompts = prompts_for_update(
+                self.train_prompts,
+                self.state.update,
+                self.accelerator.process_index,
+                self.sizes,
+                config.seed,
             )
+            rollout = collect_rollout(self.sampler, prompts, config.rloo_k, self.reward)
             shaped = rloo.shape_rewards(
                 rollout.scores,
                 rollout.logprobs,
@@ -536,7 +484,7 @@ class RLOOTrainer:
                 torch.isfinite(shaped.rlhf_reward).all() and torch.isfinite(shaped.scores).all()
             )
             update_stats = None
-            if self._any_process(not rewards_finite):
+            if distributed.any_process(not rewards_finite, self.accelerator):
                 unjudged = int(torch.isnan(rollout.source_scores).all(dim=1).sum())
                 warnings.warn(
                     f"update {self.state.update + 1}: non-finite reward ({unjudged} completion(s) that no "
@@ -574,23 +522,6 @@ class RLOOTrainer:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-@functools.lru_cache(maxsize=2)
-def _epoch_order(seed: int, size: int) -> list[int]:
-    """The seeded permutation of the dataset used for one epoch of prompts."""
-    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
-
-
-def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
 
 
 def _tracker_value(value: Any) -> Any:

@@ -129,6 +129,7 @@ GRADIENT_SCRIPT = textwrap.dedent(
     import datasets, torch
     from transformers import AutoTokenizer
     from marl import RLOOConfig, RLOOTrainer
+    from marl.distributed import average_gradients
 
     torch.set_num_threads(1)
     model_dir, output_dir = sys.argv[1], sys.argv[2]
@@ -160,7 +161,7 @@ GRADIENT_SCRIPT = textwrap.dedent(
     concatenated = gradient().clone()
     trainer.optimizer.zero_grad(set_to_none=True)
     loss_of(rows[rank]).backward()  # each process its own half, then the averaged gradient
-    trainer._average_gradients()
+    average_gradients(trainer.policy_parameters, trainer.accelerator)
     report = {"max_difference": float((gradient() - concatenated).abs().max()),
               "gradient_norm": float(concatenated.norm())}
     with open(os.path.join(output_dir, f"gradients_{rank}.json"), "w") as handle:
