@@ -1,14 +1,18 @@
-"""Per-token log-probabilities and entropies from logits, in float32, chunked over rows.
+"""Per-token log-probabilities and entropies, in float32, chunked over positions.
 
 A float32 log-softmax over ``[batch, time, vocab]`` is the largest tensor of an RLHF step (for a 50k
-vocabulary, 512 tokens and 64 rows it is 6.6 GB). Both functions here flatten the leading dimensions and
-upcast ``chunk_size`` rows at a time: the chosen token's log-probability is ``logit[token] - logsumexp``,
-the entropy is ``-sum(p * log p)``; only the per-row results are kept.
+vocabulary, 512 tokens and 64 rows it is 6.6 GB). Every function here works ``chunk_size`` positions at a
+time: the chosen token's log-probability is ``logit[token] - logsumexp``, the entropy is ``-sum(p * log p)``;
+only the per-position results are kept. :func:`logprobs_from_hidden` also applies the LM head per chunk, and
+with ``recompute=True`` keeps no chunk's logits for the backward pass (they are recomputed there).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CHUNK_SIZE = 1024
 
@@ -80,3 +84,48 @@ def entropy_from_logits(
     if not pieces:
         return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
     return torch.cat(pieces).reshape(logits.shape[:-1])
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float = 1.0,
+    *,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    recompute: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Float32 log-probabilities of ``targets`` ``[N]`` under ``softmax(head(hidden) / temperature)`` for
+    hidden states ``[N, hidden_size]``, ``chunk_size`` positions at a time (default 1024).
+
+    With ``recompute`` (and gradients enabled) a chunk's logits are not kept for the backward pass but
+    recomputed there: the update then holds ``chunk_size x vocab`` logits at most instead of ``N x vocab``.
+    With ``with_entropy`` the entropy of each position's distribution comes too (detached: a metric).
+
+    Example:
+        >>> head = torch.nn.Linear(2, 4, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = head.weight.copy_(torch.tensor([[1.0, 0.0], [2.0, 0.0], [1.0, 0.0], [1.0, 0.0]]))
+        >>> logprobs_from_hidden(torch.tensor([[1.0, 0.0]]), torch.tensor([1]), head)
+        tensor([-0.7437], grad_fn=<CatBackward0>)
+    """
+    step = chunk_size or DEFAULT_CHUNK_SIZE
+
+    def chunk_logprobs(hidden_chunk: torch.Tensor, target_chunk: torch.Tensor) -> torch.Tensor:
+        return selective_log_softmax(head(hidden_chunk), target_chunk, temperature, chunk_size=step)
+
+    logprob_pieces, entropy_pieces = [], []
+    for start in range(0, hidden.shape[0], step):
+        hidden_chunk, target_chunk = hidden[start : start + step], targets[start : start + step]
+        if recompute and torch.is_grad_enabled():
+            logprob_pieces.append(checkpoint(chunk_logprobs, hidden_chunk, target_chunk, use_reentrant=False))
+        else:
+            logprob_pieces.append(chunk_logprobs(hidden_chunk, target_chunk))
+        if with_entropy:
+            with torch.no_grad():
+                entropy_pieces.append(entropy_from_logits(head(hidden_chunk), temperature, chunk_size=step))
+    logprobs = torch.cat(logprob_pieces) if logprob_pieces else hidden.new_zeros(0, dtype=torch.float32)
+    if with_entropy:
+        return logprobs, torch.cat(entropy_pieces) if entropy_pieces else logprobs.detach().clone()
+    return logprobs

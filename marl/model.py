@@ -39,40 +39,12 @@ from torch import nn
 from marl import adapters, loading
 from marl.errors import ConfigError
 from marl.families import LogitHead
-from marl.logprobs import DEFAULT_CHUNK_SIZE, entropy_from_logits, selective_log_softmax
+from marl.loading import PolicyAdapter, RewardAdapter
+from marl.logprobs import logprobs_from_hidden
 from marl.sampling import SamplingSettings, sample
 
 if TYPE_CHECKING:
     from marl.memory import MemoryReport
-
-# Default policy LoRA. r=16 with alpha=32 (scale 2) on every linear layer of the blocks: RL fine-tuning
-# moves far fewer bits than SFT (one scalar reward per completion), and low ranks are known to match full
-# fine-tuning for policy-gradient RL, so r=16 leaves ample headroom while keeping the trainable state at
-# ~0.5 % of a 7B model. alpha = 2r is the common QLoRA setting and keeps the learning rate transferable
-# when r changes by small factors. Dropout is 0: RL training switches every dropout off anyway (the rollout
-# and the update must compute the same function).
-DEFAULT_LORA_R = 16
-DEFAULT_LORA_ALPHA = 32
-DEFAULT_LORA_DROPOUT = 0.0
-DEFAULT_TARGET_MODULES = "all-linear"
-
-
-def default_policy_lora_config() -> LoraConfig:
-    """The LoRA used when ``policy_adapter=None``: r=16, alpha=32, no dropout, all linear layers of the
-    blocks.
-
-    Example:
-        >>> default_policy_lora_config().r
-        16
-    """
-    return LoraConfig(
-        r=DEFAULT_LORA_R,
-        lora_alpha=DEFAULT_LORA_ALPHA,
-        lora_dropout=DEFAULT_LORA_DROPOUT,
-        target_modules=DEFAULT_TARGET_MODULES,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
 
 
 def reward_read_positions(
@@ -104,31 +76,6 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
                 [0, 1, 2, 3]])
     """
     return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
-@dataclass
-class PolicyAdapter:
-    """A trainable policy on the base: its LoRA tensors and how its reference is built (``"base"``: adapters
-    disabled; ``"initial-policy"``: the frozen copy of its starting weights)."""
-
-    name: str
-    parameters: list[nn.Parameter]
-    reference_mode: str
-
-    @property
-    def reference_adapter(self) -> str | None:
-        return loading.reference_adapter_name(self.name) if self.reference_mode == "initial-policy" else None
-
-
-@dataclass
-class RewardAdapter:
-    """A frozen reward on the base: its LoRA (the adapter ``name``), its float32 score head, what was read
-    from the head, and the padding id that decides where its score is read."""
-
-    name: str
-    head: nn.Linear
-    info: adapters.RewardHead
-    pad_token_id: int
 
 
 @dataclass
@@ -197,7 +144,7 @@ class MultiAdapterModel:
                 the reward adapter ``"reward"``. Optional: rewards may come from functions instead.
             reward_adapters: several reward adapters by name, ``{"sentiment": DIR1, "fluency": DIR2}``
                 (instead of ``reward_adapter``).
-            policy_adapter: ``None`` (fresh LoRA, see :func:`default_policy_lora_config`), a
+            policy_adapter: ``None`` (fresh LoRA, see :func:`marl.loading.default_policy_lora_config`), a
                 ``LoraConfig``, or a PEFT adapter folder to continue training (loaded trainable).
             policy_name: the name of that policy (more can be added with :meth:`add_policy`).
             reference: ``"base"`` (adapters disabled), ``"initial-policy"`` (frozen copy of the policy
@@ -494,9 +441,10 @@ class MultiAdapterModel:
 
         Pick the view with :meth:`policy` / :meth:`reference`. Logits are divided by ``temperature`` (use the
         sampling temperature). The LM head and the float32 log-softmax run ``chunk_size`` token positions at a
-        time (default 1024), so no full ``[B, T, V]`` float32 tensor exists. Gradients flow if grad is
-        enabled. No masking is applied: the caller masks padding. Positions follow the attention mask (as
-        ``generate``), so left padding does not shift them.
+        time (default 1024), so no full ``[B, T, V]`` float32 tensor exists; with gradient checkpointing on,
+        no chunk's logits are kept for the backward pass either (:func:`marl.logprobs.logprobs_from_hidden`).
+        Gradients flow if grad is enabled. No masking is applied: the caller masks padding. Positions follow
+        the attention mask (as ``generate``), so left padding does not shift them.
 
         Returns ``logprobs`` ``[B, T - response_start]``, and with ``with_entropy=True`` also the entropy
         of the temperature-scaled distribution at each of those positions (detached: it is a metric).
@@ -514,23 +462,19 @@ class MultiAdapterModel:
         hidden = self._hidden_states(input_ids, attention_mask)[:, response_start - 1 : -1]
         targets = input_ids[:, response_start:]
         batch, steps = targets.shape
-        flat_hidden = hidden.reshape(batch * steps, -1)
-        flat_targets = targets.reshape(-1)
-        step = chunk_size or DEFAULT_CHUNK_SIZE
-        logprob_pieces, entropy_pieces = [], []
-        for start in range(0, flat_hidden.shape[0], step):
-            logits = self.logit_head(flat_hidden[start : start + step])
-            chunk_targets = flat_targets[start : start + step].to(logits.device)
-            logprob_pieces.append(selective_log_softmax(logits, chunk_targets, temperature, chunk_size=step))
-            if with_entropy:
-                # A metric only: without a graph its float32 [chunk, vocab] intermediates are freed at once
-                # instead of living until the backward pass.
-                with torch.no_grad():
-                    entropy_pieces.append(entropy_from_logits(logits, temperature, chunk_size=step))
-        logprobs = torch.cat(logprob_pieces).reshape(batch, steps)
+        result = logprobs_from_hidden(
+            hidden.reshape(batch * steps, -1),
+            targets.reshape(-1).to(hidden.device),
+            self.logit_head,
+            temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+            # trading compute for memory: with checkpointing on, no chunk's logits wait for the backward pass
+            recompute=self.gradient_checkpointing,
+        )
         if with_entropy:
-            return logprobs, torch.cat(entropy_pieces).reshape(batch, steps)
-        return logprobs
+            return result[0].reshape(batch, steps), result[1].reshape(batch, steps)
+        return result.reshape(batch, steps)
 
     def compute_reward_score(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, name: str | None = None

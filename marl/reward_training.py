@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, write_reward_reading
+from marl.data import ROTTEN_TOMATOES, check_preference_pairs, load_preference_data
+from marl.environment import package_versions
 from marl.quantization import (
     bitsandbytes_config,
     default_compute_dtype,
@@ -42,7 +44,6 @@ if TYPE_CHECKING:
     import datasets
     import torch
 
-ROTTEN_TOMATOES = "rotten-tomatoes"
 SUMMARY_FILE = "training_summary.json"
 # What the adapter folder keeps: everything else PEFT or the trainer might write is left out.
 ADAPTER_FILES = (ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
@@ -117,77 +118,6 @@ class RewardAdapterArguments:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1 (or unset for all pairs), got {value}")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Data
-
-
-def load_preference_data(
-    dataset: str = ROTTEN_TOMATOES,
-    *,
-    eval_fraction: float = 0.1,
-    max_train_pairs: int | None = None,
-    max_eval_pairs: int | None = None,
-    seed: int = 0,
-) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Training and held-out preference pairs from Rotten Tomatoes or a local file.
-
-    ``"rotten-tomatoes"``: pairs from the ``reward`` part of :func:`marl.assets.split_rotten_tomatoes` for
-    training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
-    prompts. A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows
-    is held out. Subsampling keeps a seeded random subset.
-
-    Example:
-        >>> train, held_out = load_preference_data("rotten-tomatoes", max_train_pairs=256)
-        >>> len(train), train.column_names[:2]
-        (256, ['chosen', 'rejected'])
-    """
-    from marl import assets
-
-    if dataset == ROTTEN_TOMATOES:
-        parts = assets.split_rotten_tomatoes(seed=seed)
-        train = assets.build_preference_pairs(parts["reward"], seed=seed)
-        held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
-    else:
-        pairs = _load_pair_file(Path(dataset))
-        if len(pairs) < 2:
-            raise ValueError(
-                f"{dataset} has {len(pairs)} rows; at least 2 are needed to hold one out for evaluation"
-            )
-        split = pairs.train_test_split(test_size=eval_fraction, seed=seed)
-        train, held_out = split["train"], split["test"]
-    return _subsample(train, max_train_pairs, seed), _subsample(held_out, max_eval_pairs, seed)
-
-
-def _load_pair_file(path: Path) -> datasets.Dataset:
-    import datasets
-
-    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"dataset {str(path)!r} is neither '{ROTTEN_TOMATOES}' nor an existing file; pass one of those"
-        )
-    if path.suffix.lower() not in builders:
-        raise ValueError(f"{path} has an unsupported extension; use one of {sorted(builders)}")
-    return datasets.load_dataset(builders[path.suffix.lower()], data_files=str(path), split="train")
-
-
-def _subsample(pairs: datasets.Dataset, limit: int | None, seed: int) -> datasets.Dataset:
-    if limit is None or limit >= len(pairs):
-        return pairs
-    return pairs.shuffle(seed=seed).select(range(limit))
-
-
-def _check_pairs(pairs: datasets.Dataset, name: str) -> None:
-    missing = {"chosen", "rejected"} - set(pairs.column_names)
-    if missing:
-        raise ValueError(
-            f"{name} lacks the column(s) {sorted(missing)} (found {pairs.column_names}); preference data "
-            "needs 'chosen' and 'rejected' (plain strings or lists of chat messages), and optionally 'prompt'"
-        )
-    if len(pairs) == 0:
-        raise ValueError(f"{name} is empty")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -357,8 +287,8 @@ def train_reward_adapter(
     from marl.assets import resolve_model_path
 
     quantization = parse_quantization(quantization)
-    _check_pairs(train_pairs, "train_pairs")
-    _check_pairs(eval_pairs, "eval_pairs")
+    check_preference_pairs(train_pairs, "train_pairs")
+    check_preference_pairs(eval_pairs, "eval_pairs")
     output_dir = Path(output_dir)
     if output_dir.exists() and any(output_dir.iterdir()):
         raise FileExistsError(
@@ -459,24 +389,12 @@ def train_reward_adapter(
         },
         "command": command,
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "versions": _versions(),
+        "versions": package_versions(),
         "torch_threads": torch.get_num_threads(),
     }
     (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     (output_dir / "README.md").write_text(_readme(summary))
     return summary
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for package in ("marl", "torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = "not installed"
-    return found
 
 
 def _readme(summary: dict[str, Any]) -> str:
