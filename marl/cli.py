@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from marl.data import dataset_name_field
 from marl.errors import ConfigError, MarlError
 
 if TYPE_CHECKING:
@@ -32,13 +33,7 @@ COMMANDS: dict[str, str] = {
 class ScriptArguments:
     """Flags of ``train-rloo`` beyond :class:`marl.RLOOConfig`: data, reward function, output folder."""
 
-    dataset_name: str = field(
-        default="rotten-tomatoes",
-        metadata={
-            "help": "Prompts: 'rotten-tomatoes' (bundled), a local .json/.jsonl/.csv/.parquet file or "
-            "folder, or a dataset hub name (the only option that reaches the network)."
-        },
-    )
+    dataset_name: str = dataset_name_field()
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
     dataset_test_split: str | None = field(
         default=None,

@@ -29,6 +29,19 @@ ROTTEN_TOMATOES_SPLITS = {"train": "rl", "test": "eval", "eval": "eval", "valida
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
+def dataset_name_field(help_prefix: str = "Prompts"):
+    """The ``--dataset_name`` flag of the commands that read prompts (one definition, one help text)."""
+    from dataclasses import field
+
+    return field(
+        default=ROTTEN_TOMATOES,
+        metadata={
+            "help": f"{help_prefix}: '{ROTTEN_TOMATOES}' (bundled), a local .json/.jsonl/.csv/.parquet "
+            "file or folder, or a dataset hub name (the only option that reaches the network)."
+        },
+    )
+
+
 def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple[list[int], str]:
     """Token ids and text of one prompt: plain text as it is, a conversation through the chat template.
 

@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from marl.data import dataset_name_field
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -53,13 +55,7 @@ class EvaluateArguments:
         default=None, metadata={"help": "Reward adapter folder; its mean score is reported when given."}
     )
     quantization: str | None = field(default=None, metadata={"help": "Load the base in '4bit' or '8bit'."})
-    dataset_name: str = field(
-        default="rotten-tomatoes",
-        metadata={
-            "help": "Prompts: 'rotten-tomatoes', a local .json/.jsonl/.csv/.parquet file or folder, "
-            "or a hub name."
-        },
-    )
+    dataset_name: str = dataset_name_field("Held-out prompts")
     dataset_split: str = field(default="test", metadata={"help": "Split of held-out prompts."})
     prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
     num_prompts: int = field(default=200, metadata={"help": "Evaluate on the first this many prompts."})

@@ -17,22 +17,6 @@ torch.set_num_threads(int(os.environ.get("MARL_TEST_THREADS", "1")))
 
 TINY_ARCHITECTURES = ("llama", "qwen2", "gpt_neox")
 
-_TRAINING_TEXT = [
-    "the movie was great and fun to watch",
-    "a dull boring film with terrible acting",
-    "good good great wonderful lovely charming",
-    "awful bad worse worst dreadful mess",
-    "an honest story, well told and moving",
-    "the plot falls apart and the jokes are stale",
-    "review of the film: a small delight",
-    "write a short review of this movie",
-]
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<eos>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run tests marked slow (CI does)")
@@ -48,24 +32,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def build_tiny_tokenizer():
-    """A byte-level BPE tokenizer trained in well under a second, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    """The byte-level BPE tokenizer of the family table (pad 0, eos 1): trained in milliseconds, wrapped as a
+    transformers fast tokenizer, with a chat template."""
+    from families import build_family_tokenizer
 
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<pad>", "<eos>", "<unk>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    backend.train_from_iterator(_TRAINING_TEXT * 20, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return build_family_tokenizer()
 
 
 def build_tiny_config(architecture: str, vocab_size: int, pad_token_id: int, eos_token_id: int):
@@ -217,3 +188,17 @@ def family_dir(tmp_path_factory: pytest.TempPathFactory):
         return cache[name]
 
     return make
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """Write ``rows`` as a JSON-lines file (a dataset file as users give them)."""
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_adapter(tiny_llama_dir, tmp_path_factory) -> Path:
+    """A reward adapter (LoRA + score head) on the tiny llama, built once per session."""
+    return save_reward_adapter(tiny_llama_dir, tmp_path_factory.mktemp("tiny-reward") / "reward")

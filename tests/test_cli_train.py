@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import save_reward_adapter
+from conftest import save_reward_adapter, write_jsonl
 
 from marl.cli import main, train_rloo_main
 
@@ -13,14 +13,13 @@ PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls"
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_llama_dir, tmp_path_factory):
+def setup(tiny_llama_dir, tiny_reward_adapter, tmp_path_factory):
     root = tmp_path_factory.mktemp("cli-train")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+    prompts = write_jsonl(root / "prompts.jsonl", [{"text": p} for p in PROMPTS])
     return {
         "base": str(tiny_llama_dir),
         "prompts": str(prompts),
-        "reward": str(save_reward_adapter(tiny_llama_dir, root / "reward")),
+        "reward": str(tiny_reward_adapter),
         "root": root,
     }
 

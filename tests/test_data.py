@@ -6,17 +6,13 @@ import json
 import math
 
 import pytest
+from conftest import write_jsonl
 
 from marl.data import load_prompt_dataset, rotten_tomatoes_prompts
 from marl.errors import DataError
 from marl.rewards import check_scores, load_judge, load_reward_fn
 
 ROWS = [{"question": "Say something kind", "id": 1}, {"question": "Describe a film", "id": 2}]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import save_reward_adapter
+from conftest import write_jsonl
 
 from marl.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation, win_rate
 
@@ -36,14 +36,13 @@ def save_policy_adapter(base_dir, directory, scale):
 
 
 @pytest.fixture(scope="module")
-def eval_setup(tiny_llama_dir, tmp_path_factory):
+def eval_setup(tiny_llama_dir, tiny_reward_adapter, tmp_path_factory):
     root = tmp_path_factory.mktemp("evaluate")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": p}) + "\n" for p in PROMPTS))
+    prompts = write_jsonl(root / "prompts.jsonl", [{"text": p} for p in PROMPTS])
     return {
         "base": str(tiny_llama_dir),
         "prompts": str(prompts),
-        "reward": str(save_reward_adapter(tiny_llama_dir, root / "reward")),
+        "reward": str(tiny_reward_adapter),
         "identity_policy": str(save_policy_adapter(tiny_llama_dir, root / "identity", 0.0)),
         "trained_policy": str(save_policy_adapter(tiny_llama_dir, root / "trained", 0.3)),
         "root": root,

@@ -3,6 +3,7 @@ saving."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import shutil
@@ -45,6 +46,22 @@ def padded_batch(side: str) -> tuple[torch.Tensor, torch.Tensor]:
 def reference_sequence_classifier(base_dir: Path, adapter_dir: Path):
     model = AutoModelForSequenceClassification.from_pretrained(base_dir, num_labels=1, dtype=torch.float32)
     return PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+
+
+@contextlib.contextmanager
+def moved_policy(model: MultiAdapterModel):
+    """Random policy LoRA B matrices for the body (the policy differs from the base), restored after."""
+    with torch.no_grad():
+        lora_b = [p for n, p in model.peft_model.named_parameters() if "lora_B.policy" in n]
+        saved = [p.clone() for p in lora_b]
+        for p in lora_b:
+            p.normal_(std=0.05)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(lora_b, saved, strict=True):
+                p.copy_(value)
 
 
 def full_softmax_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -246,23 +263,13 @@ def test_reference_base_equals_the_plain_base_model(llama_model, tiny_llama_dir)
 def test_token_logprobs_match_full_log_softmax(llama_model, temperature, chunk_size):
     ids, mask = padded_batch("left")
     # Give the policy non-zero LoRA weights so the policy view differs from the base.
-    with torch.no_grad():
-        lora_b = [p for n, p in llama_model.peft_model.named_parameters() if "lora_B.policy" in n]
-        saved = [p.clone() for p in lora_b]
-        for p in lora_b:
-            p.normal_(std=0.05)
-    try:
-        with llama_model.policy(), torch.no_grad():
-            logits = llama_model.peft_model(
-                input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
-            ).logits
-            logprobs, entropy = llama_model.token_logprobs(
-                ids, mask, response_start=3, temperature=temperature, with_entropy=True, chunk_size=chunk_size
-            )
-    finally:
-        with torch.no_grad():
-            for p, value in zip(lora_b, saved, strict=True):
-                p.copy_(value)
+    with moved_policy(llama_model), llama_model.policy(), torch.no_grad():
+        logits = llama_model.peft_model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)
+        ).logits
+        logprobs, entropy = llama_model.token_logprobs(
+            ids, mask, response_start=3, temperature=temperature, with_entropy=True, chunk_size=chunk_size
+        )
     scaled = logits[:, 2:-1].float() / temperature
     expected = full_softmax_logprobs(logits[:, 2:-1], ids[:, 3:], temperature)
     expected_entropy = -(scaled.softmax(-1) * scaled.log_softmax(-1)).sum(-1)
@@ -330,20 +337,11 @@ def test_default_policy_lora_covers_all_linear_layers(llama_model):
 
 
 def test_save_policy_adapter_round_trip(llama_model, tiny_llama_dir, tmp_path):
-    with torch.no_grad():
-        lora_b = [p for n, p in llama_model.peft_model.named_parameters() if "lora_B.policy" in n]
-        saved = [p.clone() for p in lora_b]
-        for p in lora_b:
-            p.normal_(std=0.05)
-    try:
+    with moved_policy(llama_model):
         llama_model.save_policy_adapter(tmp_path / "out")
         ids, mask = padded_batch("right")
         with llama_model.policy(), torch.no_grad():
             expected = llama_model.peft_model(input_ids=ids, attention_mask=mask).logits
-    finally:
-        with torch.no_grad():
-            for p, value in zip(lora_b, saved, strict=True):
-                p.copy_(value)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
