@@ -143,6 +143,14 @@ class RLOOConfig:
             "help": "Modules of a new policy LoRA: 'all-linear' or module names such as q_proj v_proj."
         },
     )
+    share_prompt_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute each prompt once for its k completions in every forward pass: the scoring "
+            "passes and, when per_device_train_batch_size is a multiple of rloo_k, the update. False "
+            "computes every row in full. The numbers are the same up to float rounding."
+        },
+    )
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute activations in the backward pass to save memory."}
     )

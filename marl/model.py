@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from marl.errors import ConfigError
 from marl.families import LogitHead
 from marl.loading import PolicyAdapter, RewardAdapter
 from marl.logprobs import logprobs_from_hidden
+from marl.packing import PackedRows, check_packing, read_slots
 from marl.sampling import SamplingSettings, sample
 
 if TYPE_CHECKING:
@@ -288,6 +290,12 @@ class MultiAdapterModel:
         """Put the model in eval mode. Returns ``self``."""
         return self.train(False)
 
+    @functools.cached_property
+    def packing_problem(self) -> str | None:
+        """Why this model cannot compute a prompt once for its completions (:mod:`marl.packing`), or ``None``
+        when it can; probed once."""
+        return check_packing(self)
+
     @property
     def gradient_checkpointing(self) -> bool:
         """Whether activations are recomputed in the backward pass (in train mode)."""
@@ -416,15 +424,42 @@ class MultiAdapterModel:
         base = self.peft_model.get_base_model()
         return getattr(base, base.base_model_prefix)
 
-    def _hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Last hidden state (after the final norm) of the active view, skipping the LM head."""
+    def _hidden_states(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Last hidden state (after the final norm) of the active view, skipping the LM head. A 2-D mask gives
+        positions over real tokens; a 4-D mask (packed rows) comes with its own ``position_ids``."""
         output = self._backbone()(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
+            position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
             use_cache=False,
         )
         return output.last_hidden_state
+
+    def _logprobs(
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        chunk_size: int | None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs (and entropies) of ``targets`` ``[B, T]`` predicted by ``hidden`` ``[B, T, H]``."""
+        batch, steps = targets.shape
+        result = logprobs_from_hidden(
+            hidden.reshape(batch * steps, -1),
+            targets.reshape(-1).to(hidden.device),
+            self.logit_head,
+            temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+            # trading compute for memory: with checkpointing on, no chunk's logits wait for the backward pass
+            recompute=self.gradient_checkpointing,
+        )
+        if with_entropy:
+            return result[0].reshape(batch, steps), result[1].reshape(batch, steps)
+        return result.reshape(batch, steps)
 
     def token_logprobs(
         self,
@@ -460,45 +495,56 @@ class MultiAdapterModel:
                 f"{response_start}"
             )
         hidden = self._hidden_states(input_ids, attention_mask)[:, response_start - 1 : -1]
-        targets = input_ids[:, response_start:]
-        batch, steps = targets.shape
-        result = logprobs_from_hidden(
-            hidden.reshape(batch * steps, -1),
-            targets.reshape(-1).to(hidden.device),
-            self.logit_head,
-            temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
-            # trading compute for memory: with checkpointing on, no chunk's logits wait for the backward pass
-            recompute=self.gradient_checkpointing,
-        )
-        if with_entropy:
-            return result[0].reshape(batch, steps), result[1].reshape(batch, steps)
-        return result.reshape(batch, steps)
+        return self._logprobs(hidden, input_ids[:, response_start:], temperature, with_entropy, chunk_size)
+
+    def packed_token_logprobs(
+        self,
+        packed: PackedRows,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`token_logprobs` of every completion of ``packed`` (rows grouped by prompt, see
+        :mod:`marl.packing`): the same numbers up to float rounding, each prompt computed once. Returns
+        ``[R, T]`` in the order the rows were packed in."""
+        hidden = self._hidden_states(packed.input_ids, packed.attention_mask, packed.position_ids)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        targets = packed.input_ids.reshape(-1)[packed.completion_slots]
+        return self._logprobs(flat[packed.predictors], targets, temperature, with_entropy, chunk_size)
 
     def compute_reward_score(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, name: str | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        name: str | None = None,
+        packed: PackedRows | None = None,
     ) -> torch.Tensor:
         """One float32 score per row under reward adapter ``name`` (default: the first one): its score head
-        on the final hidden state where a
-        transformers sequence classifier reads it (:func:`reward_read_positions`), with the padding id the
-        reward adapter was trained with.
+        on the final hidden state where a transformers sequence classifier reads it
+        (:func:`reward_read_positions`), with the padding id the reward adapter was trained with.
 
         That padding id is the one ``marl train-reward`` recorded in the adapter folder, else the base
         tokenizer's pad token (its EOS when it has none), which is what TRL's ``RewardTrainer`` uses. With
         pad == eos a completion ending in EOS is therefore read at the token before its EOS, as the adapter
         was trained. Left or right padding: masked positions are padding. Runs in eval mode without grad; the
-        active adapter and modes are restored after. The head runs in float32.
+        active adapter and modes are restored after. The head runs in float32. ``packed``: the same rows
+        packed by prompt (:mod:`marl.packing`), to compute each prompt once; the scores are the same.
 
         Example:
             >>> scores = model.compute_reward_score(ids, mask)  # doctest: +SKIP
         """
         reward = self.get_reward(name)
+        read_at = reward_read_positions(input_ids, attention_mask, reward.pad_token_id)
         with self.use_adapter(reward.name), self._inference():
-            hidden = self._hidden_states(input_ids, attention_mask)
-            rows = torch.arange(hidden.shape[0], device=hidden.device)
-            read_at = reward_read_positions(input_ids, attention_mask, reward.pad_token_id)
-            pooled = hidden[rows, read_at.to(hidden.device)]
+            if packed is None:
+                hidden = self._hidden_states(input_ids, attention_mask)
+                pooled = hidden[
+                    torch.arange(hidden.shape[0], device=hidden.device), read_at.to(hidden.device)
+                ]
+            else:
+                hidden = self._hidden_states(packed.input_ids, packed.attention_mask, packed.position_ids)
+                pooled = hidden.reshape(-1, hidden.shape[-1])[read_slots(packed, read_at)]
             pooled = pooled.to(device=reward.head.weight.device, dtype=torch.float32)
             return reward.head(pooled).squeeze(-1)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -41,12 +41,15 @@ RewardFunction = Callable[..., Sequence[float | None]]
 @dataclass(frozen=True)
 class ScoringBatch:
     """Rows to score: prompt and completion texts, and prompt + completion as ids with their attention mask
-    (masked positions are padding; the completion ends at its stop token)."""
+    (masked positions are padding; the completion ends at its stop token). ``chunks(rows_per_pass)``, when
+    given, yields ``(rows, input_ids, attention_mask, packed)`` for whole prompt groups, so that a reward
+    adapter computes each prompt once (:mod:`marl.packing`)."""
 
     prompts: list[str]
     completions: list[str]
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
+    chunks: Callable[[int], Iterator[tuple]] | None = None
 
 
 @runtime_checkable
@@ -106,11 +109,15 @@ class AdapterReward:
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
         ids, mask, step = batch.input_ids, batch.attention_mask, self.rows_per_pass
-        scores = [
-            self.model.compute_reward_score(ids[start : start + step], mask[start : start + step], self.name)
-            for start in range(0, ids.shape[0], step)
-        ]
-        return torch.cat(scores)
+        if batch.chunks is None:
+            spans = [slice(start, start + step) for start in range(0, ids.shape[0], step)]
+            chunks = ((span, ids[span], mask[span], None) for span in spans)
+        else:
+            chunks = batch.chunks(step)
+        scores = torch.empty(ids.shape[0], dtype=torch.float32, device=ids.device)
+        for rows, chunk_ids, chunk_mask, packed in chunks:
+            scores[rows] = self.model.compute_reward_score(chunk_ids, chunk_mask, self.name, packed)
+        return scores
 
 
 class FunctionReward:

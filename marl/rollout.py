@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ from marl import rloo
 from marl.data import left_pad, tokenize_prompt
 from marl.errors import DataError
 from marl.model import position_ids_from_mask
+from marl.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
 from marl.rewards import ScoringBatch
 from marl.sampling import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
 
@@ -142,6 +144,7 @@ class Samples:
     response_mask: torch.Tensor  # [B, T] bool: the valid tokens, through the stop token
     contains_stop: torch.Tensor  # [B] bool
     contains_eos: torch.Tensor  # [B] bool: an end-of-sequence id among the valid tokens
+    prompt_index: torch.Tensor  # [B]: which prompt of the batch each row completes (its group)
 
     @property
     def prompt_length(self) -> int:
@@ -159,8 +162,30 @@ class Samples:
     def lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
 
-    def scoring_batch(self) -> ScoringBatch:
-        return ScoringBatch(self.prompt_texts, self.completions, self.query_responses, self.attention_mask)
+    def scoring_batch(self, chunks: Callable | None = None) -> ScoringBatch:
+        return ScoringBatch(
+            self.prompt_texts, self.completions, self.query_responses, self.attention_mask, chunks
+        )
+
+    def pack(self, mask_dtype: torch.dtype) -> PackedRows:
+        """These rows packed by prompt (:mod:`marl.packing`): each prompt once, then its completions."""
+        return pack_rows(
+            self.prompt_ids,
+            self.prompt_mask,
+            self.response_ids,
+            self.response_mask,
+            self.prompt_index,
+            mask_dtype,
+        )
+
+    def group_rows(self, groups_per_chunk: int) -> list[torch.Tensor]:
+        """The rows of ``groups_per_chunk`` prompts at a time, prompts in order of first appearance."""
+        prompts = list(dict.fromkeys(self.prompt_index.tolist()))
+        chunks = []
+        for start in range(0, len(prompts), groups_per_chunk):
+            chosen = torch.tensor(prompts[start : start + groups_per_chunk], device=self.prompt_index.device)
+            chunks.append(torch.nonzero(torch.isin(self.prompt_index, chosen)).flatten())
+        return chunks
 
     def select(self, rows: torch.Tensor) -> Samples:
         """The same record for the given rows only (a micro-batch)."""
@@ -199,6 +224,8 @@ class Sampler:
         autocast: a context manager factory for mixed precision (e.g. ``accelerator.autocast``).
         policy: the policy adapter that samples (default: the model's first policy); its reference is the
             ``"reference"`` view.
+        share_prompt_prefix: compute each prompt once for all its completions in the scoring passes
+            (:mod:`marl.packing`); switched off, with a warning, on a model where that is not exact.
     """
 
     def __init__(
@@ -213,6 +240,7 @@ class Sampler:
         rows_per_pass: int = 64,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         policy: str | None = None,
+        share_prompt_prefix: bool = True,
     ) -> None:
         self.model = model
         self.policy = policy or model.default_policy
@@ -227,6 +255,12 @@ class Sampler:
         self.rows_per_pass = rows_per_pass
         self.autocast = autocast
         self.share_prompt_cache = prompt_cache_can_be_shared(model.peft_model.get_base_model())
+        self.share_prompt_prefix = share_prompt_prefix and model.packing_problem is None
+        if share_prompt_prefix and not self.share_prompt_prefix:
+            warnings.warn(
+                f"each completion computes its own prompt on this model: {model.packing_problem}",
+                stacklevel=2,
+            )
 
     @property
     def device(self) -> torch.device:
@@ -256,6 +290,7 @@ class Sampler:
             response_mask=response_mask,
             contains_stop=contains_stop,
             contains_eos=contains_eos,
+            prompt_index=torch.arange(prompts.ids.shape[0], device=responses.device).repeat(k),
         )
 
     def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
@@ -305,24 +340,66 @@ class Sampler:
         cache.batch_repeat_interleave(copies)
         return cache
 
+    def chunks(
+        self, samples: Samples, rows_per_pass: int | None = None
+    ) -> Iterator[tuple[torch.Tensor, Samples, PackedRows | None]]:
+        """``(rows, those rows' samples, their packed form or None)`` for whole prompt groups at a time, about
+        ``rows_per_pass`` rows per chunk."""
+        group_size = int((samples.prompt_index == samples.prompt_index[0]).sum())
+        groups_per_chunk = max(1, (rows_per_pass or self.rows_per_pass) // group_size)
+        for rows in samples.group_rows(groups_per_chunk):
+            chunk = samples.select(rows)
+            yield rows, chunk, self.pack(chunk)
+
+    def pack(self, samples: Samples) -> PackedRows | None:
+        """``samples`` packed by prompt when prefix sharing is on and exact for them, else ``None``."""
+        if not self.share_prompt_prefix:
+            return None
+        window = attention_window(self.model.config)
+        group_size = int((samples.prompt_index == samples.prompt_index[0]).sum())
+        packed_length = int(samples.prompt_mask.sum(dim=1).max()) + group_size * samples.response_ids.shape[1]
+        if window is not None and packed_length > window:
+            return None
+        return samples.pack(packing_mask_dtype(self.model))
+
+    def completion_logprobs(
+        self, samples: Samples, packed: PackedRows | None, with_entropy: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Float32 log-probs ``[B, T]`` of the completions under the ACTIVE view, each prompt once when
+        ``packed`` is given; the same numbers either way, up to float rounding."""
+        temperature = self.settings.temperature
+        if packed is not None:
+            return self.model.packed_token_logprobs(
+                packed, temperature=temperature, with_entropy=with_entropy
+            )
+        return self.model.token_logprobs(
+            samples.query_responses,
+            samples.attention_mask,
+            response_start=samples.prompt_length,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+
     def logprobs(self, samples: Samples) -> tuple[torch.Tensor, torch.Tensor]:
         """No-grad float32 log-probs of the completions under the policy and the reference, ``[B, T]``."""
-        step = self.rows_per_pass
-        query_responses, attention_mask = samples.query_responses, samples.attention_mask
-        arguments = dict(response_start=samples.prompt_length, temperature=self.settings.temperature)
-        logprobs, ref_logprobs = [], []
+        logprobs = torch.empty(samples.response_ids.shape, dtype=torch.float32, device=self.device)
+        ref_logprobs = torch.empty_like(logprobs)
         with torch.no_grad(), self.autocast():
-            for start in range(0, query_responses.shape[0], step):
-                rows = slice(start, start + step)
+            for rows, chunk, packed in self.chunks(samples):
                 with self.model.policy(self.policy):
-                    logprobs.append(
-                        self.model.token_logprobs(query_responses[rows], attention_mask[rows], **arguments)
-                    )
+                    logprobs[rows] = self.completion_logprobs(chunk, packed).float()
                 with self.model.reference(self.policy):
-                    ref_logprobs.append(
-                        self.model.token_logprobs(query_responses[rows], attention_mask[rows], **arguments)
-                    )
-        return torch.cat(logprobs).float(), torch.cat(ref_logprobs).float()
+                    ref_logprobs[rows] = self.completion_logprobs(chunk, packed).float()
+        return logprobs, ref_logprobs
+
+    def scoring_batch(self, samples: Samples) -> ScoringBatch:
+        """``samples`` for the reward sources; reward adapters score them in prompt-group chunks, packed."""
+
+        def chunks(rows_per_pass: int):
+            for rows, chunk, packed in self.chunks(samples, rows_per_pass):
+                yield rows, chunk.query_responses, chunk.attention_mask, packed
+
+        return samples.scoring_batch(chunks)
 
 
 def collect_rollout(sampler: Sampler, prompts: Sequence[Prompt], k: int, reward: WeightedRewards) -> Rollout:
@@ -331,7 +408,7 @@ def collect_rollout(sampler: Sampler, prompts: Sequence[Prompt], k: int, reward:
     samples = sampler.sample(sampler.batch(prompts), k)
     logprobs, ref_logprobs = sampler.logprobs(samples)
     with torch.no_grad(), sampler.autocast():
-        scores = reward.score(samples.scoring_batch())
+        scores = reward.score(sampler.scoring_batch(samples))
     values = {field.name: getattr(samples, field.name) for field in dataclasses.fields(Samples)}
     return Rollout(
         **values,

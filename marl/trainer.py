@@ -136,6 +136,11 @@ class RLOOTrainer:
             rows_per_pass=config.local_rollout_forward_batch_size,
             autocast=self.accelerator.autocast,
             policy=self.policy,
+            share_prompt_prefix=config.share_prompt_prefix,
+        )
+        # Micro-batches of whole prompt groups let the update compute each prompt once too.
+        self.grouped_micro_batches = (
+            self.sampler.share_prompt_prefix and config.per_device_train_batch_size % config.rloo_k == 0
         )
         context = getattr(model.config, "max_position_embeddings", None)
         prompts = dict(context_length=context, response_length=config.response_length)
@@ -219,7 +224,7 @@ class RLOOTrainer:
         self.model.train()
         try:
             for _epoch in range(config.num_ppo_epochs):
-                order = torch.randperm(sizes.local_batch_size).to(self.accelerator.device)
+                order = self._shuffled_rows(rollout)
                 for mini_start in range(0, sizes.local_batch_size, sizes.local_mini_batch_size):
                     mini_batch = order[mini_start : mini_start + sizes.local_mini_batch_size]
                     loss_finite = True
@@ -228,13 +233,11 @@ class RLOOTrainer:
                     ):
                         rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
                         batch = rollout.select(rows)
+                        # whole prompt groups: each prompt is computed once, its k gradients flow into it
+                        packed = self.sampler.pack(batch) if self.grouped_micro_batches else None
                         with self.model.policy(self.policy), self.accelerator.autocast():
-                            new_logprobs, entropy = self.model.token_logprobs(
-                                batch.query_responses,
-                                batch.attention_mask,
-                                response_start=batch.prompt_length,
-                                temperature=config.temperature,
-                                with_entropy=True,
+                            new_logprobs, entropy = self.sampler.completion_logprobs(
+                                batch, packed, with_entropy=True
                             )
                         new_seq_logprob = rloo.masked_sum(new_logprobs, batch.response_mask)
                         # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
@@ -261,6 +264,14 @@ class RLOOTrainer:
         finally:
             self.model.eval()
         return stats
+
+    def _shuffled_rows(self, rollout: Rollout) -> torch.Tensor:
+        """A random order of the rollout's rows: whole prompt groups in a random order when micro-batches
+        hold whole groups (so a prompt is computed once for its k completions), else single rows."""
+        if not self.grouped_micro_batches:
+            return torch.randperm(rollout.prompt_index.shape[0]).to(self.accelerator.device)
+        groups = torch.randperm(int(rollout.prompt_index.max()) + 1).to(self.accelerator.device)
+        return torch.cat([torch.nonzero(rollout.prompt_index == group).flatten() for group in groups])
 
     def _optimizer_step(self, loss_finite: bool) -> bool:
         """Average gradients, clip, step; skip (and count) the step if anything is not finite."""

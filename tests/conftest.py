@@ -32,11 +32,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def build_tiny_tokenizer():
-    """The byte-level BPE tokenizer of the family table (pad 0, eos 1): trained in milliseconds, wrapped as a
-    transformers fast tokenizer, with a chat template."""
+    """The byte-level BPE tokenizer of the family table without a BOS token (pad 0, eos 1, unk 2): trained in
+    milliseconds, wrapped as a transformers fast tokenizer, with a chat template."""
     from families import build_family_tokenizer
 
-    return build_family_tokenizer()
+    return build_family_tokenizer(with_bos=False)
 
 
 def build_tiny_config(architecture: str, vocab_size: int, pad_token_id: int, eos_token_id: int):

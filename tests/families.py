@@ -288,17 +288,23 @@ FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
 
 
 def build_family_tokenizer(
-    extra_special_tokens: tuple[str, ...] = (), pad_is_eos: bool = False, turn_end: str = EOS
+    extra_special_tokens: tuple[str, ...] = (),
+    pad_is_eos: bool = False,
+    turn_end: str = EOS,
+    with_bos: bool = True,
 ):
     """A byte-level BPE tokenizer trained in milliseconds, wrapped as a transformers fast tokenizer.
 
     ``extra_special_tokens`` become single special tokens (extra terminators); with ``pad_is_eos`` the
-    vocabulary has no pad token at all and ``pad_token`` is set to the eos, as users do for such models.
+    vocabulary has no pad token at all and ``pad_token`` is set to the eos, as users do for such models;
+    ``with_bos=False`` leaves the BOS token out (the vocabulary of the plain tiny models in conftest).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    special = ([] if pad_is_eos else [PAD]) + [EOS, UNK, BOS, *extra_special_tokens]
+    special = (
+        ([] if pad_is_eos else [PAD]) + [EOS, UNK] + ([BOS] if with_bos else []) + [*extra_special_tokens]
+    )
     backend = Tokenizer(models.BPE(unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -308,7 +314,7 @@ def build_family_tokenizer(
     backend.train_from_iterator(_TRAINING_TEXT * 20, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=BOS,
+        bos_token=BOS if with_bos else None,
         eos_token=EOS,
         unk_token=UNK,
         pad_token=EOS if pad_is_eos else PAD,

@@ -1,0 +1,183 @@
+"""Each prompt computed once for its k completions: the packed rows give the unshared numbers (log-probs,
+rewards, gradients, a whole update) on every family where packing is allowed, and it is refused where not."""
+
+from __future__ import annotations
+
+import copy
+
+import datasets
+import pytest
+import torch
+from conftest import save_reward_adapter
+from families import FAMILIES, FAMILY_SPECS
+from peft import LoraConfig
+from transformers import AutoTokenizer
+
+from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+from marl.packing import pack_rows, read_slots
+from marl.rollout import Prompt, Sampler, collect_rollout
+
+CLASSIFIER_FAMILIES = [name for name in FAMILIES if FAMILY_SPECS[name].sequence_classification]
+# Prompts of unequal lengths (left padding) and 3 completions each; ordinary token ids (the families keep 0-6
+# for special tokens and suppress 300 and 301).
+PROMPTS = [
+    Prompt(tuple(range(20, 29)), "long"),
+    Prompt((40, 41, 42), "short"),
+    Prompt((50, 51, 52, 53, 54), "mid"),
+]
+
+
+def policy_lora(family: str) -> LoraConfig:
+    exclude = list(FAMILY_SPECS[family].lora_exclude_modules) or None
+    return LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=exclude, task_type="CAUSAL_LM"
+    )
+
+
+def load(family_dir, family: str, **kwargs) -> MultiAdapterModel:
+    model = MultiAdapterModel.from_pretrained(
+        family_dir(family), policy_adapter=policy_lora(family), **kwargs
+    )
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a policy that differs from the base
+        for name, parameter in model.peft_model.named_parameters():
+            if "lora_B" in name and ".policy." in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return model
+
+
+def sampled(model: MultiAdapterModel, tokenizer, stop_at_eos: bool = True):
+    sampler = Sampler(model, tokenizer, temperature=1.0, response_length=7, stop_at_eos=stop_at_eos)
+    torch.manual_seed(0)
+    return sampler, sampler.sample(sampler.batch(PROMPTS), k=3)
+
+
+def test_pack_rows_stores_each_prompt_once_and_masks_other_completions():
+    prompt_ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9]])
+    prompt_mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1]])
+    response_ids = torch.tensor([[10, 11], [12, 0], [13, 14]])
+    response_mask = torch.tensor([[1, 1], [1, 0], [1, 1]]).bool()
+    packed = pack_rows(
+        prompt_ids, prompt_mask, response_ids, response_mask, torch.tensor([4, 4, 1]), torch.bool
+    )
+    assert packed.input_ids.tolist() == [[5, 6, 10, 11, 12, 0], [7, 8, 9, 13, 14, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 3], [0, 1, 2, 3, 4, 0]]
+    mask = packed.attention_mask[0, 0]
+    assert mask[4].tolist() == [True, True, False, False, True, False]  # 2nd completion: prompt + itself
+    assert mask[3].tolist() == [True, True, True, True, False, False]
+    assert mask[1, 5] == False and packed.attention_mask[1, 0, 5].tolist() == [False] * 5 + [True]  # noqa: E712
+    # token 0 of a completion is predicted by the prompt's last token
+    assert packed.predictors.tolist() == [[1, 2], [1, 4], [6 + 2, 6 + 3]]
+    # positions in the unpacked rows map to their packed slot (left padding has none)
+    assert read_slots(packed, torch.tensor([4, 2, 3])).tolist() == [3, 1, 6 + 3]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_logprobs_equal_the_unshared_ones(family, family_dir):
+    model = load(family_dir, family)
+    tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
+    sampler, samples = sampled(model, tokenizer)
+    if FAMILY_SPECS[family].model_type == "falcon_h1":
+        assert "carry state" in model.packing_problem and sampler.pack(samples) is None
+        return
+    assert model.packing_problem is None
+    window = FAMILY_SPECS[family].config.get("sliding_window")
+    packed = samples.pack(torch.bool if model.config._attn_implementation == "sdpa" else model.dtype)
+    if window is not None and packed.input_ids.shape[1] > window:
+        # a window the packed positions would exceed changes what a completion sees: computed unshared
+        assert sampler.pack(samples) is None
+        return
+    assert sampler.pack(samples) is not None
+    valid = samples.response_mask
+    for view in (model.policy, model.reference):
+        with view(), torch.no_grad():
+            unshared = model.token_logprobs(
+                samples.query_responses, samples.attention_mask, response_start=samples.prompt_length
+            )
+            shared = model.packed_token_logprobs(packed)
+        torch.testing.assert_close(shared[valid], unshared[valid], rtol=0, atol=1e-5)
+    # fewer forward tokens: 3 prompts once instead of 9 times
+    assert packed.input_ids.numel() < samples.query_responses.numel()
+
+
+@pytest.mark.parametrize("family", CLASSIFIER_FAMILIES)
+def test_packed_reward_scores_equal_the_unshared_ones(family, family_dir, tmp_path):
+    if FAMILY_SPECS[family].model_type == "falcon_h1":
+        pytest.skip("no packing on a Mamba hybrid (see the log-prob test)")
+    model = load(family_dir, family, reward_adapter=save_reward_adapter(family_dir(family), tmp_path / "rm"))
+    tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
+    sampler, samples = sampled(model, tokenizer)
+    packed = sampler.pack(samples)
+    if packed is None:
+        pytest.skip("sliding window shorter than the packed rows")
+    ids, mask = samples.query_responses, samples.attention_mask
+    unshared = model.compute_reward_score(ids, mask)
+    torch.testing.assert_close(
+        model.compute_reward_score(ids, mask, packed=packed), unshared, rtol=0, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "gemma2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_gradients_equal_the_unshared_ones(family, checkpointing, family_dir):
+    model = load(family_dir, family, gradient_checkpointing=checkpointing)
+    tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
+    sampler, samples = sampled(model, tokenizer)
+    weights = torch.linspace(-1.0, 1.0, samples.response_ids.numel()).view_as(samples.response_ids)
+
+    def gradients(packed):
+        model.train()
+        try:
+            with model.policy():
+                logprobs = sampler.completion_logprobs(samples, packed)
+            (logprobs * weights * samples.response_mask).sum().backward()
+        finally:
+            model.eval()
+        grads = [parameter.grad.clone() for parameter in model.policy_parameters()]
+        for parameter in model.policy_parameters():
+            parameter.grad = None
+        return grads
+
+    unshared, shared = gradients(None), gradients(sampler.pack(samples))
+    assert sum(float(g.abs().sum()) for g in unshared) > 1e-3
+    for a, b in zip(shared, unshared, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny_llama_dir, tmp_path):
+    """Same rollout, same seed: 2 epochs × 2 mini-batches give the same adapter with sharing on or off."""
+
+    def trainer_for(share: bool, output_dir) -> RLOOTrainer:
+        config = RLOOConfig(
+            output_dir=str(output_dir), model_name_or_path=str(tiny_llama_dir), rloo_k=2,
+            per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2, total_episodes=8,
+            learning_rate=1e-2, response_length=6, lora_r=4, lora_alpha=8, num_sample_generations=0,
+            save_steps=0, share_prompt_prefix=share, gradient_checkpointing=checkpointing,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = config.load_model()
+        prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film about the", "review:", "good"]})
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+        return RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c])
+
+    shared, unshared = trainer_for(True, tmp_path / "a"), trainer_for(False, tmp_path / "b")
+    assert shared.grouped_micro_batches and not unshared.sampler.share_prompt_prefix
+    with torch.no_grad():  # one starting point
+        for a, b in zip(shared.policy_parameters, unshared.policy_parameters, strict=True):
+            b.copy_(a)
+    torch.manual_seed(1)
+    rollout = collect_rollout(unshared.sampler, unshared.train_prompts, 2, unshared.reward)
+    advantages = torch.linspace(-1.0, 1.0, rollout.prompt_index.shape[0])
+    results = []
+    for trainer in (shared, unshared):
+        trainer.grouped_micro_batches = True  # the same group-wise order for both
+        torch.manual_seed(2)
+        stats = trainer._update(copy.deepcopy(rollout), advantages)
+        results.append(([p.detach().clone() for p in trainer.policy_parameters], stats))
+    (shared_weights, shared_stats), (unshared_weights, unshared_stats) = results
+    assert float(shared_stats.first_ratio) == pytest.approx(float(unshared_stats.first_ratio), abs=1e-5)
+    for a, b in zip(shared_weights, unshared_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    moved = [p for p in shared_weights if p.abs().max() > 0]
+    assert moved
