@@ -164,8 +164,10 @@ def generate_and_score(
     seed: int = 0,
     progress: bool = True,
     stop_at_eos: bool = True,
+    policy: str | None = None,
 ) -> dict[str, ScoredCompletions]:
-    """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of the policy.
+    """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of policy ``policy``
+    (default: the model's first policy), keyed ``"policy"``.
 
     Both models see the same prompts in the same batches with the same seed per batch.
 
@@ -190,6 +192,7 @@ def generate_and_score(
         # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
         stop_at_eos=stop_at_eos,
         rows_per_pass=batch_size,
+        policy=policy,
     )
     prepared = prepare_prompts(
         [{"prompt": prompt} for prompt in prompts],
