@@ -1,0 +1,395 @@
+"""Does marl learn as well as TRL's RLOOTrainer on the same job? Both trained, both evaluated by the same
+code.
+
+The job is the demo's: the bundled SmolLM2-135M-Instruct in 4-bit NF4, a fresh LoRA policy (r=16, alpha=32,
+all linear layers), the shipped Rotten Tomatoes reward adapter, the bundled "continue the review" prompts,
+k completions per prompt of a fixed length, the demo's learning rate, KL coefficient, temperature, batch and
+number of updates, and the same seed.
+
+- marl: :func:`marl.demo.demo_rloo_config` on one base; the reward adapter scores prompt + completion + EOS
+  (:class:`marl.rewards.EosTerminatedAdapterReward`), as it was trained.
+- TRL 1.16 ``RLOOTrainer``: the policy is the base + ``peft_config`` (reference = adapters disabled); the
+reward
+  is what a TRL user loads, ``AutoModelForSequenceClassification`` + ``PeftModel.from_pretrained``, called
+  from
+  a reward function that scores prompt + completion + EOS with the padding id the adapter was trained with
+  (its ``marl_reward.json``), so both read the score where the adapter was trained to read it. Completions
+  are fixed-length through ``min_new_tokens``.
+
+Each training run is its own process; then both policies and the base are evaluated by
+:func:`marl.evaluate.generate_and_score` on the same held-out prompts: VADER win rate over the base, mean
+VADER
+score, mean reward-adapter score, KL to the base, wall time. The results go to a dated markdown file with the
+configuration mapping, and a PNG overlays the two systems' training curves.
+
+    python examples/benchmarks/learning_vs_trl.py --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SYSTEMS = ("marl", "trl")
+CONFIG_MAPPING = (
+    ("rloo_k", "num_generations"),
+    ("kl_coef", "beta"),
+    ("cliprange", "epsilon"),
+    ("num_ppo_epochs", "num_iterations"),
+    ("per_device_train_batch_size x num_mini_batches (completions per rollout)", "generation_batch_size"),
+    ("per_device_train_batch_size (completions per optimizer step)", "per_device_train_batch_size"),
+    ("response_length, no stop token", "max_completion_length, generation_kwargs min_new_tokens"),
+    ("total_episodes / batch (updates)", "max_steps / steps_per_generation"),
+    ("learning_rate, linear schedule, no warm-up", "learning_rate, linear schedule, no warm-up"),
+    ("temperature, top_k=0, top_p=1", "temperature, top_k=0, top_p=1"),
+)
+
+
+@dataclasses.dataclass
+class Job:
+    """One training run: the demo's settings for one system and seed."""
+
+    system: str
+    seed: int
+    output_dir: str
+    total_episodes: int | None = None  # None: the demo's
+    num_eval_prompts: int | None = None  # None: the demo's
+
+
+def demo_settings(job: Job):
+    from marl.demo import REWARD_ADAPTER_NAME, SHIPPED_ADAPTERS_DIR, DemoArguments, demo_rloo_config
+
+    arguments = DemoArguments(seed=job.seed)
+    if job.total_episodes is not None:
+        arguments = dataclasses.replace(arguments, total_episodes=job.total_episodes)
+    if job.num_eval_prompts is not None:
+        arguments = dataclasses.replace(arguments, num_eval_prompts=job.num_eval_prompts)
+    reward_adapter = str(SHIPPED_ADAPTERS_DIR / REWARD_ADAPTER_NAME)
+    return (
+        arguments,
+        demo_rloo_config(arguments, Path(job.output_dir) / "run", reward_adapter),
+        reward_adapter,
+    )
+
+
+def train_marl(job: Job) -> dict:
+    from transformers import AutoTokenizer
+
+    from marl.data import rotten_tomatoes_prompts
+    from marl.rewards import EosTerminatedAdapterReward
+    from marl.trainer import RLOOTrainer
+
+    _, config, _ = demo_settings(job)
+    model = config.load_model()
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    reward = EosTerminatedAdapterReward(
+        model, tokenizer, rows_per_pass=config.local_rollout_forward_batch_size
+    )
+    started = time.perf_counter()
+    trainer = RLOOTrainer(
+        config, model, tokenizer, rotten_tomatoes_prompts("train", seed=job.seed), reward_funcs=reward
+    )
+    history = trainer.train()
+    return {
+        "train_seconds": time.perf_counter() - started,
+        "adapter": config.output_dir,
+        "curve": [
+            {"episode": r["episode"], "score": r["objective/scores"], "kl": r["objective/kl"]}
+            for r in history
+        ],
+    }
+
+
+def train_trl(job: Job) -> dict:
+    import torch
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import RLOOConfig as TrlRLOOConfig
+    from trl import RLOOTrainer as TrlRLOOTrainer
+
+    from marl.adapters import read_reward_pad_token_id
+    from marl.assets import resolve_model_path
+    from marl.data import rotten_tomatoes_prompts
+    from marl.quantization import bitsandbytes_config
+
+    _, config, reward_adapter = demo_settings(job)
+    path = resolve_model_path(config.model_name_or_path)
+    quantization = bitsandbytes_config("4bit", torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    reward_tokenizer = AutoTokenizer.from_pretrained(path)
+    reward_pad = read_reward_pad_token_id(Path(reward_adapter))
+    classifier = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=torch.float32, quantization_config=quantization
+    )
+    classifier.config.pad_token_id = reward_pad
+    reward_model = PeftModel.from_pretrained(classifier, reward_adapter).eval()
+
+    def sentiment(prompts, completions, **kwargs):
+        """The reward adapter on prompt + completion + EOS, padded with its training pad (read as trained)."""
+        eos = reward_tokenizer.eos_token_id
+        texts = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
+        rows = [[*reward_tokenizer(text, add_special_tokens=False)["input_ids"], eos] for text in texts]
+        width = max(len(row) for row in rows)
+        ids = torch.tensor([row + [reward_pad] * (width - len(row)) for row in rows])
+        with torch.no_grad():
+            return (
+                reward_model(input_ids=ids, attention_mask=(ids != reward_pad).long()).logits[:, 0].tolist()
+            )
+
+    rollout = config.per_device_train_batch_size * config.num_mini_batches
+    updates = config.batch_sizes(1, 10**6).num_total_batches
+    args = TrlRLOOConfig(
+        output_dir=str(Path(job.output_dir) / "trl"),
+        per_device_train_batch_size=config.per_device_train_batch_size,
+        steps_per_generation=config.num_mini_batches,
+        max_steps=updates * config.num_mini_batches,
+        num_generations=config.rloo_k,
+        max_completion_length=config.response_length,
+        generation_kwargs={"min_new_tokens": config.response_length},
+        temperature=config.temperature,
+        top_k=0,
+        top_p=1.0,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        beta=config.kl_coef,
+        epsilon=config.cliprange,
+        num_iterations=config.num_ppo_epochs,
+        seed=job.seed,
+        bf16=False,
+        use_cpu=True,
+        logging_steps=config.num_mini_batches,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    lora = LoraConfig(
+        r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    trainer = TrlRLOOTrainer(
+        model=path,
+        reward_funcs=[sentiment],
+        args=args,
+        train_dataset=rotten_tomatoes_prompts("train", seed=job.seed),
+        processing_class=tokenizer,
+        peft_config=lora,
+        quantization_config=quantization,
+    )
+    started = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - started
+    adapter_dir = Path(job.output_dir) / "trl-adapter"
+    trainer.model.save_pretrained(str(adapter_dir))
+    curve = [
+        {
+            "episode": entry["step"] * config.per_device_train_batch_size,
+            "score": entry["rewards/sentiment/mean"],
+            # TRL logs the mean KL per token; completions have a fixed length: this is the sum per completion
+            "kl": entry.get("kl", float("nan")) * config.response_length,
+        }
+        for entry in trainer.state.log_history
+        if "rewards/sentiment/mean" in entry
+    ]
+    return {"train_seconds": seconds, "adapter": str(adapter_dir), "curve": curve, "rollout": rollout}
+
+
+def evaluate(job: Job, adapter: str) -> dict:
+    """The same evaluation for every policy: marl's, on held-out prompts, with VADER."""
+    from transformers import AutoTokenizer
+
+    from marl import MultiAdapterModel
+    from marl.data import rotten_tomatoes_prompts
+    from marl.evaluate import generate_and_score, summarize
+    from marl.rewards import load_judge
+
+    arguments, config, reward_adapter = demo_settings(job)
+    model = MultiAdapterModel.from_pretrained(
+        config.model_name_or_path, quantization="4bit", reward_adapter=reward_adapter, policy_adapter=adapter,
+        reference="base",
+    )  # fmt: skip
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    prompts = list(rotten_tomatoes_prompts("test", seed=job.seed)["prompt"][: arguments.num_eval_prompts])
+    samples = generate_and_score(
+        model, tokenizer, prompts, load_judge(None), response_length=config.response_length,
+        temperature=config.temperature, batch_size=100, seed=job.seed, stop_at_eos=False, progress=False,
+    )  # fmt: skip
+    return summarize(samples)
+
+
+def worker(job_file: str) -> None:
+    job = Job(**json.loads(Path(job_file).read_text()))
+    import torch
+
+    torch.set_num_threads(1)  # the demo's thread rule on this 2-core machine: one thread does not stall
+    result = (train_marl if job.system == "marl" else train_trl)(job)
+    started = time.perf_counter()
+    result["evaluation"] = evaluate(job, result["adapter"])
+    result["eval_seconds"] = time.perf_counter() - started
+    (Path(job.output_dir) / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run(job: Job) -> dict:
+    folder = Path(job.output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
+    log = (folder / "log.txt").open("w")
+    command = [sys.executable, __file__, "--worker", str(folder / "job.json")]
+    subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    return json.loads((folder / "result.json").read_text())
+
+
+def median_spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}–{max(values):.3f})"
+
+
+def report(results: dict[str, list[dict]], settings: dict, command: str) -> str:
+    from marl.environment import machine_description, package_versions
+
+    rows = []
+    for system in SYSTEMS:
+        runs = results[system]
+        evaluations = [run["evaluation"] for run in runs]
+        rows.append(
+            f"| {system} | {len(runs)} | {median_spread([e['comparison']['win_rate'] for e in evaluations])} "
+            "| "
+            f"{median_spread([e['policy']['judge_score'] - e['base']['judge_score'] for e in evaluations])} "
+            "| "
+            f"{median_spread([e['policy']['judge_score'] for e in evaluations])} | "
+            f"{median_spread([e['policy']['reward_score'] for e in evaluations])} | "
+            f"{median_spread([e['policy']['kl'] for e in evaluations])} | "
+            f"{median_spread([run['train_seconds'] / 60 for run in runs])} |"
+        )
+    per_seed = [
+        f"| {system} | {run['seed']} | {run['evaluation']['comparison']['win_rate']:.1%} | "
+        f"{run['evaluation']['base']['judge_score']:.3f} → {run['evaluation']['policy']['judge_score']:.3f} "
+        "| "
+        f"{run['evaluation']['base']['reward_score']:.3f} → "
+        f"{run['evaluation']['policy']['reward_score']:.3f} | "
+        f"{run['evaluation']['policy']['kl']:.2f} | {run['train_seconds'] / 60:.1f} |"
+        for system in SYSTEMS
+        for run in results[system]
+    ]
+    machine = machine_description()
+    versions = package_versions()
+    return "\n".join(
+        [
+            f"# Learning against TRL's RLOOTrainer ({datetime.date.today().isoformat()})",
+            "",
+            "Same job for both (the demo's), evaluated by the same code (`marl.evaluate.generate_and_score`) "
+            "on "
+            f"{settings['num_eval_prompts']} held-out prompts; medians over seeds with min–max.",
+            "",
+            f"Command: `{command}`",
+            "",
+            "| system | seeds | VADER win rate over the base | VADER gain | VADER score | reward-adapter "
+            "score | "
+            "KL to the base | training minutes |",
+            "|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            "Per seed:",
+            "",
+            "| system | seed | win rate | VADER base → policy | adapter base → policy | KL | training "
+            "minutes |",
+            "|---|---|---|---|---|---|---|",
+            *per_seed,
+            "",
+            "## Settings",
+            "",
+            "```json",
+            json.dumps(settings, indent=2),
+            "```",
+            "",
+            "## Configuration mapping (marl → TRL 1.16)",
+            "",
+            "| marl | TRL |",
+            "|---|---|",
+            *[f"| {ours} | {theirs} |" for ours, theirs in CONFIG_MAPPING],
+            "",
+            "## Machine and versions",
+            "",
+            "| | |",
+            "|---|---|",
+            *[f"| {key} | {value} |" for key, value in {**machine, **versions}.items()],
+            "",
+        ]
+    )
+
+
+def plot(results: dict[str, list[dict]], output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
+    for system, color in zip(SYSTEMS, ("tab:blue", "tab:orange"), strict=True):
+        for index, run in enumerate(results[system]):
+            episodes = [point["episode"] for point in run["curve"]]
+            label = system if index == 0 else None
+            axes[0].plot(
+                episodes, [point["score"] for point in run["curve"]], color=color, alpha=0.7, label=label
+            )
+            axes[1].plot(
+                episodes, [point["kl"] for point in run["curve"]], color=color, alpha=0.7, label=label
+            )
+    axes[0].set_title("reward-adapter score (training batches)")
+    axes[1].set_title("KL to the reference (sum over tokens)")
+    for axis in axes:
+        axis.set_xlabel("episode (completions)")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--total_episodes", type=int, default=None, help="Default: the demo's.")
+    parser.add_argument("--num_eval_prompts", type=int, default=None, help="Default: the demo's.")
+    parser.add_argument("--work_dir", default="runs/learning-vs-trl")
+    parser.add_argument(
+        "--output", default=None, help="Results markdown (default benchmarks/results/<date>-...)"
+    )
+    options = parser.parse_args()
+    if options.worker:
+        worker(options.worker)
+        return
+    stamp = datetime.date.today().isoformat()
+    output = Path(options.output or REPO_ROOT / "benchmarks" / "results" / f"{stamp}-learning-vs-trl.md")
+    results: dict[str, list[dict]] = {system: [] for system in SYSTEMS}
+    for seed in options.seeds:
+        for system in SYSTEMS:  # alternating, so that a slower period of the machine hits both
+            folder = str(Path(options.work_dir) / f"{system}-seed{seed}")
+            job = Job(system, seed, folder, options.total_episodes, options.num_eval_prompts)
+            print(f"{system} seed {seed} ...", flush=True)
+            result = run(job)
+            result["seed"] = seed
+            results[system].append(result)
+            comparison = result["evaluation"]["comparison"]
+            print(
+                f"  win rate {comparison['win_rate']:.1%}, {result['train_seconds'] / 60:.1f} min", flush=True
+            )
+    first = Job("marl", options.seeds[0], options.work_dir, options.total_episodes, options.num_eval_prompts)
+    arguments, _, _ = demo_settings(first)
+    settings = {**dataclasses.asdict(arguments), "seeds": options.seeds}
+    command = " ".join(["python", "examples/benchmarks/learning_vs_trl.py", *sys.argv[1:]])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(report(results, settings, command))
+    plot(results, output.with_suffix(".png"))
+    (output.with_suffix(".json")).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"results: {output}")
+
+
+if __name__ == "__main__":
+    main()
