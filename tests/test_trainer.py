@@ -392,6 +392,7 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
     completions must equal those of generate() on the prompts repeated k times (k-major)."""
     model_dir = tiny_model_factory(architecture)
     trainer = build(model_dir, tiny_config(tmp_path / "run", temperature=1e-4, response_length=5))
+    torch.manual_seed(0)  # the random policy below, whatever loading drew from the generator
     with torch.no_grad():
         for name, parameter in trainer.model.peft_model.named_parameters():
             if "lora_B" in name:
