@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,13 +333,17 @@ def save_adapter(peft_model: PeftModel, adapter_name: str, directory: Path, base
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-    state = {key: tensor.detach().to("cpu").contiguous() for key, tensor in state.items()}
-    save_file(state, str(directory / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
     config = copy.deepcopy(peft_model.peft_config[adapter_name])
     config.inference_mode = True
     config.base_model_name_or_path = base_name_or_path
     config.save_pretrained(str(directory))
+    state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+    state = {key: tensor.detach().to("cpu").contiguous() for key, tensor in state.items()}
+    # The weights last, and renamed into place: a folder with the weights file holds a complete adapter even
+    # if the process is killed while saving (a run's output folder counts as finished by that file).
+    staging = directory / f".{SAFETENSORS_WEIGHTS_NAME}.tmp"
+    save_file(state, str(staging), metadata={"format": "pt"})
+    os.replace(staging, directory / SAFETENSORS_WEIGHTS_NAME)
 
 
 def _read_json(path: Path, *, what: str) -> dict[str, Any]:
