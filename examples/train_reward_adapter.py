@@ -7,26 +7,10 @@ in 4-bit:
     python examples/train_reward_adapter.py --output_dir adapters/my-reward --max_train_pairs 512
 
 A local .json/.jsonl/.csv/.parquet file with "chosen" and "rejected" columns works too (--dataset
-pairs.jsonl). Run with --help for every option.
+pairs.jsonl). The same program as ``marl train-reward``; run with --help for every option.
 """
 
-from transformers import HfArgumentParser
-
-from marl.reward_training import RewardAdapterArguments, run
-
-
-def main() -> None:
-    import shlex
-    import sys
-
-    (arguments,) = HfArgumentParser(RewardAdapterArguments).parse_args_into_dataclasses()
-    summary = run(arguments, command=shlex.join(["python", *sys.argv]))
-    print(
-        f"held-out pairwise accuracy {summary['eval_accuracy']:.3f} (before training "
-        f"{summary['eval_accuracy_before']:.3f}) on {summary['eval_pairs_used']} pairs, "
-        f"{summary['wall_time_s']:.0f} s; adapter saved to {arguments.output_dir}"
-    )
-
+from marl.cli import train_reward_main
 
 if __name__ == "__main__":
-    main()
+    train_reward_main(prog="python examples/train_reward_adapter.py")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,7 +257,7 @@ def read_reward_pad_token_id(directory: Path) -> int | None:
     return pad_token_id
 
 
-def check_lora_targets(base: Any, lora_state: dict[str, torch.Tensor], directory: Path) -> None:
+def check_lora_targets(base: Any, lora_state: dict[str, torch.Tensor], directory: Path, *, role: str) -> None:
     """Every LoRA tensor must land on an existing layer of this base with matching in/out features."""
     modules = dict(base.named_modules())
     missing: list[str] = []
@@ -272,20 +273,46 @@ def check_lora_targets(base: Any, lora_state: dict[str, torch.Tensor], directory
         out_features = getattr(module, "out_features", None)
         if match["part"] == "lora_A" and in_features is not None and tensor.shape[1] != in_features:
             raise AdapterError(
-                f"reward adapter {directory}: {key} expects {tensor.shape[1]} input features but "
+                f"{role} adapter {directory}: {key} expects {tensor.shape[1]} input features but "
                 f"{match['module']} has {in_features}; the adapter was trained on a different base model"
             )
         if match["part"] == "lora_B" and out_features is not None and tensor.shape[0] != out_features:
             raise AdapterError(
-                f"reward adapter {directory}: {key} expects {tensor.shape[0]} output features but "
+                f"{role} adapter {directory}: {key} expects {tensor.shape[0]} output features but "
                 f"{match['module']} has {out_features}; the adapter was trained on a different base model"
             )
     if missing:
         raise AdapterError(
-            f"reward adapter {directory} targets modules that do not exist in this base: "
+            f"{role} adapter {directory} targets modules that do not exist in this base: "
             f"{sorted(set(missing))[:5]}; it was trained on a different architecture. Load it with the base "
             "it "
             "was trained on"
+        )
+
+
+def check_target_modules(model: Any, target_modules: Any, flag: str) -> None:
+    """Every name in ``target_modules`` must name layers of ``model``, as PEFT matches them (the full module
+    name or a dotted suffix of it). ``None`` (PEFT's default for the architecture), ``all-linear`` and PEFT's
+    regular-expression strings are left to PEFT."""
+    from torch import nn
+
+    if target_modules is None or isinstance(target_modules, str):
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = sorted(
+        target for target in target_modules if not any(n == target or n.endswith(f".{target}") for n in names)
+    )
+    if missing:
+        linear = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in model.named_modules()
+                if isinstance(module, nn.Linear)
+            }
+        )
+        raise AdapterError(
+            f"{flag} {missing}: no such module in this base. Its linear layers are {linear}: pass some of "
+            "those, or all-linear"
         )
 
 
@@ -306,13 +333,17 @@ def save_adapter(peft_model: PeftModel, adapter_name: str, directory: Path, base
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
-    state = {key: tensor.detach().to("cpu").contiguous() for key, tensor in state.items()}
-    save_file(state, str(directory / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
     config = copy.deepcopy(peft_model.peft_config[adapter_name])
     config.inference_mode = True
     config.base_model_name_or_path = base_name_or_path
     config.save_pretrained(str(directory))
+    state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+    state = {key: tensor.detach().to("cpu").contiguous() for key, tensor in state.items()}
+    # The weights last, and renamed into place: a folder with the weights file holds a complete adapter even
+    # if the process is killed while saving (a run's output folder counts as finished by that file).
+    staging = directory / f".{SAFETENSORS_WEIGHTS_NAME}.tmp"
+    save_file(state, str(staging), metadata={"format": "pt"})
+    os.replace(staging, directory / SAFETENSORS_WEIGHTS_NAME)
 
 
 def _read_json(path: Path, *, what: str) -> dict[str, Any]:

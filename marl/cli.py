@@ -2,24 +2,39 @@
 
 Each subcommand parses its own flags with ``HfArgumentParser`` (through TRL's ``TrlParser``, so ``--config
 file.yaml`` supplies defaults that command-line flags override, as in TRL's scripts) and imports torch and
-transformers only when it runs, so ``marl --help`` is fast. ``examples/train_rloo_adapter.py`` is a thin
-wrapper around :func:`train_rloo_main`.
+transformers only when it runs, so ``marl --help`` is fast. ``examples/train_rloo_adapter.py`` and
+``examples/train_reward_adapter.py`` are thin wrappers around :func:`train_rloo_main` and
+:func:`train_reward_main`.
+
+Every subcommand runs inside :func:`error_boundary`: input the user can fix (a :class:`marl.errors.MarlError`:
+bad flags, files, data, adapters, models, checkpoints, user functions) ends the program with one line on
+stderr and exit code 2, the code argparse uses for bad flags. ``--debug`` (or ``MARL_DEBUG=1``) shows its
+traceback too. Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.data import dataset_name_field
 from marl.errors import ConfigError, MarlError
+from marl.validation import check_fields
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
+
+# argparse's exit code for a command line it cannot use; marl uses it for every error in the input.
+INPUT_ERROR_EXIT_CODE = 2
+DEBUG_FLAG = "--debug"
+DEBUG_ENVIRONMENT_VARIABLE = "MARL_DEBUG"
 
 COMMANDS: dict[str, str] = {
     "train-rloo": "RLOO: train a policy LoRA against a reward adapter (or a reward function)",
@@ -52,12 +67,59 @@ class ScriptArguments:
     )
     overwrite_output_dir: bool = field(
         default=False,
-        metadata={"help": "Replace the previous run in --output_dir (its metrics, checkpoints and adapter)."},
+        metadata={
+            "help": "Replace the previous run in --output_dir (its metrics, checkpoints and adapter); it is "
+            "deleted once the new run has finished its first update, and kept if the new run stops before."
+        },
     )
     resume_from_checkpoint: str | None = field(
         default=None,
-        metadata={"help": "Continue the run in --output_dir from this checkpoint folder, or 'latest'."},
+        metadata={
+            "help": "Continue the run in --output_dir from this checkpoint folder, or 'latest' (a "
+            "run stopped before its first checkpoint then starts from the beginning)."
+        },
     )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass
+class CommonArguments:
+    """Flags of every subcommand."""
+
+    debug: bool = field(
+        default=False,
+        metadata={
+            "help": "On an error in the input, show its traceback too "
+            f"(or set {DEBUG_ENVIRONMENT_VARIABLE}=1)."
+        },
+    )
+
+
+@contextlib.contextmanager
+def error_boundary(prog: str, words: Sequence[str]) -> Iterator[None]:
+    """Turn a :class:`~marl.errors.MarlError` raised inside into ``prog: error: message`` on stderr and exit
+    code 2, unless ``words`` hold ``--debug`` or ``MARL_DEBUG`` is set; any other exception passes through.
+
+    Example:
+        >>> with error_boundary("marl demo", []):
+        ...     raise ConfigError("rloo_k=1 is too small. Set --rloo_k 2 or more")
+        Traceback (most recent call last):
+        ...
+        SystemExit: 2
+    """
+    try:
+        yield
+    except MarlError as error:
+        if DEBUG_FLAG in words or os.environ.get(DEBUG_ENVIRONMENT_VARIABLE, "") not in ("", "0"):
+            raise
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        raise SystemExit(INPUT_ERROR_EXIT_CODE) from None
+
+
+def _words(argv: Sequence[str] | None) -> list[str]:
+    return list(sys.argv[1:] if argv is None else argv)
 
 
 def merge_repeated_list_flags(words: list[str], dataclass_types: list[type]) -> list[str]:
@@ -97,10 +159,45 @@ def merge_repeated_list_flags(words: list[str], dataclass_types: list[type]) -> 
     return merged + rest
 
 
-def _parser(dataclass_types: list[type], prog: str):
+def parse_flags(dataclass_types: list[type], prog: str, words: Sequence[str]) -> tuple[Any, ...]:
+    """Parse ``words`` (and ``--config file.yaml``) into one instance of each dataclass type.
+
+    The config file is checked here so that a missing file, bad YAML or an unknown key is named in one line.
+    """
     from trl import TrlParser
 
-    return TrlParser(dataclass_types, prog=prog)
+    parser = TrlParser([*dataclass_types, CommonArguments], prog=prog)
+    _check_config_file(words, parser)
+    *parsed, _common, unknown = parser.parse_args_and_config(list(words), return_remaining_strings=True)
+    if unknown:
+        raise ConfigError(f"unknown flags {unknown}: see `{prog} --help` for the flags")
+    return tuple(parsed)
+
+
+def _check_config_file(words: Sequence[str], parser: argparse.ArgumentParser) -> None:
+    import yaml
+
+    if "--config" not in words:
+        return
+    position = list(words).index("--config")
+    if position + 1 >= len(words):
+        raise ConfigError("--config needs a YAML file: --config run.yaml")
+    path = Path(words[position + 1])
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        settings = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise ConfigError(f"cannot read the config file {path} ({type(error).__name__}: {error})") from error
+    if not isinstance(settings, dict):
+        raise ConfigError(f"the config file {path} must hold a YAML mapping of flag names to values")
+    known = {action.dest for action in parser._actions} | {"env"}
+    unknown = [str(key) for key in settings if key not in known]
+    if unknown:
+        raise ConfigError(
+            f"the config file {path} has unknown settings {unknown}: use the flag names of `{parser.prog} "
+            "--help` with underscores (e.g. reward_adapter, not reward-adapter)"
+        )
 
 
 def parse_train_rloo_args(
@@ -117,54 +214,35 @@ def parse_train_rloo_args(
     """
     from marl.config import RLOOConfig
 
-    words = merge_repeated_list_flags(
-        list(sys.argv[1:] if argv is None else argv), [ScriptArguments, RLOOConfig]
-    )
-    script, config = _parser([ScriptArguments, RLOOConfig], prog).parse_args_and_config(words)
+    words = merge_repeated_list_flags(_words(argv), [ScriptArguments, RLOOConfig])
+    script, config = parse_flags([ScriptArguments, RLOOConfig], prog, words)
     if not script.reward_fn and not config.reward_adapter:
         raise ConfigError(
             "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "
             "--reward_fn module:function"
         )
-    if script.resume_from_checkpoint is not None and script.overwrite_output_dir:
-        raise ConfigError(
-            "--resume_from_checkpoint continues the run in --output_dir while --overwrite_output_dir would "
-            "delete it: pass only one"
-        )
     return script, config
 
 
 def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
-    """Check the output folder, load data, reward and ONE model, print the memory card, build the trainer.
+    """Check everything (output folder, data, reward functions, ONE model with its adapters, the trainer's own
+    checks), print the memory card, and return the trainer. Nothing is written: the run writes into its output
+    folder only once it has done its first update (see :mod:`marl.run_dir`).
 
     Example:
         >>> script, config = parse_train_rloo_args(["--reward_adapter", "rm", "--output_dir", "runs/a"])
         >>> trainer = build_rloo_trainer(script, config)  # doctest: +SKIP
-        >>> trainer.train()  # doctest: +SKIP
+        >>> trainer.train(**train_arguments(script))  # doctest: +SKIP
     """
-    import torch
-    from accelerate import PartialState
-    from rich.console import Console
-    from transformers import AutoTokenizer
-
+    from marl.assets import resolve_model_path
     from marl.data import load_prompt_dataset
-    from marl.rewards import load_reward_fn
-    from marl.run_dir import check_output_dir, remove_files
-    from marl.trainer import RLOOTrainer
+    from marl.run_dir import plan_start
 
-    # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
-    # state would set itself up as a single process and the trainer would refuse the mismatch).
-    state = PartialState(cpu=not torch.cuda.is_available())
-    # Every process checks before any of them writes, so that all of them refuse together.
-    previous = check_output_dir(
-        config.output_dir,
-        overwrite=script.overwrite_output_dir,
-        resuming=script.resume_from_checkpoint is not None,
+    # The checks that need no model come first, and before torch is imported, so that a typo fails at once.
+    arguments = train_arguments(script)
+    plan_start(  # train() repeats this check before it starts
+        config.output_dir, arguments["resume_from_checkpoint"], overwrite=arguments["overwrite_output_dir"]
     )
-    state.wait_for_everyone()
-    if state.is_main_process:
-        remove_files(previous)
-    reward_functions = [load_reward_fn(spec) for spec in script.reward_fn or []]
     train_dataset = load_prompt_dataset(
         script.dataset_name, script.dataset_train_split, script.prompt_column, seed=config.seed
     )
@@ -173,8 +251,22 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         eval_dataset = load_prompt_dataset(
             script.dataset_name, script.dataset_test_split, script.prompt_column, seed=config.seed
         )
+    resolve_model_path(config.model_name_or_path)
+
+    import torch
+    from accelerate import PartialState
+    from rich.console import Console
+
+    from marl.loading import load_tokenizer
+    from marl.rewards import load_reward_fn
+    from marl.trainer import RLOOTrainer
+
+    reward_functions = [load_reward_fn(spec) for spec in script.reward_fn or []]
+    # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
+    # state would set itself up as a single process and the trainer would refuse the mismatch).
+    state = PartialState(cpu=not torch.cuda.is_available())
     model = config.load_model()
-    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer = load_tokenizer(model.name_or_path)
     if state.is_main_process:
         console = Console()
         if command:
@@ -185,25 +277,31 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     return RLOOTrainer(config, model, tokenizer, train_dataset, eval_dataset, reward_funcs=reward_funcs)
 
 
+def train_arguments(script: ScriptArguments) -> dict[str, Any]:
+    """The arguments of ``RLOOTrainer.train`` that the output-folder flags ask for.
+
+    Example:
+        >>> train_arguments(ScriptArguments(resume_from_checkpoint="latest"))
+        {'resume_from_checkpoint': True, 'overwrite_output_dir': False}
+    """
+    resume = script.resume_from_checkpoint
+    return {
+        "resume_from_checkpoint": True if resume == "latest" else resume,
+        "overwrite_output_dir": script.overwrite_output_dir,
+    }
+
+
 def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-rloo") -> Any:
     """Entry point of ``marl train-rloo`` and ``examples/train_rloo_adapter.py``; returns the trainer.
-
-    Bad flags, data, reward functions or adapters end the program with a one-line error before training.
 
     Example:
         >>> train_rloo_main(["--reward_adapter", "rm", "--output_dir", "runs/a"])  # doctest: +SKIP
     """
-    words = list(sys.argv[1:] if argv is None else argv)
-    try:
+    words = _words(argv)
+    with error_boundary(prog, words):
         script, config = parse_train_rloo_args(words, prog)
         trainer = build_rloo_trainer(script, config, command=f"{prog} {shlex.join(words)}")
-    except (MarlError, ValueError, FileNotFoundError, ImportError) as error:
-        raise SystemExit(f"{prog}: error: {error}") from error
-    resume = script.resume_from_checkpoint
-    try:
-        trainer.train(resume_from_checkpoint=True if resume == "latest" else resume)
-    except MarlError as error:  # e.g. a --reward_fn that returned something unusable
-        raise SystemExit(f"{prog}: error: {error}") from error
+        trainer.train(**train_arguments(script))
     return trainer
 
 
@@ -217,32 +315,49 @@ def evaluate_main(argv: Sequence[str] | None = None, prog: str = "marl evaluate"
     Example:
         >>> evaluate_main(["--policy_adapter", "runs/a", "--reward_adapter", "rm"])  # doctest: +SKIP
     """
-    from marl.evaluate import EvaluateArguments, run_evaluation
+    words = _words(argv)
+    with error_boundary(prog, words):
+        from marl.evaluate import EvaluateArguments, run_evaluation
 
-    (arguments,) = _parser([EvaluateArguments], prog).parse_args_and_config(
-        list(sys.argv[1:] if argv is None else argv)
+        (arguments,) = parse_flags([EvaluateArguments], prog, words)
+        return run_evaluation(arguments)
+
+
+def train_reward_main(argv: Sequence[str] | None = None, prog: str = "marl train-reward") -> dict[str, Any]:
+    """Entry point of ``marl train-reward`` and ``examples/train_reward_adapter.py``; returns the summary.
+
+    Example:
+        >>> train_reward_main(["--output_dir", "rm", "--max_train_pairs", "256"])  # doctest: +SKIP
+    """
+    words = _words(argv)
+    with error_boundary(prog, words):
+        from marl.reward_training import RewardAdapterArguments, run
+
+        (arguments,) = parse_flags([RewardAdapterArguments], prog, words)
+        summary = run(arguments, command=shlex.join([*prog.split(), *words]))
+    print(
+        f"held-out pairwise accuracy {summary['eval_accuracy']:.3f} (before training "
+        f"{summary['eval_accuracy_before']:.3f}) on {summary['eval_pairs_used']} pairs, "
+        f"{summary['wall_time_s']:.0f} s; adapter saved to {arguments.output_dir}"
     )
-    return run_evaluation(arguments)
+    return summary
 
 
-def _train_reward(argv: list[str], prog: str) -> None:
-    from marl.reward_training import main as train_reward_main
+def demo_main(argv: Sequence[str] | None = None, prog: str = "marl demo") -> dict[str, Any]:
+    """Entry point of ``marl demo``."""
+    words = _words(argv)
+    with error_boundary(prog, words):
+        from marl.demo import DemoArguments, run_demo
 
-    train_reward_main(argv, prog=prog)
-
-
-def _demo(argv: list[str], prog: str) -> None:
-    from marl.demo import DemoArguments, run_demo
-
-    (arguments,) = _parser([DemoArguments], prog).parse_args_and_config(argv)
-    run_demo(arguments)
+        (arguments,) = parse_flags([DemoArguments], prog, words)
+        return run_demo(arguments)
 
 
 HANDLERS: dict[str, Callable[[list[str], str], Any]] = {
     "train-rloo": train_rloo_main,
-    "train-reward": _train_reward,
+    "train-reward": train_reward_main,
     "evaluate": evaluate_main,
-    "demo": _demo,
+    "demo": demo_main,
 }
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from marl.adapters import REFERENCE_MODES
 from marl.errors import ConfigError
 from marl.quantization import parse_quantization
+from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
     from peft import LoraConfig
@@ -269,6 +270,8 @@ class RLOOConfig:
         def fail(problem: str, fix: str) -> None:
             raise ConfigError(f"{problem}. {fix}")
 
+        check_fields(self)
+        check_seed(self.seed)
         if self.rloo_k < 2:
             fail(
                 f"rloo_k={self.rloo_k}: leave-one-out needs at least 2 completions per prompt",
@@ -283,6 +286,7 @@ class RLOOConfig:
             "response_length",
             "logging_steps",
             "lora_r",
+            "lora_alpha",
         ):
             if getattr(self, name) < 1:
                 fail(f"{name}={getattr(self, name)} must be a positive integer", f"Set --{name} to 1 or more")
@@ -330,6 +334,8 @@ class RLOOConfig:
                 f"stop_token={self.stop_token!r} is not supported",
                 "Use --stop_token eos or --stop_token_id ID",
             )
+        if self.stop_token_id is not None and self.stop_token_id < 0:
+            fail(f"stop_token_id={self.stop_token_id} is not a token id", "Pass a token id of the tokenizer")
         if self.stop_token is not None and self.stop_token_id is not None:
             fail("stop_token and stop_token_id are both set", "Set only one of them")
         if self.missing_eos_penalty is not None and self.stop_token is None and self.stop_token_id is None:
@@ -453,7 +459,9 @@ class RLOOConfig:
         return folders
 
     def load_model(self, **overrides: Any) -> MultiAdapterModel:
-        """Build the :class:`marl.MultiAdapterModel` these model fields describe.
+        """Build the :class:`marl.MultiAdapterModel` these model fields describe, after seeding every random
+        generator with ``seed``: a fresh policy LoRA draws its initial weights from them, so the same config
+        builds the same policy (a run started again from the beginning starts from the same weights).
 
         ``overrides`` go to ``MultiAdapterModel.from_pretrained`` (e.g. ``device_map=...``).
 
@@ -462,6 +470,7 @@ class RLOOConfig:
             >>> model = config.load_model()  # doctest: +SKIP
         """
         import torch
+        from accelerate.utils import set_seed
 
         from marl.model import MultiAdapterModel
 
@@ -478,4 +487,5 @@ class RLOOConfig:
             dtype=dtype,
         )
         arguments.update(overrides)
+        set_seed(self.seed)
         return MultiAdapterModel.from_pretrained(self.model_name_or_path, **arguments)

@@ -57,12 +57,12 @@ def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple
         isinstance(message, dict) and "role" in message and "content" in message for message in prompt
     )
     if not is_conversation or not prompt:
-        raise ValueError(
+        raise DataError(
             f"{where}: a prompt must be a string or a list of {{'role', 'content'}} messages, "
             f"got {type(prompt).__name__}: {str(prompt)[:80]!r}"
         )
     if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
+        raise DataError(
             f"{where} is a conversation but the tokenizer has no chat template; set "
             "tokenizer.chat_template or use plain-text prompts"
         )
@@ -164,8 +164,7 @@ def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:
                 f"{path} has an unknown dataset file type {path.suffix!r}: use one of "
                 f"{', '.join(sorted(FILE_BUILDERS))} (or a folder of such files)"
             )
-        loaded = datasets.load_dataset(builder, data_files={split: str(path)})
-        return loaded[split]
+        return read_dataset_files(path, builder, data_files={split: str(path)})[split]
     if path.is_dir():
         files = [f for f in sorted(path.rglob("*")) if f.is_file() and not f.name.startswith(".")]
         builders = {FILE_BUILDERS[_suffix(f)] for f in files if _suffix(f) in FILE_BUILDERS}
@@ -177,8 +176,7 @@ def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:
             raise DataError(
                 f"the folder {path} mixes dataset file types ({', '.join(sorted(builders))}): keep one type"
             )
-        loaded = datasets.load_dataset(str(path))
-        return _pick_split(loaded, split, dataset_name)
+        return _pick_split(read_dataset_files(path, str(path)), split, dataset_name)
     if _looks_like_path(dataset_name):
         raise DataError(f"no such dataset file or folder: {path}")
     try:
@@ -189,6 +187,34 @@ def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:
             f"Offline, pass a local file or folder, or {ROTTEN_TOMATOES!r} for the bundled prompts"
         ) from error
     return _pick_split(loaded, split, dataset_name)
+
+
+def read_dataset_files(path: Path, builder: str, **options: Any) -> datasets.DatasetDict:
+    """``datasets.load_dataset(builder, **options)`` for the user's file or folder ``path``; a file that
+    cannot be parsed (malformed JSON lines, an empty or ragged CSV, a damaged parquet file) is named in the
+    error."""
+    import datasets
+    import pyarrow
+
+    # datasets logs its own error before raising; the error raised here says it once, with the file's name.
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        return datasets.load_dataset(builder, **options)
+    except (
+        datasets.exceptions.DatasetGenerationError,
+        pyarrow.ArrowException,
+        StopIteration,  # raised by the JSON reader for an empty file
+        ValueError,
+        OSError,
+    ) as error:
+        cause = error.__cause__ or error
+        raise DataError(
+            f"cannot read the dataset {path} ({type(cause).__name__}: {str(cause) or 'empty file'}); fix the "
+            f"file: one record per line for .jsonl, a header row and equal columns for .csv"
+        ) from error
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def _suffix(path: Path) -> str:
@@ -334,8 +360,6 @@ def load_preference_data(
 
 
 def _load_pair_file(path: Path) -> datasets.Dataset:
-    import datasets
-
     if not path.is_file():
         raise MissingPathError(
             f"dataset {str(path)!r} is neither '{ROTTEN_TOMATOES}' nor an existing file; pass one of those"
@@ -343,7 +367,7 @@ def _load_pair_file(path: Path) -> datasets.Dataset:
     builder = FILE_BUILDERS.get(_suffix(path))
     if builder is None:
         raise DataError(f"{path} has an unsupported extension; use one of {', '.join(sorted(FILE_BUILDERS))}")
-    return datasets.load_dataset(builder, data_files=str(path), split="train")
+    return read_dataset_files(path, builder, data_files=str(path), split="train")
 
 
 def _subsample(pairs: datasets.Dataset, limit: int | None, seed: int) -> datasets.Dataset:
@@ -362,3 +386,10 @@ def check_preference_pairs(pairs: datasets.Dataset, name: str) -> None:
         )
     if len(pairs) == 0:
         raise DataError(f"{name} is empty")
+    for index, row in enumerate(pairs.select(range(min(100, len(pairs))))):
+        for column in ("chosen", "rejected"):
+            if not _is_prompt(row[column]):
+                raise DataError(
+                    f"row {index} of {name} has {column}={row[column]!r}: each side must be non-empty "
+                    "text or a list of {'role', 'content'} messages"
+                )

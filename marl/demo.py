@@ -23,6 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marl.errors import ConfigError, MissingPathError
+from marl.validation import check_fields
+
 REWARD_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-reward"
 SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "adapters"
 CURVES_FILE = "training_curves.png"
@@ -71,6 +74,13 @@ class DemoArguments:
         default=TARGET_EVAL_PROMPTS, metadata={"help": "Held-out prompts to evaluate."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of data order, sampling and initialisation."})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.num_eval_prompts < 1:
+            raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
+        # The RLOO settings are checked where they are checked for train-rloo.
+        demo_rloo_config(self, Path("."), self.reward_adapter)
 
 
 def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter: str):
@@ -192,19 +202,24 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     """
     from rich.console import Console
     from rich.table import Table
-    from transformers import AutoTokenizer
 
     from marl.data import rotten_tomatoes_prompts
     from marl.evaluate import generate_and_score, results_table, summarize, write_results
+    from marl.loading import load_tokenizer
     from marl.plotting import plot_training_curves
     from marl.rewards import EosTerminatedAdapterReward, load_judge
-    from marl.run_dir import METRICS_FILE, check_output_dir
+    from marl.run_dir import METRICS_FILE, plan_start
     from marl.trainer import RLOOTrainer
 
     start = time.perf_counter()
     console = Console()
     output_dir = Path(arguments.output_dir) if arguments.output_dir else _default_output_dir()
-    check_output_dir(output_dir / "policy", overwrite=False, resuming=False)
+    plan_start(output_dir / "policy")
+    if not arguments.train_reward and not (Path(arguments.reward_adapter) / "adapter_config.json").is_file():
+        raise MissingPathError(
+            f"no reward adapter in {arguments.reward_adapter}. Run `marl demo --train_reward` to build one, "
+            "or pass --reward_adapter DIR"
+        )
     console.rule(
         "[bold]marl demo[/bold]: RLOO on SmolLM2-135M-Instruct (4-bit) with a reward adapter, offline"
     )
@@ -216,11 +231,6 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         reward_adapter = _rebuild_reward_adapter(output_dir)
     else:
         reward_adapter = arguments.reward_adapter
-        if not (Path(reward_adapter) / "adapter_config.json").is_file():
-            raise FileNotFoundError(
-                f"no reward adapter in {reward_adapter}. Run `marl demo --train_reward` to build one, "
-                "or pass --reward_adapter DIR"
-            )
         console.print(f"[bold]1/4[/bold] reward adapter: {reward_adapter}")
 
     train_prompts = rotten_tomatoes_prompts("train", seed=arguments.seed)
@@ -230,7 +240,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     config = demo_rloo_config(arguments, output_dir / "policy", reward_adapter)
     console.print("[bold]2/4[/bold] loading the base in 4-bit with the policy and reward adapters")
     model = config.load_model()
-    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer = load_tokenizer(model.name_or_path)
     console.print(model.memory_report())
 
     sizes = config.batch_sizes(1, len(train_prompts))

@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.data import dataset_name_field
+from marl.errors import ConfigError
+from marl.quantization import parse_quantization
+from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -81,14 +84,21 @@ class EvaluateArguments:
     )
 
     def __post_init__(self) -> None:
-        if self.quantization in ("", "none", "None"):
-            self.quantization = None
-        if self.num_prompts < 1 or self.batch_size < 1 or self.response_length < 1:
-            raise ValueError("num_prompts, batch_size and response_length must be positive: fix the flag")
+        self.quantization = parse_quantization(self.quantization)
+        check_fields(self)
+        check_seed(self.seed)
+        for name in ("num_prompts", "batch_size", "response_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name}={getattr(self, name)} must be a positive integer: fix the flag")
         if self.temperature <= 0:
-            raise ValueError(f"temperature={self.temperature} must be > 0: evaluation samples like training")
+            raise ConfigError(
+                f"--temperature={self.temperature} must be > 0: evaluation samples like training"
+            )
         if self.output_dir is None and self.policy_adapter is None:
-            raise ValueError("evaluating the base alone needs --output_dir for the results")
+            raise ConfigError("evaluating the base alone needs --output_dir for the results")
+        results_dir = Path(self.output_dir or self.policy_adapter)
+        if results_dir.exists() and not results_dir.is_dir():
+            raise ConfigError(f"{results_dir} is a file; --output_dir must be a folder for {RESULTS_FILE}")
 
 
 @dataclass
@@ -323,9 +333,9 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         >>> run_evaluation(arguments)  # doctest: +SKIP
     """
     from rich.console import Console
-    from transformers import AutoTokenizer
 
     from marl.data import load_prompt_dataset
+    from marl.loading import load_tokenizer
     from marl.model import MultiAdapterModel
     from marl.rewards import load_judge
 
@@ -345,7 +355,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         policy_adapter=arguments.policy_adapter,
         reference="base",
     )
-    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    tokenizer = load_tokenizer(model.name_or_path)
     samples = generate_and_score(
         model,
         tokenizer,

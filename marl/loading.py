@@ -141,6 +141,7 @@ class PolicySource:
 
     lora_config: LoraConfig | None
     directory: Path | None
+    state: dict[str, torch.Tensor]
 
     @classmethod
     def check(cls, adapter: PolicySpec, allow_pickle: bool) -> PolicySource:
@@ -152,7 +153,7 @@ class PolicySource:
         if isinstance(adapter, (str, os.PathLike)):
             directory = Path(adapter)
             config = adapters.read_adapter_config(directory, role="policy")
-            adapters.load_adapter_state(
+            state = adapters.load_adapter_state(
                 adapters.adapter_weights_file(directory, allow_pickle=allow_pickle, role="policy")
             )
             if str(config.get("task_type")) == "SEQ_CLS":
@@ -161,12 +162,12 @@ class PolicySource:
                     "reward_adapter=..., and give policy_adapter a causal-LM adapter or None for a fresh LoRA"
                 )
             adapters.check_keeps_base_fixed(config, f"policy adapter {directory}")
-            return cls(None, directory)
+            return cls(None, directory, state)
         lora_config = copy.deepcopy(adapter) if adapter is not None else default_policy_lora_config()
         adapters.check_keeps_base_fixed(lora_config.to_dict(), "policy LoraConfig")
         lora_config.task_type = lora_config.task_type or "CAUSAL_LM"
         lora_config.inference_mode = False
-        return cls(lora_config, None)
+        return cls(lora_config, None, {})
 
     @property
     def starts_as_identity(self) -> bool:
@@ -239,7 +240,8 @@ def load_multi_adapter_model(
     compute_dtype = dtype or default_compute_dtype()
     if device_map is None and torch.cuda.is_available():
         device_map = {"": torch.cuda.current_device()}
-    base = AutoModelForCausalLM.from_pretrained(
+    base = load_pretrained(
+        AutoModelForCausalLM,
         path,
         dtype=compute_dtype,
         trust_remote_code=trust_remote_code,
@@ -249,10 +251,12 @@ def load_multi_adapter_model(
     base = prepare_quantized_base(base, quantization)
     # The first policy wraps the base in a PeftModel; every later adapter is added to it.
     if policy.directory is not None:
+        adapters.check_lora_targets(base, policy.state, policy.directory, role="policy")
         peft_model = PeftModel.from_pretrained(
             base, str(policy.directory), adapter_name=policy_name, is_trainable=True
         )
     else:
+        adapters.check_target_modules(base, policy.lora_config.target_modules, "--lora_target_modules")
         peft_model = get_peft_model(base, policy.lora_config, adapter_name=policy_name)
     model = cls(peft_model, name_or_path=path, quantization=quantization, dtype=compute_dtype)
     register_policy(model, policy_name, policy, reference)
@@ -274,6 +278,8 @@ def attach_policy(
     check_adapter_name(name, model.adapter_names, "policy")
     policy = PolicySource.check(adapter, allow_pickle)
     if policy.directory is not None:
+        base = model.peft_model.get_base_model()
+        adapters.check_lora_targets(base, policy.state, policy.directory, role="policy")
         model.peft_model.load_adapter(str(policy.directory), adapter_name=name, is_trainable=True)
     else:
         model.peft_model.add_adapter(name, policy.lora_config)
@@ -309,7 +315,7 @@ def attach_reward_adapter(model: MultiAdapterModel, name: str, folder: RewardFol
             stacklevel=3,
         )
     lora_state = adapters.lora_tensors(folder.state)
-    adapters.check_lora_targets(base, lora_state, folder.directory)
+    adapters.check_lora_targets(base, lora_state, folder.directory, role="reward")
     try:
         config = LoraConfig.from_pretrained(str(folder.directory))
     except Exception as error:
@@ -383,19 +389,41 @@ def _add_frozen_copy(peft_model: PeftModel, source: str, target: str) -> None:
         )
 
 
-def _tokenizer_pad_token_id(path: str) -> int:
-    """The padding id TRL's ``RewardTrainer`` would have used with this base's tokenizer (pad, else EOS)."""
+def load_pretrained(auto_class: Any, path: str, **options: Any) -> Any:
+    """``auto_class.from_pretrained(path, **options)`` (a model or a tokenizer); a folder it cannot load (no
+    weights, damaged weights, a config.json that is not JSON or names an unknown architecture, a hub id that
+    is not in the local cache) is named in the error."""
+    from safetensors import SafetensorError
+
+    what = "tokenizer" if "Tokenizer" in auto_class.__name__ else "model"
+    try:
+        return auto_class.from_pretrained(path, **options)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise ModelError(
+            f"cannot load the {what} {path} ({type(error).__name__}: {error}). Pass a folder that "
+            "save_pretrained wrote (config.json, complete weights and the tokenizer), or a hub id "
+            "that is in the local cache"
+        ) from error
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of the base model at ``path`` (a folder or a cached hub id)."""
     from transformers import AutoTokenizer
 
+    return load_pretrained(AutoTokenizer, path)
+
+
+def _tokenizer_pad_token_id(path: str) -> int:
+    """The padding id TRL's ``RewardTrainer`` would have used with this base's tokenizer (pad, else EOS)."""
     from marl.sampling import pad_token_id
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as error:
+        tokenizer = load_tokenizer(path)
+    except ModelError as error:
         raise ModelError(
-            f"a reward adapter does not record its padding token ({adapters.REWARD_READING_FILE}) and the "
-            f"tokenizer of {path} cannot be loaded to find it ({type(error).__name__}: {error}). Add "
-            f'{adapters.REWARD_READING_FILE} with {{"pad_token_id": ID}} to the adapter folder'
+            f"a reward adapter does not record its padding token ({adapters.REWARD_READING_FILE}) and "
+            f"{error}. "
+            f'Add {adapters.REWARD_READING_FILE} with {{"pad_token_id": ID}} to the adapter folder'
         ) from error
     return pad_token_id(tokenizer)
 

@@ -147,7 +147,9 @@ class MultiAdapterModel:
             reward_adapters: several reward adapters by name, ``{"sentiment": DIR1, "fluency": DIR2}``
                 (instead of ``reward_adapter``).
             policy_adapter: ``None`` (fresh LoRA, see :func:`marl.loading.default_policy_lora_config`), a
-                ``LoraConfig``, or a PEFT adapter folder to continue training (loaded trainable).
+                ``LoraConfig``, or a PEFT adapter folder to continue training (loaded trainable). A fresh LoRA
+                draws its initial weights from torch's generator: seed it first (``transformers.set_seed``;
+                ``RLOOConfig.load_model`` does) for a run that can be repeated.
             policy_name: the name of that policy (more can be added with :meth:`add_policy`).
             reference: ``"base"`` (adapters disabled), ``"initial-policy"`` (frozen copy of the policy
                 adapter's starting weights) or ``"auto"``: base when the policy starts as the identity

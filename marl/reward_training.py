@@ -22,23 +22,28 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shlex
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME, write_reward_reading
+from marl.adapters import (
+    ADAPTER_CONFIG_NAME,
+    SAFETENSORS_WEIGHTS_NAME,
+    check_target_modules,
+    write_reward_reading,
+)
 from marl.data import ROTTEN_TOMATOES, check_preference_pairs, load_preference_data
 from marl.environment import package_versions
+from marl.errors import ConfigError, DataError, ModelError, RunFolderError
 from marl.quantization import (
     bitsandbytes_config,
     default_compute_dtype,
     parse_quantization,
     prepare_quantized_base,
 )
+from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
     import datasets
@@ -112,12 +117,24 @@ class RewardAdapterArguments:
 
     def __post_init__(self) -> None:
         self.quantization = parse_quantization(self.quantization)
+        check_fields(self)
+        check_seed(self.seed)
         if not 0 < self.eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be between 0 and 1, got {self.eval_fraction}")
-        for name in ("max_train_pairs", "max_eval_pairs"):
+            raise ConfigError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
+        for name in ("max_train_pairs", "max_eval_pairs", "lora_last_layers"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1 (or unset for all pairs), got {value}")
+                raise ConfigError(f"--{name} must be at least 1 (or unset), got {value}")
+        for name in ("lora_r", "lora_alpha", "batch_size", "max_length"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.num_train_epochs <= 0 or self.learning_rate < 0:
+            raise ConfigError(
+                f"--num_train_epochs must be > 0 and --learning_rate >= 0, got {self.num_train_epochs} and "
+                f"{self.learning_rate}"
+            )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -126,12 +143,15 @@ class RewardAdapterArguments:
 
 def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype):
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    from marl.loading import load_pretrained, load_tokenizer
+
+    tokenizer = load_tokenizer(path)
     _pad_with_a_token_other_than_eos(tokenizer)
     device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
-    model = AutoModelForSequenceClassification.from_pretrained(
+    model = load_pretrained(
+        AutoModelForSequenceClassification,
         path,
         num_labels=1,
         dtype=dtype,
@@ -159,7 +179,7 @@ def _pad_with_a_token_other_than_eos(tokenizer) -> None:
         if token is not None and tokenizer.convert_tokens_to_ids(token) != tokenizer.eos_token_id:
             tokenizer.pad_token = token
             return
-    raise ValueError(
+    raise ModelError(
         "the tokenizer's only special token is its EOS token, so the reward could not be read at the EOS "
         "that ends each text; add a pad token to the tokenizer (tokenizer.add_special_tokens({'pad_token': "
         "...}) and save it with the base) and train again"
@@ -169,11 +189,12 @@ def _pad_with_a_token_other_than_eos(tokenizer) -> None:
 def _lora_placement(model, target_modules: str | list[str], last_layers: int | None) -> dict[str, Any]:
     import torch
 
+    check_target_modules(model, target_modules, "--target_modules")
     if last_layers is None:
         return {"target_modules": target_modules}
     num_layers = model.config.get_text_config().num_hidden_layers
     if not 1 <= last_layers <= num_layers:
-        raise ValueError(
+        raise ConfigError(
             f"lora_last_layers must be between 1 and {num_layers} for this model, got {last_layers}"
         )
     if target_modules == "all-linear":
@@ -187,7 +208,7 @@ def _lora_placement(model, target_modules: str | list[str], last_layers: int | N
             }
         )
     elif isinstance(target_modules, str):
-        raise ValueError("lora_last_layers needs target_modules as a list of module names or 'all-linear'")
+        raise ConfigError("lora_last_layers needs target_modules as a list of module names or 'all-linear'")
     return {
         "target_modules": list(target_modules),
         "layers_to_transform": list(range(num_layers - last_layers, num_layers)),
@@ -290,9 +311,11 @@ def train_reward_adapter(
     check_preference_pairs(train_pairs, "train_pairs")
     check_preference_pairs(eval_pairs, "eval_pairs")
     output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise RunFolderError(f"--output_dir {output_dir} is a file: pass a folder")
     if output_dir.exists() and any(output_dir.iterdir()):
-        raise FileExistsError(
-            f"{output_dir} exists and is not empty; choose a new output_dir or empty it first"
+        raise RunFolderError(
+            f"--output_dir {output_dir} exists and is not empty; choose a new output_dir or empty it first"
         )
 
     started = time.perf_counter()
@@ -335,10 +358,12 @@ def train_reward_adapter(
         for parameter in trainer.model.parameters():
             if parameter.requires_grad and parameter.dtype != dtype:
                 parameter.data = parameter.data.to(dtype)
-        if len(trainer.train_dataset) == 0:
-            raise ValueError(f"every training pair has a side longer than max_length={max_length} tokens")
-        if len(trainer.eval_dataset) == 0:
-            raise ValueError(f"every held-out pair has a side longer than max_length={max_length} tokens")
+        for name, pairs in (("training", trainer.train_dataset), ("held-out", trainer.eval_dataset)):
+            if len(pairs) == 0:
+                raise DataError(
+                    f"every {name} pair has a side longer than max_length={max_length} tokens: raise "
+                    "--max_length"
+                )
         pad_id = tokenizer.pad_token_id
         accuracy_before = pairwise_accuracy(trainer.model, trainer.eval_dataset, pad_id)
         train_output = trainer.train()
@@ -523,34 +548,16 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
 
 
 def parse_arguments(argv: list[str] | None = None) -> RewardAdapterArguments:
-    """Parse command-line arguments (``sys.argv[1:]`` when ``argv`` is None) into RewardAdapterArguments."""
+    """Parse command-line arguments (the program's own when ``argv`` is None) into RewardAdapterArguments."""
     from transformers import HfArgumentParser
 
     (arguments,) = HfArgumentParser(RewardAdapterArguments).parse_args_into_dataclasses(args=argv)
     return arguments
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
-    """Parse ``argv``, train, print the held-out accuracy and return the summary.
-
-    Example:
-        >>> main(["--output_dir", "rm", "--max_train_pairs", "256"])  # doctest: +SKIP
-    """
-    arguments = parse_arguments(argv)
-    words = [prog or Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]
-    summary = run(arguments, command=shlex.join(words))
-    print(
-        f"held-out pairwise accuracy {summary['eval_accuracy']:.3f} (before training "
-        f"{summary['eval_accuracy_before']:.3f}) on {summary['eval_pairs_used']} pairs; "
-        f"adapter saved to {arguments.output_dir}"
-    )
-    return summary
-
-
 __all__ = [
     "RewardAdapterArguments",
     "load_preference_data",
-    "main",
     "pairwise_accuracy",
     "parse_arguments",
     "run",

@@ -99,6 +99,25 @@ def check_scores(scores: Any, expected: int, name: str, *, allow_none: bool = Fa
     return values
 
 
+def call_user_function(function: Callable[..., Any], where: str, *arguments: Any) -> Any:
+    """Call a function the user wrote (a reward function, a judge). An exception it raises is the user's to
+    fix in their own code, so it ends the command with one line naming the function; ``--debug`` shows the
+    traceback into it.
+
+    Example:
+        >>> call_user_function(lambda texts: 1 / 0, "judge 'mine:score'", ["a"])
+        Traceback (most recent call last):
+        ...
+        marl.errors.DataError: judge 'mine:score' raised ZeroDivisionError: division by zero. Fix that ...
+    """
+    try:
+        return function(*arguments)
+    except Exception as error:
+        raise DataError(
+            f"{where} raised {type(error).__name__}: {error}. Fix that function (--debug shows the traceback)"
+        ) from error
+
+
 class AdapterReward:
     """A reward adapter of the model on the ids as they were sampled, ``rows_per_pass`` rows per pass."""
 
@@ -139,8 +158,9 @@ class FunctionReward:
         self.name = name or getattr(function, "__name__", type(function).__name__)
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[str]) -> list[float | None]:
-        output = self.function(list(prompts), list(completions))
-        return check_scores(output, len(completions), f"reward function {self.name!r}", allow_none=True)
+        where = f"reward function {self.name!r}"
+        output = call_user_function(self.function, where, list(prompts), list(completions))
+        return check_scores(output, len(completions), where, allow_none=True)
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
         values = [math.nan if value is None else value for value in self(batch.prompts, batch.completions)]
@@ -294,7 +314,7 @@ class CheckedJudge:
         self.name = name
 
     def __call__(self, texts: Sequence[str]) -> list[float]:
-        return check_scores(self.function(list(texts)), len(texts), self.name)
+        return check_scores(call_user_function(self.function, self.name, list(texts)), len(texts), self.name)
 
 
 def load_judge(spec: str | None) -> CheckedJudge:

@@ -34,7 +34,7 @@ import torch
 
 from marl import rloo
 from marl.data import left_pad, tokenize_prompt
-from marl.errors import DataError
+from marl.errors import ConfigError, DataError
 from marl.model import position_ids_from_mask
 from marl.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
 from marl.rewards import ScoringBatch
@@ -250,6 +250,12 @@ class Sampler:
         self.eos_token_ids = eos_token_ids(tokenizer, model.generation_config)
         if stop_at_eos and not self.eos_token_ids:
             raise DataError("stop_token='eos' but the tokenizer has no EOS token; pass --stop_token_id ID")
+        vocabulary = model.peft_model.get_input_embeddings().num_embeddings
+        if stop_token_id is not None and not 0 <= stop_token_id < vocabulary:
+            raise ConfigError(
+                f"--stop_token_id {stop_token_id} is not a token of this model (ids 0 to {vocabulary - 1}); "
+                "pass an id from its tokenizer"
+            )
         stop_ids = self.eos_token_ids if stop_at_eos else (() if stop_token_id is None else (stop_token_id,))
         self.settings = SamplingSettings(temperature, response_length, stop_ids, pad_token_id(tokenizer))
         self.rows_per_pass = rows_per_pass

@@ -1,13 +1,22 @@
-"""A run's output folder: the names of its files, its checkpoints, its metrics file, and the check that a new
-run never mixes with, or silently replaces, an earlier one.
+"""A run's output folder: the names of its files, its checkpoints, its metrics file, and how a run starts in
+it without mixing with, or losing, an earlier one.
 
 Layout of ``output_dir``::
 
     rloo_config.json            the run's settings and the model it trained
     metrics.jsonl               one JSON record per logged update
     samples/update_NNNNNN.jsonl sample tables
+    marl-rloo/                  tracker logs (tensorboard, ...), when report_to names trackers
     checkpoint-N/               adapter, optimizer, scheduler, trainer state, RNG state per process
+                                (written and read by :mod:`marl.checkpoints`)
     adapter_config.json, adapter_model.safetensors   the final policy adapter
+
+How a run starts (:func:`plan_start`, then :meth:`RunStart.commit`): every check runs first and writes
+nothing. The new run then writes nothing into ``output_dir`` until its first update is done. Only then does
+it delete the run it replaces (``overwrite``, or the files of an unfinished run that had no checkpoint yet),
+or cut the resumed run's metrics back to its checkpoint, and write its own files. A run that fails or is
+killed before that leaves the folder exactly as it was. A deletion cut short by a kill is marked by the folder
+:data:`DELETING_DIR`, so what it left behind is never taken for a run to resume.
 
 Example:
     >>> checkpoint_name(12)
@@ -19,35 +28,39 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import re
 import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from marl.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
-from marl.errors import CheckpointError, MissingPathError, RunFolderError
+from marl.errors import ConfigError, MissingPathError, RunFolderError
 
 CONFIG_FILE = "rloo_config.json"
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_DIR = "samples"
+TRACKER_DIR = "marl-rloo"
 CHECKPOINT_PREFIX = "checkpoint-"
 TRAINER_STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULER_FILE = "scheduler.pt"
+# While it exists, every run file in the folder is a leftover of a run being deleted (see the module doc).
+DELETING_DIR = ".deleting-replaced-run"
 # What a run leaves in its output folder; finding any of these means the folder holds a run.
-RUN_FILES = (CONFIG_FILE, METRICS_FILE, SAMPLES_DIR, ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
+RUN_FILES = (
+    CONFIG_FILE,
+    METRICS_FILE,
+    SAMPLES_DIR,
+    TRACKER_DIR,
+    ADAPTER_CONFIG_NAME,
+    SAFETENSORS_WEIGHTS_NAME,
+)
 _CHECKPOINT = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
 def checkpoint_name(update: int) -> str:
     return f"{CHECKPOINT_PREFIX}{update}"
-
-
-def rng_state_file(process_index: int) -> str:
-    return f"rng_state_{process_index}.pt"
 
 
 def sample_table_file(output_dir: Path, update: int) -> Path:
@@ -71,7 +84,7 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
 
 def previous_run_files(output_dir: str | Path) -> list[Path]:
     """Files and checkpoint folders of an earlier run in ``output_dir`` (empty if there is none), including
-    half-written checkpoints.
+    half-written ones.
 
     Example:
         >>> previous_run_files("/nonexistent")
@@ -82,29 +95,10 @@ def previous_run_files(output_dir: str | Path) -> list[Path]:
         return []
     found = [directory / name for name in RUN_FILES if (directory / name).exists()]
     found.extend(sorted(directory.glob(f"{CHECKPOINT_PREFIX}*")))
-    found.extend(sorted(directory.glob(f".{CHECKPOINT_PREFIX}*.tmp")))
+    # What a kill can leave: a checkpoint being written or deleted, a file written under a temporary name.
+    found.extend(sorted(directory.glob(f".{CHECKPOINT_PREFIX}*")))
+    found.extend(path for name in RUN_FILES if (path := directory / f".{name}.tmp").exists())
     return found
-
-
-def check_output_dir(output_dir: str | Path, *, overwrite: bool, resuming: bool) -> list[Path]:
-    """Refuse to write over a previous run unless ``overwrite`` or ``resuming``; return the files a fresh run
-    would replace (none when resuming).
-
-    Example:
-        >>> check_output_dir("/nonexistent/run", overwrite=False, resuming=False)
-        []
-    """
-    directory = Path(output_dir)
-    if directory.exists() and not directory.is_dir():
-        raise RunFolderError(f"--output_dir {directory} is a file: pass a folder")
-    previous = previous_run_files(directory)
-    if previous and not (overwrite or resuming):
-        names = ", ".join(path.name for path in previous[:5])
-        raise RunFolderError(
-            f"--output_dir {directory} already holds a run ({names}). Pass another --output_dir, "
-            "--overwrite_output_dir to replace that run, or --resume_from_checkpoint to continue it"
-        )
-    return [] if resuming else previous
 
 
 def remove_files(files: Sequence[Path]) -> None:
@@ -114,6 +108,115 @@ def remove_files(files: Sequence[Path]) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+@dataclass
+class RunStart:
+    """How a run starts in ``output_dir``, decided by :func:`plan_start` before anything there is touched.
+
+    ``checkpoint``: the checkpoint it resumes from, if any. ``replace``: the run files in the folder (of an
+    earlier run, or of an unfinished one) are deleted at :meth:`commit`. ``notice``: a line to show the user.
+    """
+
+    output_dir: Path
+    checkpoint: Path | None = None
+    replace: bool = False
+    notice: str | None = None
+
+    def commit(self, resumed_update: int) -> list[dict[str, Any]]:
+        """Called by the main process once the run's first update is done, before it writes any file: delete
+        the replaced run, or drop the metrics a resumed run is about to write again (returns those kept)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        deleting = self.output_dir / DELETING_DIR
+        if self.replace:
+            # The marker first: a kill during the deletion leaves it, and the leftovers are not taken for a
+            # run.
+            deleting.mkdir(exist_ok=True)
+            trash = Path(tempfile.mkdtemp(dir=deleting))
+            for path in previous_run_files(self.output_dir):
+                os.replace(path, trash / path.name)
+        if deleting.exists():
+            shutil.rmtree(deleting)
+        return truncate_metrics(self.output_dir, resumed_update) if self.checkpoint is not None else []
+
+
+def plan_start(
+    output_dir: str | Path, resume: str | os.PathLike | bool | None = None, *, overwrite: bool = False
+) -> RunStart:
+    """Check the output folder for a run that starts fresh, resumes (``resume``: a checkpoint folder, or
+    ``True`` for the latest in ``output_dir``) or replaces the run there (``overwrite``); nothing is written.
+
+    Refused: a folder that holds a run when neither ``resume`` nor ``overwrite`` is given, ``resume=True`` in
+    a finished run that has no checkpoint, a checkpoint path without its trainer state, and an output folder
+    that cannot be created. ``resume=True`` with no checkpoint yet (a run stopped before its first one)
+    starts the run from the beginning.
+
+    Example:
+        >>> plan_start("/nonexistent/run")
+        RunStart(output_dir=PosixPath('/nonexistent/run'), checkpoint=None, replace=False, notice=None)
+    """
+    directory = Path(output_dir)
+    _check_can_create(directory)
+    if resume and overwrite:
+        raise ConfigError(
+            "--resume_from_checkpoint continues the run in --output_dir while --overwrite_output_dir would "
+            "delete it: pass only one"
+        )
+    # Leftovers of a deletion cut short are neither checkpoints nor a finished run.
+    leftovers = (directory / DELETING_DIR).exists()
+    found = previous_run_files(directory)
+    if resume is True:
+        checkpoints = [] if leftovers else list_checkpoints(directory)
+        if checkpoints:
+            read_metrics(directory)  # a damaged metrics file is named now, not after the first update
+            return RunStart(directory, checkpoint=checkpoints[-1])
+        if (directory / SAFETENSORS_WEIGHTS_NAME).is_file() and not leftovers:
+            raise RunFolderError(
+                f"{directory} holds a finished run (its final adapter {SAFETENSORS_WEIGHTS_NAME}) and no "
+                f"{CHECKPOINT_PREFIX}N folder to resume from. Pass --overwrite_output_dir to train it "
+                "again, or another --output_dir"
+            )
+        notice = f"{directory} has no checkpoint yet: the run starts from the beginning"
+        if found:
+            notice += (
+                f" and replaces the files of the unfinished run ({_names(found)}) after its first update"
+            )
+        return RunStart(directory, replace=True, notice=notice)
+    if resume:
+        path = Path(resume)
+        if not (path / TRAINER_STATE_FILE).is_file():
+            raise MissingPathError(
+                f"{path} is not a checkpoint of this trainer (no {TRAINER_STATE_FILE}); pass a "
+                f"{CHECKPOINT_PREFIX}N folder, or --resume_from_checkpoint latest"
+            )
+        read_metrics(directory)
+        return RunStart(directory, checkpoint=path)
+    if found and not overwrite:
+        raise RunFolderError(
+            f"{directory} already holds a run ({_names(found)}). Choose another output_dir, pass "
+            "--overwrite_output_dir to replace that run, or --resume_from_checkpoint latest to "
+            "continue it (in Python: train(overwrite_output_dir=True) or train(resume_from_checkpoint=True))"
+        )
+    return RunStart(directory, replace=bool(found))
+
+
+def _names(paths: Sequence[Path]) -> str:
+    return ", ".join(path.name for path in paths[:5]) + (", ..." if len(paths) > 5 else "")
+
+
+def _check_can_create(directory: Path) -> None:
+    """The output folder, or the nearest folder above it that exists, must be a writable folder."""
+    if directory.exists() and not directory.is_dir():
+        raise RunFolderError(f"--output_dir {directory} is a file: pass a folder")
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise RunFolderError(f"--output_dir {directory} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RunFolderError(
+            f"--output_dir {directory} cannot be written: no permission to write in {existing}"
+        )
 
 
 # ---------------------------------------------------------------------- metrics
@@ -138,22 +241,53 @@ def append_metrics(output_dir: Path, record: dict[str, Any]) -> None:
         handle.write(json.dumps(json_safe(record)) + "\n")
 
 
-def truncate_metrics(output_dir: Path, last_update: int) -> list[dict[str, Any]]:
-    """Drop the records written after ``last_update`` (a resumed run writes those updates again); returns the
-    records kept."""
+def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``. A last line without its newline was cut off by a kill and is left
+    out; any other line that is not a JSON record is an error naming the file and the line.
+
+    Example:
+        >>> read_metrics(Path("/nonexistent"))
+        []
+    """
     metrics_file = output_dir / METRICS_FILE
     if not metrics_file.exists():
         return []
-    kept = [
-        line for line in metrics_file.read_text().splitlines() if json.loads(line)["update"] <= last_update
-    ]
-    metrics_file.write_text("".join(line + "\n" for line in kept))
-    return [json.loads(line) for line in kept]
+    text = metrics_file.read_text()
+    lines = text.split("\n")
+    complete = lines[:-1]  # the part after the last newline is either empty or a record cut off
+    records = []
+    for number, line in enumerate(complete, start=1):
+        try:
+            record = json.loads(line)
+            records.append({"update": int(record["update"]), **record})
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+            raise RunFolderError(
+                f"{metrics_file} line {number} is not a metrics record ({type(error).__name__}: {error}); "
+                "delete that line, or the file, to resume"
+            ) from error
+    return records
+
+
+def truncate_metrics(output_dir: Path, last_update: int) -> list[dict[str, Any]]:
+    """Drop the records written after ``last_update`` (a resumed run writes those updates again); returns the
+    records kept. The file is replaced in one step, so a kill never leaves it half written."""
+    if not (output_dir / METRICS_FILE).exists():
+        return []
+    kept = [record for record in read_metrics(output_dir) if record["update"] <= last_update]
+    write_atomically(output_dir / METRICS_FILE, "".join(json.dumps(record) + "\n" for record in kept))
+    return kept
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file next to ``path``, then rename it over ``path``."""
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
 
 
 def write_run_config(output_dir: Path, settings: dict[str, Any]) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / CONFIG_FILE).write_text(json.dumps(settings, indent=2, default=str) + "\n")
+    write_atomically(output_dir / CONFIG_FILE, json.dumps(settings, indent=2, default=str) + "\n")
 
 
 def write_sample_table(output_dir: Path, update: int, rows: list[dict[str, Any]]) -> None:
@@ -170,125 +304,3 @@ def write_sample_table(output_dir: Path, update: int, rows: list[dict[str, Any]]
     path = sample_table_file(output_dir, update)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-
-
-# ---------------------------------------------------------------------- checkpoints
-
-
-def rng_state() -> dict[str, Any]:
-    """Every random generator a run draws from: Python, NumPy, torch (and CUDA)."""
-    import numpy as np
-    import torch
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def staging_folder(output_dir: Path, update: int) -> Path:
-    """Where checkpoint ``update`` is written before :func:`publish_checkpoint` renames it."""
-    return output_dir / f".{checkpoint_name(update)}.tmp"
-
-
-def publish_checkpoint(output_dir: Path, update: int, save_total_limit: int | None) -> Path:
-    """Rename a complete staging folder to ``checkpoint-N`` (so a checkpoint folder is always complete), then
-    prune the oldest checkpoints beyond ``save_total_limit``."""
-    final = output_dir / checkpoint_name(update)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging_folder(output_dir, update), final)
-    if save_total_limit is not None:
-        for old in list_checkpoints(output_dir)[:-save_total_limit]:
-            shutil.rmtree(old)
-    return final
-
-
-def resolve_checkpoint(output_dir: Path, checkpoint: str | os.PathLike | bool) -> Path:
-    """A checkpoint folder: ``True`` means the latest in ``output_dir``."""
-    if checkpoint is True:
-        found = list_checkpoints(output_dir)
-        if not found:
-            raise MissingPathError(
-                f"resume_from_checkpoint=True but {output_dir} has no {CHECKPOINT_PREFIX}N folder; pass a "
-                "checkpoint path, or start without resume_from_checkpoint"
-            )
-        return found[-1]
-    path = Path(checkpoint)
-    if not (path / TRAINER_STATE_FILE).is_file():
-        raise MissingPathError(f"{path} is not a checkpoint of this trainer (no {TRAINER_STATE_FILE})")
-    return path
-
-
-def write_checkpoint(
-    folder: Path, *, model: Any, policy: str, optimizer: Any, scheduler: Any, trainer_state: dict[str, Any]
-) -> None:
-    """The shared files of a checkpoint (written by the main process): the policy adapter, the optimizer and
-    scheduler states and the trainer state. Each process adds its RNG state with :func:`write_rng_state`."""
-    import torch
-
-    remove_files([folder])
-    folder.mkdir(parents=True)
-    model.save_policy_adapter(folder, policy)
-    torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
-    torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
-    (folder / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
-
-
-def write_rng_state(folder: Path, process_index: int) -> None:
-    import torch
-
-    torch.save(rng_state(), folder / rng_state_file(process_index))
-
-
-@dataclass
-class Checkpoint:
-    """What a checkpoint folder holds, read back."""
-
-    path: Path
-    trainer_state: dict[str, Any]
-    adapter: dict[str, Any]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    rng: dict[str, Any]
-
-
-def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
-    """Read every file of a checkpoint; a missing or damaged file is named in the error."""
-    import torch
-    from safetensors.torch import load_file
-
-    def read(name: str, load: Any) -> Any:
-        file = path / name
-        if not file.is_file():
-            raise MissingPathError(
-                f"checkpoint {path} is incomplete: {name} is missing; resume from another one"
-            )
-        try:
-            return load(file)
-        except Exception as error:
-            raise CheckpointError(
-                f"cannot read {file} ({type(error).__name__}: {error}); the checkpoint is damaged: resume "
-                "from "
-                "another one"
-            ) from error
-
-    return Checkpoint(
-        path=path,
-        trainer_state=read(TRAINER_STATE_FILE, lambda file: json.loads(file.read_text())),
-        adapter=read(SAFETENSORS_WEIGHTS_NAME, lambda file: load_file(str(file), device=str(device))),
-        optimizer=read(OPTIMIZER_FILE, lambda file: torch.load(file, map_location=device)),
-        scheduler=read(SCHEDULER_FILE, lambda file: torch.load(file, weights_only=False)),
-        rng=read(rng_state_file(process_index), lambda file: torch.load(file, weights_only=False)),
-    )

@@ -11,7 +11,7 @@ One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
    ``per_device_train_batch_size`` completions, PPO-clip on the sequence ratio, gradient clipping, LR
    schedule, returning an :class:`~marl.metrics.UpdateStats`;
 4. metrics (:mod:`marl.metrics`, summed over processes in one collective), sample tables, checkpoints
-   (:mod:`marl.run_dir`).
+   (:mod:`marl.run_dir`, :mod:`marl.checkpoints`).
 
 Leave-one-out groups never span processes: every process samples all ``k`` completions of its own prompts.
 Gradients of the policy adapter are averaged over processes before each optimizer step, in one collective.
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,13 +41,13 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import set_seed
-from peft.utils import set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from marl import distributed, rloo, run_dir
+from marl import checkpoints, distributed, rloo, run_dir
 from marl.config import RLOOConfig
-from marl.errors import CheckpointError, ConfigError, RunFolderError
+from marl.errors import ConfigError
 from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 from marl.model import MultiAdapterModel
 from marl.rewards import build_rewards
@@ -273,6 +274,44 @@ class RLOOTrainer:
         groups = torch.randperm(int(rollout.prompt_index.max()) + 1).to(self.accelerator.device)
         return torch.cat([torch.nonzero(rollout.prompt_index == group).flatten() for group in groups])
 
+    def _rollout_and_update(self) -> tuple[Rollout, rloo.ShapedRewards, UpdateStats | None]:
+        """One update: the rollout, its shaped rewards, and the optimisation (skipped, and counted, when a
+        reward is not finite)."""
+        config = self.config
+        self.model.eval()
+        prompts = prompts_for_update(
+            self.train_prompts, self.state.update, self.accelerator.process_index, self.sizes, config.seed
+        )
+        rollout = collect_rollout(self.sampler, prompts, config.rloo_k, self.reward)
+        shaped = rloo.shape_rewards(
+            rollout.scores,
+            rollout.logprobs,
+            rollout.ref_logprobs,
+            rollout.response_mask,
+            rollout.contains_stop,
+            k=config.rloo_k,
+            kl_coef=config.kl_coef,
+            missing_eos_penalty=config.missing_eos_penalty,
+            normalize_reward=config.normalize_reward,
+            reward_clip_range=config.reward_clip_range,
+            token_level_kl=config.token_level_kl,
+            normalize_advantage=config.normalize_advantage,
+        )
+        rewards_finite = bool(
+            torch.isfinite(shaped.rlhf_reward).all() and torch.isfinite(shaped.scores).all()
+        )
+        if not distributed.any_process(not rewards_finite, self.accelerator):
+            return rollout, shaped, self._update(rollout, shaped.advantages)
+        unjudged = int(torch.isnan(rollout.source_scores).all(dim=1).sum())
+        warnings.warn(
+            f"update {self.state.update + 1}: non-finite reward ({unjudged} completion(s) that no reward "
+            "source judged); its optimizer steps are skipped",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._skip_update()
+        return rollout, shaped, None
+
     def _optimizer_step(self, loss_finite: bool) -> bool:
         """Average gradients, clip, step; skip (and count) the step if anything is not finite."""
         distributed.average_gradients(self.policy_parameters, self.accelerator)
@@ -356,9 +395,9 @@ class RLOOTrainer:
     def _save_checkpoint(self) -> None:
         """Write ``output_dir/checkpoint-N`` atomically: a staging folder renamed once complete."""
         accelerator, update = self.accelerator, self.state.update
-        staging = run_dir.staging_folder(self.output_dir, update)
+        staging = checkpoints.staging_folder(self.output_dir, update)
         if accelerator.is_main_process:
-            run_dir.write_checkpoint(
+            checkpoints.write_checkpoint(
                 staging,
                 model=self.model,
                 policy=self.policy,
@@ -372,51 +411,42 @@ class RLOOTrainer:
                 },
             )
         accelerator.wait_for_everyone()
-        run_dir.write_rng_state(staging, accelerator.process_index)
+        checkpoints.write_rng_state(staging, accelerator.process_index)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            run_dir.publish_checkpoint(self.output_dir, update, self.config.save_total_limit)
+            checkpoints.publish_checkpoint(self.output_dir, update, self.config.save_total_limit)
         accelerator.wait_for_everyone()
 
-    def _load_checkpoint(self, checkpoint: str | os.PathLike | bool) -> None:
-        path = run_dir.resolve_checkpoint(self.output_dir, checkpoint)
-        saved = run_dir.read_checkpoint(path, self.accelerator.process_index, self.accelerator.device)
-        state = saved.trainer_state
-        if state["world_size"] != self.accelerator.num_processes:
-            raise CheckpointError(
-                f"{path} was written by {state['world_size']} processes but this run has "
-                f"{self.accelerator.num_processes}; resume with the same number of processes"
-            )
-        planned = (self.sizes.batch_size, self.sizes.num_total_batches)
-        if (state["batch_size"], state["num_total_batches"]) != planned:
-            raise CheckpointError(
-                f"{path} belongs to a run of {state['num_total_batches']} updates of {state['batch_size']} "
-                f"completions, this config plans {planned[1]} updates of {planned[0]}; resume with the batch "
-                "settings, total_episodes and dataset of the original run"
-            )
-        result = set_peft_model_state_dict(self.model.peft_model, saved.adapter, adapter_name=self.policy)
-        if result.unexpected_keys:
-            raise CheckpointError(
-                f"{path}: adapter weights that match no tensor of policy {self.policy!r}: "
-                f"{result.unexpected_keys[:5]}"
-            )
+    def _load_checkpoint(self, path: Path) -> None:
+        saved = checkpoints.read_checkpoint(path, self.accelerator.process_index, self.accelerator.device)
+        policy_state = get_peft_model_state_dict(self.model.peft_model, adapter_name=self.policy)
+        checkpoints.check_resumable(
+            saved,
+            world_size=self.accelerator.num_processes,
+            planned=(self.sizes.batch_size, self.sizes.num_total_batches),
+            adapter_shapes={key: tuple(tensor.shape) for key, tensor in policy_state.items()},
+        )
+        set_peft_model_state_dict(self.model.peft_model, saved.adapter, adapter_name=self.policy)
         self.optimizer.load_state_dict(saved.optimizer)
         self.lr_scheduler.load_state_dict(saved.scheduler)
+        state = saved.trainer_state
         self.state = TrainerState(
             **{field.name: state[field.name] for field in dataclasses.fields(TrainerState)}
         )
-        run_dir.set_rng_state(saved.rng)
-        if self.accelerator.is_main_process:
-            self.log_history = run_dir.truncate_metrics(self.output_dir, self.state.update)
+        checkpoints.set_rng_state(saved.rng)
 
-    def _refuse_to_mix_runs(self) -> None:
-        """A fresh run never appends to, prunes or overwrites the files of an earlier run."""
-        earlier = run_dir.previous_run_files(self.output_dir)
-        if earlier:
-            raise RunFolderError(
-                f"{self.output_dir} already holds a run ({', '.join(path.name for path in earlier[:3])}). "
-                "Continue it with train(resume_from_checkpoint=True), or choose another output_dir"
-            )
+    def _start_writing(self, plan: run_dir.RunStart, resumed_update: int) -> None:
+        """Once the first update is done, and not before: replace what the folder held, then write this run's
+        settings and open the trackers. A start that fails or is killed earlier leaves the folder as it
+        was."""
+        if self.accelerator.is_main_process:
+            self.log_history = plan.commit(resumed_update)
+            run_dir.write_run_config(self.output_dir, self._run_settings())
+        if self.config.trackers:
+            tracker_config = {
+                key: _tracker_value(value) for key, value in dataclasses.asdict(self.config).items()
+            }
+            self.accelerator.init_trackers(run_dir.TRACKER_DIR, config=tracker_config)
 
     def _run_settings(self) -> dict[str, Any]:
         """What ``rloo_config.json`` records: the config and the model that was really trained."""
@@ -436,94 +466,64 @@ class RLOOTrainer:
 
     # ------------------------------------------------------------------ the loop
 
-    def train(self, resume_from_checkpoint: str | os.PathLike | bool | None = None) -> list[dict[str, float]]:
+    def train(
+        self,
+        resume_from_checkpoint: str | os.PathLike | bool | None = None,
+        overwrite_output_dir: bool = False,
+    ) -> list[dict[str, float]]:
         """Run RLOO until ``num_total_batches`` updates are done; returns the logged metric dicts.
 
-        ``resume_from_checkpoint``: a ``checkpoint-N`` folder, or ``True`` for the latest in ``output_dir``.
-        On CPU with a fixed seed a resumed run logs exactly the metrics an uninterrupted run logs (except
-        ``eps``, which measures time).
+        ``resume_from_checkpoint``: a ``checkpoint-N`` folder, or ``True`` for the latest in ``output_dir``
+        (with none yet, the run starts from the beginning). ``overwrite_output_dir``: replace the run in
+        ``output_dir``. Nothing in ``output_dir`` changes before the first update is done (see
+        :mod:`marl.run_dir`). On CPU with a fixed seed a resumed run logs exactly the metrics an uninterrupted
+        run logs (except ``eps``, which measures time).
 
         Example:
             >>> history = trainer.train()  # doctest: +SKIP
             >>> history[-1]["objective/scores"]  # doctest: +SKIP
         """
         config, accelerator, sizes = self.config, self.accelerator, self.sizes
+        plan = run_dir.plan_start(self.output_dir, resume_from_checkpoint, overwrite=overwrite_output_dir)
+        if plan.notice and accelerator.is_main_process:
+            print(plan.notice, file=sys.stderr)
         set_seed(config.seed + accelerator.process_index * PROCESS_SEED_STRIDE)
-        if resume_from_checkpoint:
-            self._load_checkpoint(resume_from_checkpoint)
-        else:
-            self._refuse_to_mix_runs()
-        accelerator.wait_for_everyone()  # every process checks the folder before the first one writes to it
-        if accelerator.is_main_process:
-            run_dir.write_run_config(self.output_dir, self._run_settings())
-        if config.trackers:
-            tracker_config = {key: _tracker_value(value) for key, value in dataclasses.asdict(config).items()}
-            accelerator.init_trackers("marl-rloo", config=tracker_config)
+        if plan.checkpoint is not None:
+            self._load_checkpoint(plan.checkpoint)
+        resumed_update = self.state.update
 
-        progress = tqdm(
+        start = (time.perf_counter(), self.episode)
+        # Closed also when an update fails, so that the error message starts on a line of its own.
+        with tqdm(
             total=sizes.num_total_batches,
             initial=self.state.update,
             desc="RLOO",
             disable=not accelerator.is_local_main_process,
-        )
-        start = (time.perf_counter(), self.episode)
-        while self.state.update < sizes.num_total_batches:
-            self.model.eval()
-            prompts = prompts_for_update(
-                self.train_prompts,
-                self.state.update,
-                self.accelerator.process_index,
-                self.sizes,
-                config.seed,
-            )
-            rollout = collect_rollout(self.sampler, prompts, config.rloo_k, self.reward)
-            shaped = rloo.shape_rewards(
-                rollout.scores,
-                rollout.logprobs,
-                rollout.ref_logprobs,
-                rollout.response_mask,
-                rollout.contains_stop,
-                k=config.rloo_k,
-                kl_coef=config.kl_coef,
-                missing_eos_penalty=config.missing_eos_penalty,
-                normalize_reward=config.normalize_reward,
-                reward_clip_range=config.reward_clip_range,
-                token_level_kl=config.token_level_kl,
-                normalize_advantage=config.normalize_advantage,
-            )
-            rewards_finite = bool(
-                torch.isfinite(shaped.rlhf_reward).all() and torch.isfinite(shaped.scores).all()
-            )
-            update_stats = None
-            if distributed.any_process(not rewards_finite, self.accelerator):
-                unjudged = int(torch.isnan(rollout.source_scores).all(dim=1).sum())
-                warnings.warn(
-                    f"update {self.state.update + 1}: non-finite reward ({unjudged} completion(s) that no "
-                    "reward "
-                    "source judged); its optimizer steps are skipped",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._skip_update()
-            else:
-                update_stats = self._update(rollout, shaped.advantages)
-            self.state.update += 1
+        ) as progress:
+            while self.state.update < sizes.num_total_batches:
+                rollout, shaped, update_stats = self._rollout_and_update()
+                self.state.update += 1
+                if self.state.update == resumed_update + 1:
+                    self._start_writing(plan, resumed_update)
 
-            rollout_stats = RolloutStats.of(rollout, shaped)
-            metrics = self._metrics(rollout_stats, update_stats, start)
-            if self.state.update % config.logging_steps == 0 or self.state.update == sizes.num_total_batches:
-                self._log(metrics)
-            progress.update(1)
-            progress.set_postfix(
-                episode=self.episode,
-                score=f"{metrics['objective/scores']:.3f}",
-                kl=f"{metrics['objective/kl']:.3f}",
-            )
-            if self.sample_every and (self.state.update - 1) % self.sample_every == 0:
-                self._sample_table(rollout)
-            if config.save_steps and self.state.update % config.save_steps == 0:
-                self._save_checkpoint()
-        progress.close()
+                metrics = self._metrics(RolloutStats.of(rollout, shaped), update_stats, start)
+                if (
+                    self.state.update % config.logging_steps == 0
+                    or self.state.update == sizes.num_total_batches
+                ):
+                    self._log(metrics)
+                progress.update(1)
+                progress.set_postfix(
+                    episode=self.episode,
+                    score=f"{metrics['objective/scores']:.3f}",
+                    kl=f"{metrics['objective/kl']:.3f}",
+                )
+                if self.sample_every and (self.state.update - 1) % self.sample_every == 0:
+                    self._sample_table(rollout)
+                if config.save_steps and self.state.update % config.save_steps == 0:
+                    self._save_checkpoint()
+        if self.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train
+            self._start_writing(plan, resumed_update)
 
         if accelerator.is_main_process:
             self.model.save_policy_adapter(self.output_dir, self.policy)

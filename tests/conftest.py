@@ -202,3 +202,17 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 def tiny_reward_adapter(tiny_llama_dir, tmp_path_factory) -> Path:
     """A reward adapter (LoRA + score head) on the tiny llama, built once per session."""
     return save_reward_adapter(tiny_llama_dir, tmp_path_factory.mktemp("tiny-reward") / "reward")
+
+
+def refused(capsys: pytest.CaptureFixture, entry, words: list[str]) -> str:
+    """Run a command's entry point (e.g. ``marl.cli.main``) on input it must refuse: it exits with code 2 and
+    one ``prog: error: ...`` line on stderr, without a traceback. Returns that line."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        entry(words)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1, err
+    return errors[0]

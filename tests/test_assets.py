@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import time
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from conftest import save_tiny_model
 
 from marl import assets
+from marl.errors import MissingPathError, ModelError
 
 
 @pytest.fixture
@@ -57,8 +59,20 @@ def test_other_names_pass_through_without_touching_packages(
         raise AssertionError("a name other than the embedded id must not look anything up")
 
     monkeypatch.setattr(assets.importlib.util, "find_spec", no_lookup)
-    assert assets.resolve_model_path(name) == name
+    if name.startswith((".", "/")):  # a path that does not exist: refused here, not sent to the hub client
+        with pytest.raises(MissingPathError, match=re.escape(f"no such model folder: {name}")):
+            assets.resolve_model_path(name)
+    else:  # a hub id: from_pretrained looks it up in the local cache
+        assert assets.resolve_model_path(name) == name
     assert not marl_home.exists()
+
+
+def test_a_folder_without_config_or_a_file_is_not_a_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match=r"no config\.json"):
+        assets.resolve_model_path(str(tmp_path))
+    (tmp_path / "weights.bin").write_text("")
+    with pytest.raises(ModelError, match="is a file"):
+        assets.resolve_model_path(str(tmp_path / "weights.bin"))
 
 
 def test_existing_local_folder_passes_through(tiny_llama_dir: Path) -> None:

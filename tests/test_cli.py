@@ -6,10 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from conftest import refused
 
 from marl.cli import main, parse_train_rloo_args, train_rloo_main
-from marl.errors import ConfigError, RunFolderError
-from marl.run_dir import check_output_dir, previous_run_files, remove_files
+from marl.errors import ConfigError, MissingPathError, RunFolderError
+from marl.run_dir import DELETING_DIR, plan_start
 
 
 @pytest.mark.parametrize("flag", ["--reward-adapter", "--reward_adapter"])
@@ -94,47 +95,63 @@ def test_a_reward_is_required_and_only_one(capsys):
     )
     assert config.reward_adapter_folders() == {"reward": "rm", "fluency": "fl"}
     assert script.reward_fn == ["m:f", "m:g"]
-    with pytest.raises(SystemExit, match="marl train-rloo: error: no reward"):
-        train_rloo_main([])
+    assert refused(capsys, train_rloo_main, []).startswith("marl train-rloo: error: no reward")
 
 
-def test_invalid_config_values_fail_with_a_one_line_error():
-    with pytest.raises(SystemExit, match=r"rloo_k=1.*--rloo_k 2"):
-        train_rloo_main(["--reward_adapter", "rm", "--rloo_k", "1"])
+def test_invalid_config_values_fail_with_a_one_line_error(capsys):
+    line = refused(capsys, train_rloo_main, ["--reward_adapter", "rm", "--rloo_k", "1"])
+    assert "rloo_k=1" in line and "--rloo_k 2" in line
 
 
 def test_output_dir_with_a_previous_run_is_refused(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoint-2").mkdir(parents=True)
-    (run / "metrics.jsonl").write_text("{}\n")
+    (run / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (run / "metrics.jsonl").write_text('{"update": 2}\n')
     (run / "notes.txt").write_text("mine")
     with pytest.raises(
         RunFolderError, match=r"already holds a run.*--overwrite_output_dir.*--resume_from_checkpoint"
     ):
-        check_output_dir(run, overwrite=False, resuming=False)
-    assert check_output_dir(run, overwrite=False, resuming=True) == []
-    previous = check_output_dir(run, overwrite=True, resuming=False)
-    assert sorted(p.name for p in previous) == ["checkpoint-2", "metrics.jsonl"]
-    remove_files(previous)
-    assert previous_run_files(run) == []
-    assert (run / "notes.txt").read_text() == "mine"  # the user's own files stay
+        plan_start(run)
+    assert plan_start(run, True).checkpoint == run / "checkpoint-2"
+    assert plan_start(run, overwrite=True).replace
+    plan = plan_start(run, overwrite=True)
+    plan.commit(resumed_update=0)  # what the run does once its first update is done
+    assert sorted(path.name for path in run.iterdir()) == ["notes.txt"]  # the user's own files stay
 
 
-def test_output_dir_guard_through_the_command(tmp_path):
+def test_a_deletion_cut_short_by_a_kill_is_never_taken_for_a_run_to_resume(tmp_path):
+    """A kill while an overwritten run was being deleted leaves some of its files and the marker folder: the
+    resumed command starts from the beginning (not from the old run's checkpoint) and ends the deletion."""
+    run = tmp_path / "run"
+    (run / DELETING_DIR / "trash").mkdir(parents=True)
+    (run / "checkpoint-2").mkdir()
+    (run / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    (run / "adapter_model.safetensors").write_text("old")
+    (run / ".metrics.jsonl.tmp").write_text("cut off")
+    plan = plan_start(run, True)
+    assert plan.checkpoint is None and plan.replace and "starts from the beginning" in plan.notice
+    plan.commit(resumed_update=0)
+    assert list(run.iterdir()) == []
+
+
+def test_output_dir_guard_through_the_command(tmp_path, capsys):
     (tmp_path / "adapter_config.json").write_text("{}")
-    with pytest.raises(SystemExit, match="already holds a run"):
-        train_rloo_main(["--reward_adapter", "rm", "--output_dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="pass only one"):
-        train_rloo_main(
-            ["--reward_adapter", "rm", "--overwrite_output_dir", "--resume_from_checkpoint", "latest"]
-        )
+    line = refused(capsys, train_rloo_main, ["--reward_adapter", "rm", "--output_dir", str(tmp_path)])
+    assert "already holds a run" in line
+    flags = ["--reward_adapter", "rm", "--overwrite_output_dir", "--resume_from_checkpoint", "latest"]
+    assert "pass only one" in refused(capsys, train_rloo_main, flags)
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert check_output_dir(empty, overwrite=False, resuming=False) == []
+    assert not plan_start(empty).replace
     a_file = tmp_path / "file"
     a_file.write_text("")
     with pytest.raises(RunFolderError, match="is a file"):
-        check_output_dir(a_file, overwrite=False, resuming=False)
+        plan_start(a_file)
+    with pytest.raises(RunFolderError, match="cannot be created"):
+        plan_start(a_file / "run")
+    with pytest.raises(MissingPathError, match="not a checkpoint"):
+        plan_start(empty, tmp_path / "checkpoint-9")
 
 
 def test_top_level_help_lists_the_commands(capsys):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-from conftest import save_reward_adapter, write_jsonl
+from conftest import refused, save_reward_adapter, write_jsonl
 
 from marl.cli import main, train_rloo_main
 
@@ -75,15 +76,17 @@ def test_two_updates_write_a_loadable_adapter_and_metrics(setup, tmp_path, capsy
     assert reloaded.reference_mode == "base"
 
     # A second run into the same folder is refused; --overwrite_output_dir replaces the run.
-    with pytest.raises(SystemExit, match="already holds a run"):
-        train_rloo_main(rloo_flags(setup, output, "--reward_adapter", setup["reward"]))
+    assert re.search(
+        "already holds a run",
+        refused(capsys, train_rloo_main, rloo_flags(setup, output, "--reward_adapter", setup["reward"])),
+    )
     (output / "my-notes.txt").write_text("keep")
     train_rloo_main(rloo_flags(setup, output, "--reward_adapter", setup["reward"], "--overwrite_output_dir"))
     assert len((output / "metrics.jsonl").read_text().splitlines()) == 2
     assert (output / "my-notes.txt").read_text() == "keep"
 
 
-def test_reward_function_instead_of_an_adapter(setup, tmp_path, monkeypatch):
+def test_reward_function_instead_of_an_adapter(setup, tmp_path, monkeypatch, capsys):
     (tmp_path / "my_rewards.py").write_text(
         "def count_e(prompts, completions):\n"
         "    return [c.count('e') for c in completions]\n"
@@ -96,32 +99,56 @@ def test_reward_function_instead_of_an_adapter(setup, tmp_path, monkeypatch):
     output = tmp_path / "run"
     train_rloo_main(rloo_flags(setup, output, "--reward_fn", "my_rewards:count_e"))
     assert len((output / "metrics.jsonl").read_text().splitlines()) == 2
-    with pytest.raises(SystemExit, match="'my_rewards:one_short' returned 3 scores for 4 completions"):
-        train_rloo_main(rloo_flags(setup, tmp_path / "short", "--reward_fn", "my_rewards:one_short"))
-    with pytest.raises(SystemExit, match=r"'my_rewards:words' returned 'great'.*numbers"):
-        train_rloo_main(rloo_flags(setup, tmp_path / "words", "--reward_fn", "my_rewards:words"))
-    with pytest.raises(SystemExit, match="could not import 'not_a_module'"):
-        train_rloo_main(rloo_flags(setup, tmp_path / "missing", "--reward_fn", "not_a_module:score"))
+    assert re.search(
+        "'my_rewards:one_short' returned 3 scores for 4 completions",
+        refused(
+            capsys,
+            train_rloo_main,
+            rloo_flags(setup, tmp_path / "short", "--reward_fn", "my_rewards:one_short"),
+        ),
+    )
+    assert re.search(
+        r"'my_rewards:words' returned 'great'.*numbers",
+        refused(
+            capsys, train_rloo_main, rloo_flags(setup, tmp_path / "words", "--reward_fn", "my_rewards:words")
+        ),
+    )
+    assert re.search(
+        "could not import 'not_a_module'",
+        refused(
+            capsys,
+            train_rloo_main,
+            rloo_flags(setup, tmp_path / "missing", "--reward_fn", "not_a_module:score"),
+        ),
+    )
 
 
-def test_bad_data_fails_before_the_model_loads(setup, tmp_path):
-    with pytest.raises(SystemExit, match=r"no column 'prompt'.*\['text'\].*--prompt_column"):
-        train_rloo_main(
+def test_bad_data_fails_before_the_model_loads(setup, tmp_path, capsys):
+    assert re.search(
+        r"no column 'prompt'.*\['text'\].*--prompt_column",
+        refused(
+            capsys,
+            train_rloo_main,
             rloo_flags(
                 setup, tmp_path / "a", "--reward_adapter", setup["reward"], "--prompt_column", "prompt"
-            )
-        )
+            ),
+        ),
+    )
     text_file = tmp_path / "prompts.txt"
     text_file.write_text("the movie was\n")
-    with pytest.raises(SystemExit, match=r"unknown dataset file type '\.txt'"):
-        train_rloo_main(
+    assert re.search(
+        r"unknown dataset file type '\.txt'",
+        refused(
+            capsys,
+            train_rloo_main,
             rloo_flags(
                 setup, tmp_path / "b", "--reward_adapter", setup["reward"], "--dataset_name", str(text_file)
-            )
-        )
+            ),
+        ),
+    )
 
 
-def test_reward_adapter_of_another_base_is_refused(setup, tmp_path):
+def test_reward_adapter_of_another_base_is_refused(setup, tmp_path, capsys):
     from conftest import build_tiny_tokenizer
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -140,8 +167,14 @@ def test_reward_adapter_of_another_base_is_refused(setup, tmp_path):
     AutoModelForCausalLM.from_config(other_config).save_pretrained(other_base)
     tokenizer.save_pretrained(other_base)
     other_reward = save_reward_adapter(str(other_base), tmp_path / "other-reward")
-    with pytest.raises(SystemExit, match="different base model"):
-        train_rloo_main(rloo_flags(setup, tmp_path / "run", "--reward_adapter", str(other_reward)))
+    assert re.search(
+        "different base model",
+        refused(
+            capsys,
+            train_rloo_main,
+            rloo_flags(setup, tmp_path / "run", "--reward_adapter", str(other_reward)),
+        ),
+    )
 
 
 @pytest.mark.slow

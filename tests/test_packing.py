@@ -177,7 +177,9 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
         results.append(([p.detach().clone() for p in trainer.policy_parameters], stats))
     (shared_weights, shared_stats), (unshared_weights, unshared_stats) = results
     assert float(shared_stats.first_ratio) == pytest.approx(float(unshared_stats.first_ratio), abs=1e-5)
+    # Adam divides by the gradient's own scale: a coordinate whose gradient is ~0 turns summation-order noise
+    # into a step of up to the learning rate; 1% of one lr-sized step is far below what a wrong update moves.
     for a, b in zip(shared_weights, unshared_weights, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     moved = [p for p in shared_weights if p.abs().max() > 0]
     assert moved

@@ -12,10 +12,10 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from marl import reward_training
+from marl.cli import train_reward_main
 from marl.reward_training import (
     RewardAdapterArguments,
     load_preference_data,
-    main,
     pairwise_accuracy,
     train_reward_adapter,
 )
@@ -195,8 +195,8 @@ def test_main_parses_arguments_and_records_the_command(tiny_llama_dir: Path, tmp
         "--num_train_epochs", "2", "--learning_rate", "5e-3",
         "--batch_size", "4", "--lora_r", "4", "--lora_alpha", "8", "--target_modules", "q_proj", "v_proj",
     ]  # fmt: skip
-    summary = main(argv, prog="marl train-reward")
-    assert summary["command"].startswith("'marl train-reward' --model_name_or_path")
+    summary = train_reward_main(argv, prog="marl train-reward")
+    assert summary["command"].startswith("marl train-reward --model_name_or_path")
     assert summary["settings"]["target_modules"] == ["q_proj", "v_proj"]
     assert summary["quantization"] == "none"
     config = json.loads((tmp_path / "rm" / "adapter_config.json").read_text())

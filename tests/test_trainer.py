@@ -183,15 +183,32 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_llama_dir, tmp_path):
 
 def test_resume_errors_are_clear(tiny_llama_dir, tmp_path):
     trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"))
-    with pytest.raises(FileNotFoundError, match="no checkpoint-N"):
-        trainer.train(resume_from_checkpoint=True)
     with pytest.raises(FileNotFoundError, match="not a checkpoint"):
         trainer.train(resume_from_checkpoint=tmp_path)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"update": 1}\n')
-    with pytest.raises(FileExistsError, match=r"already holds a run.*choose another output_dir"):
+    with pytest.raises(FileExistsError, match=r"already holds a run.*Choose another output_dir"):
         trainer.train()
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"update": 1}\n'
+
+
+def test_resume_with_no_checkpoint_yet_starts_from_the_beginning(tiny_llama_dir, tmp_path, capsys):
+    """A run stopped before its first checkpoint: resume_from_checkpoint=True runs it from the beginning and
+    replaces what the stopped run had written, with the result of an uninterrupted run."""
+    build(tiny_llama_dir, tiny_config(tmp_path / "full", total_episodes=32)).train()
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / "rloo_config.json").write_text("{}")
+    (stopped / "metrics.jsonl").write_text('{"update": 1, "episode": 16.0}\n{"upd')  # cut off by a kill
+    build(tiny_llama_dir, tiny_config(stopped, total_episodes=32)).train(resume_from_checkpoint=True)
+    assert "no checkpoint yet: the run starts from the beginning" in capsys.readouterr().err
+    full, restarted = read_metrics(tmp_path / "full"), read_metrics(stopped)
+    for record in [*full, *restarted]:
+        record.pop("eps")
+    assert restarted == full
+    assert (stopped / "adapter_model.safetensors").read_bytes() == (
+        tmp_path / "full" / "adapter_model.safetensors"
+    ).read_bytes()
 
 
 def test_non_finite_reward_skips_the_update_and_continues(tiny_llama_dir, tmp_path):
@@ -392,6 +409,7 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
     completions must equal those of generate() on the prompts repeated k times (k-major)."""
     model_dir = tiny_model_factory(architecture)
     trainer = build(model_dir, tiny_config(tmp_path / "run", temperature=1e-4, response_length=5))
+    torch.manual_seed(0)  # the random policy below, whatever loading drew from the generator
     with torch.no_grad():
         for name, parameter in trainer.model.peft_model.named_parameters():
             if "lora_B" in name:

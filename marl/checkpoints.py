@@ -1,0 +1,188 @@
+"""Checkpoints of a run: what a ``checkpoint-N`` folder holds, how it is written so that it is always
+complete, and how it is read back and checked against the run that resumes from it.
+
+A checkpoint holds the policy adapter, the optimizer and scheduler states, the trainer state and one RNG
+state per process. It is written into a staging folder and renamed to ``checkpoint-N`` once complete, so a
+kill at any moment leaves either no ``checkpoint-N`` or a complete one. Every file that cannot be read is
+named in the error.
+
+Example:
+    >>> rng_state_file(1)
+    'rng_state_1.pt'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from marl.adapters import SAFETENSORS_WEIGHTS_NAME
+from marl.errors import CheckpointError, MissingPathError
+from marl.run_dir import TRAINER_STATE_FILE, checkpoint_name, list_checkpoints, remove_files
+
+OPTIMIZER_FILE = "optimizer.pt"
+SCHEDULER_FILE = "scheduler.pt"
+# The fields of trainer_state.json that resuming reads.
+TRAINER_STATE_FIELDS = ("update", "skipped_optimizer_steps", "world_size", "batch_size", "num_total_batches")
+
+
+def rng_state_file(process_index: int) -> str:
+    return f"rng_state_{process_index}.pt"
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a run draws from: Python, NumPy, torch (and CUDA)."""
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def staging_folder(output_dir: Path, update: int) -> Path:
+    """Where checkpoint ``update`` is written before :func:`publish_checkpoint` renames it."""
+    return output_dir / f".{checkpoint_name(update)}.tmp"
+
+
+def publish_checkpoint(output_dir: Path, update: int, save_total_limit: int | None) -> Path:
+    """Rename a complete staging folder to ``checkpoint-N`` (so a checkpoint folder is always complete), then
+    prune the oldest checkpoints beyond ``save_total_limit``."""
+    final = output_dir / checkpoint_name(update)
+    if final.exists():  # written before by a run that resumed from an earlier checkpoint
+        _delete_checkpoint(final)
+    os.replace(staging_folder(output_dir, update), final)
+    if save_total_limit is not None:
+        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+            _delete_checkpoint(old)
+    return final
+
+
+def _delete_checkpoint(folder: Path) -> None:
+    # Renamed out of the way first: a kill during the deletion leaves a hidden folder, never a checkpoint-N
+    # with files missing that --resume_from_checkpoint latest would pick.
+    doomed = folder.with_name(f".{folder.name}.deleting")
+    remove_files([doomed])
+    os.replace(folder, doomed)
+    shutil.rmtree(doomed)
+
+
+def write_checkpoint(
+    folder: Path, *, model: Any, policy: str, optimizer: Any, scheduler: Any, trainer_state: dict[str, Any]
+) -> None:
+    """The shared files of a checkpoint (written by the main process): the policy adapter, the optimizer and
+    scheduler states and the trainer state. Each process adds its RNG state with :func:`write_rng_state`."""
+    import torch
+
+    remove_files([folder])
+    folder.mkdir(parents=True)
+    model.save_policy_adapter(folder, policy)
+    torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
+    torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+    (folder / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
+
+
+def write_rng_state(folder: Path, process_index: int) -> None:
+    import torch
+
+    torch.save(rng_state(), folder / rng_state_file(process_index))
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint folder holds, read back."""
+
+    path: Path
+    trainer_state: dict[str, Any]
+    adapter: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
+    """Read every file of a checkpoint; a missing or damaged file is named in the error."""
+    import torch
+    from safetensors.torch import load_file
+
+    def read(name: str, load: Any) -> Any:
+        file = path / name
+        if not file.is_file():
+            raise MissingPathError(
+                f"checkpoint {path} is incomplete: {name} is missing; resume from another one"
+            )
+        try:
+            return load(file)
+        except Exception as error:
+            raise CheckpointError(
+                f"cannot read {file} ({type(error).__name__}: {error}); the checkpoint is damaged: resume "
+                "from "
+                "another one"
+            ) from error
+
+    return Checkpoint(
+        path=path,
+        trainer_state=read(TRAINER_STATE_FILE, _read_trainer_state),
+        adapter=read(SAFETENSORS_WEIGHTS_NAME, lambda file: load_file(str(file), device=str(device))),
+        optimizer=read(OPTIMIZER_FILE, lambda file: torch.load(file, map_location=device)),
+        scheduler=read(SCHEDULER_FILE, lambda file: torch.load(file, weights_only=False)),
+        rng=read(rng_state_file(process_index), lambda file: torch.load(file, weights_only=False)),
+    )
+
+
+def _read_trainer_state(file: Path) -> dict[str, Any]:
+    state = json.loads(file.read_text())
+    missing = [name for name in TRAINER_STATE_FIELDS if not isinstance(state.get(name), int)]
+    if missing:
+        raise ValueError(f"no integer {', '.join(missing)}")
+    return state
+
+
+def check_resumable(
+    saved: Checkpoint,
+    *,
+    world_size: int,
+    planned: tuple[int, int],
+    adapter_shapes: dict[str, tuple[int, ...]],
+) -> None:
+    """Refuse a checkpoint written by another number of processes, another batch plan, or another policy LoRA
+    (``planned``: this run's completions per update and its number of updates)."""
+    path, state = saved.path, saved.trainer_state
+    if state["world_size"] != world_size:
+        raise CheckpointError(
+            f"{path} was written by {state['world_size']} processes but this run has {world_size}; "
+            "resume with the same number of processes"
+        )
+    if (state["batch_size"], state["num_total_batches"]) != planned:
+        raise CheckpointError(
+            f"{path} belongs to a run of {state['num_total_batches']} updates of {state['batch_size']} "
+            f"completions, this config plans {planned[1]} updates of {planned[0]}; resume with the batch "
+            "settings, total_episodes and dataset of the original run"
+        )
+    saved_shapes = {key: tuple(tensor.shape) for key, tensor in saved.adapter.items()}
+    if saved_shapes != adapter_shapes:
+        different = sorted(set(saved_shapes) ^ set(adapter_shapes)) or [
+            key for key in adapter_shapes if saved_shapes[key] != adapter_shapes[key]
+        ]
+        raise CheckpointError(
+            f"the policy adapter in {path} does not fit this run's policy LoRA (e.g. "
+            f"{different[:3]}); resume "
+            "with the LoRA settings (--lora_r, --lora_target_modules, --policy_adapter) of the original run"
+        )
