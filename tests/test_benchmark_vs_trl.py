@@ -85,6 +85,7 @@ def test_sampler_gives_a_phase_its_own_peak(measure):
     assert memory["phases"]["update"]["pss"] - baseline["pss"] > 48
     assert memory["points"]["inside"][0]["pss"] - memory["points"]["after update"][0]["pss"] > 48
     assert memory["peak"]["pss"] >= memory["phases"]["update"]["pss"]
+    assert memory["rises"]["update"]["anon"] > 48 and "other" not in memory["rises"]
     assert memory["vmhwm"] >= memory["peak"]["rss"] - 1
 
 
@@ -125,6 +126,9 @@ def _result(eps: float, peak_pss: float, baseline_pss: float = 400.0) -> dict:
             phase: {"pss": peak_pss - 10 * i, "rss": peak_pss, "anon": peak_pss - 200}
             for i, phase in enumerate(("load", "generation", "scoring", "update", "other"))
         },
+        "rises": {
+            phase: {"pss": 50.0, "rss": 60.0, "anon": 40.0} for phase in ("generation", "scoring", "update")
+        },
         "points": {
             "after load": [{"pss": baseline_pss + 200, "rss": baseline_pss + 250, "anon": baseline_pss}],
             "after update": [{"pss": peak_pss - 100, "rss": peak_pss, "anon": peak_pss - 200}] * 2,
@@ -162,6 +166,7 @@ def test_summary_gives_median_spread_per_metric_and_phase(measure):
     assert summary["trl"]["pss_above_baseline"] == {"median": 1200.0, "min": 1000.0, "max": 1400.0}
     assert summary["marl"]["update_pss_above_baseline"]["median"] == 1100.0 - 30 - 400
     assert summary["marl"]["after load_pss_above_baseline"]["median"] == 200.0
+    assert summary["marl"]["update_pss_rise"]["median"] == 50.0
     assert summary["marl"]["after update_pss_above_baseline"]["median"] == 1100.0 - 100 - 400
     medians = {s: summary[s]["pss_above_baseline"]["median"] for s in ("marl", "trl")}
     assert measure.ratio(medians["marl"], medians["trl"]) == pytest.approx(700 / 1200)
@@ -241,7 +246,9 @@ def test_results_file_has_ratios_phases_floor_and_every_run(modules):
     }
     text = modules["report_markdown"].render_markdown(report)
     assert "| cpu-short | none | 0.58 | 1.00 | 1.18 |" in text  # 700 / 1200 PSS, 2 / 2 eps, 700 / 594 floor
-    assert "| none | marl | 200 / 100 | 690 / 600 |" in text  # after load, generation: PSS / anon
+    assert (
+        "| none | marl | 200 / 100 | 690 (+50) |" in text
+    )  # after load: PSS / anon; generation: peak (+rise)
     assert "| total | 594.0 MiB |" in text
     assert text.count("| none | ") >= 6 + 2 + 2 + 6  # results, phases, checkpoint maps, every run
 

@@ -3,8 +3,9 @@ throughput clock, the physical floor, medians and ratios, the time estimate.
 
 The sampler reads ``/proc/self/status`` (RSS, anonymous RSS and the kernel's peak RSS ``VmHWM``) every 20 ms,
 and ``/proc/self/smaps_rollup`` (PSS: a physical page counts once, however many mappings or processes hold
-it) whenever RSS reaches a new high of its phase, at every phase boundary and at least twice a second. The
-rollup walks the page tables (about 17 ms at 0.5 GiB), so it is read only when it can change the peak.
+it) whenever RSS makes a new high of its phase (by 8 MiB), at every phase boundary and at least twice a
+second. The rollup walks the page tables (about 17 ms at 0.5 GiB), so it is read only when it can change a
+peak. Per phase it keeps the peak while the phase ran and the largest rise within one pass through it.
 
 Example:
     >>> parse_proc_fields("Rss:  2048 kB\\nPss:  1024 kB\\n")
@@ -121,9 +122,11 @@ def flat_metrics(result: Mapping[str, Any]) -> dict[str, float]:
         flat[f"{kind}_above_baseline"] = memory["peak"][kind] - baseline[kind]
         for phase, peaks in memory["phases"].items():
             flat[f"{phase}_{kind}_above_baseline"] = peaks[kind] - baseline[kind]
+        for phase, rise in memory.get("rises", {}).items():
+            flat[f"{phase}_{kind}_rise"] = rise[kind]
         for point, samples in memory["points"].items():
             flat[f"{point}_{kind}_above_baseline"] = samples[-1][kind] - baseline[kind]
-    for key in ("cuda_max_allocated_mib", "cuda_max_reserved_mib"):
+    for key in ("cuda_max_allocated_mib", "cuda_max_reserved_mib", "cpu_seconds", "wall_seconds"):
         if key in result:
             flat[key] = result[key]
     return flat
@@ -214,8 +217,10 @@ class MemorySampler:
         self.baseline = read_memory()
         self.peak = dict(self.baseline)
         self.phases: dict[str, dict[str, float]] = {}
+        self.rises: dict[str, dict[str, float]] = {}  # largest rise within one pass through a phase
         self.points: dict[str, list[dict[str, float]]] = {}
         self._stack = [LOAD_PHASE]
+        self._passes: list[tuple[dict[str, float], dict[str, float]]] = []  # (start, peak) of open phases
         self._interval, self._pss_interval = interval, pss_interval
         self._last_pss = 0.0
         self._lock = threading.Lock()
@@ -232,6 +237,8 @@ class MemorySampler:
         for kind, value in values.items():
             peaks[kind] = max(peaks[kind], value)
             self.peak[kind] = max(self.peak[kind], value)
+            for _, peak in self._passes:
+                peak[kind] = max(peak.get(kind, value), value)
 
     def sample(self, full: bool = False) -> dict[str, float]:
         """One sample: RSS and anonymous RSS always, PSS when it may set a new peak (or ``full``)."""
@@ -249,15 +256,20 @@ class MemorySampler:
             return values
 
     def push(self, phase: str) -> None:
-        self.sample()
+        start = self.sample(full=True)
         with self._lock:
             self._stack.append(phase)
+            self._passes.append((start, dict(start)))
 
     def pop(self) -> None:
         self.sample(full=True)  # a phase often peaks just before it returns
         with self._lock:
             if len(self._stack) > 1:
-                self._stack.pop()
+                phase = self._stack.pop()
+                start, peak = self._passes.pop()
+                rise = self.rises.setdefault(phase, {kind: 0.0 for kind in MEMORY_KINDS})
+                for kind in MEMORY_KINDS:
+                    rise[kind] = max(rise[kind], peak[kind] - start[kind])
 
     def set_base_phase(self, phase: str) -> None:
         """Label everything outside a labelled phase from now on (``"load"`` until the model is built)."""
@@ -288,6 +300,7 @@ class MemorySampler:
             "peak": self.peak,
             "vmhwm": read_status()["VmHWM"],
             "phases": self.phases,
+            "rises": self.rises,
             "points": self.points,
         }
 

@@ -103,8 +103,10 @@ def results_table(entry: dict[str, Any], systems: list[str]) -> list[str]:
 
 
 def phase_table(entry: dict[str, Any], systems: list[str]) -> list[str]:
-    """Median PSS (and anonymous RSS) above the imports: after load, peak per phase, after an update."""
-    columns = ["after load", *[p for p in PHASES if p != "load"], "after update"]
+    """Medians over runs: PSS / anonymous RSS above the imports held after load and after the last update;
+    per phase, the peak PSS above the imports while it ran and (in brackets) its largest rise in one pass."""
+    points, phases = ("after load", "after update"), [p for p in PHASES if p != "load"]
+    columns = [points[0], *phases, points[1]]
     lines = [
         "| quantization | system | " + " | ".join(columns) + " |",
         "|---|---|" + "---|" * len(columns),
@@ -112,11 +114,19 @@ def phase_table(entry: dict[str, Any], systems: list[str]) -> list[str]:
     for quantization, block in entry["blocks"].items():
         summary = block.get("summary", {})
         for system in systems:
+            mine = summary.get(system, {})
             cells = []
             for column in columns:
-                pss = summary.get(system, {}).get(f"{column}_pss_above_baseline")
-                anon = summary.get(system, {}).get(f"{column}_anon_above_baseline")
-                cells.append(f"{pss['median']:.0f} / {anon['median']:.0f}" if pss and anon else "–")
+                pss = mine.get(f"{column}_pss_above_baseline")
+                second = mine.get(
+                    f"{column}_anon_above_baseline" if column in points else f"{column}_pss_rise"
+                )
+                if not (pss and second):
+                    cells.append("–")
+                elif column in points:
+                    cells.append(f"{pss['median']:.0f} / {second['median']:.0f}")
+                else:
+                    cells.append(f"{pss['median']:.0f} (+{second['median']:.0f})")
             lines.append(f"| {quantization} | {system} | " + " | ".join(cells) + " |")
     return lines
 
@@ -230,17 +240,18 @@ def render_markdown(report: dict[str, Any]) -> str:
             "",
             "Median over runs, min–max in brackets; floor: see below.",
             "",
-            *results_table(entry, systems),
+            *results_table(entry, entry.get("systems", systems)),
             "",
-            "Memory by phase, PSS / anonymous RSS above the imports (MiB, medians): held after load, peak "
-            "while each phase ran, held after the last update.",
+            "Memory by phase (MiB above the imports, medians): PSS / anonymous RSS held after load and after "
+            "the last update; per phase, the peak PSS while it ran (+ its largest rise within one pass: what "
+            "the phase itself added, the peak also carries what earlier phases left allocated).",
             "",
-            *phase_table(entry, systems),
+            *phase_table(entry, entry.get("systems", systems)),
             "",
             "Pages of the checkpoint file held through its maps (RSS counts a page once per map, PSS once; "
             "PSS is also split with other processes that map the same file):",
             "",
-            *checkpoint_table(entry, systems),
+            *checkpoint_table(entry, entry.get("systems", systems)),
             "",
             "Physical floor (tensors only; the interpreter and libraries are in the import baseline):",
             "",

@@ -45,6 +45,7 @@ class BenchConfig:
     prompt_words: int = 4  # short prompts: the first words of a review
     context_tokens: int = 0  # > 0: prompts of at least this many tokens (reviews as context + instruction)
     threads: int = 0  # torch intra-op threads; 0 = all cores
+    compare_sharing: bool = False  # marl also runs with share_prompt_prefix=False (where marl has it)
 
     @property
     def batch_size(self) -> int:
@@ -57,9 +58,12 @@ class BenchConfig:
 _SMOLLM2_CPU = dict(model="smollm2-135m-instruct", device="cpu", dtype="float32", rloo_k=4, threads=1)
 SETUPS = {
     "cpu-short": dict(_SMOLLM2_CPU, prompts_per_update=4, response_length=16, updates=3),
-    "cpu-long": dict(_SMOLLM2_CPU, prompts_per_update=2, response_length=32, updates=3, context_tokens=128),
+    "cpu-long": dict(
+        _SMOLLM2_CPU, prompts_per_update=1, response_length=32, updates=3, context_tokens=128,
+        compare_sharing=True,
+    ),
     "cpu-weights": dict(
-        _SMOLLM2_CPU, model=RANDOM_QWEN2, prompts_per_update=2, response_length=16, updates=3
+        _SMOLLM2_CPU, model=RANDOM_QWEN2, prompts_per_update=1, response_length=16, updates=2
     ),
     "gpu-qwen2": dict(
         model=RANDOM_QWEN2, device="cuda", dtype="bfloat16", prompts_per_update=32, rloo_k=4,

@@ -44,6 +44,7 @@ import dataclasses
 import datetime
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -324,16 +325,22 @@ def run_in_subprocess(job: dict, work_dir: Path, label: str) -> dict:
     job_file.write_text(json.dumps(job))
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(job_file), "--result"]
     log_file = work_dir / f"{label}.log"
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     with log_file.open("w") as log:
         completed = subprocess.run(
             [*command, str(result_file)], stdout=log, stderr=subprocess.STDOUT, check=False
         )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if completed.returncode != 0 or not result_file.is_file():
         tail = "\n".join(log_file.read_text().splitlines()[-30:])
         raise RuntimeError(
             f"run {label} failed (exit {completed.returncode}); last lines of {log_file}:\n{tail}"
         )
-    return json.loads(result_file.read_text())
+    result = json.loads(result_file.read_text())
+    # CPU seconds of the process: its wall time on an otherwise idle machine (one torch thread).
+    result["cpu_seconds"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    result["wall_seconds"] = time.perf_counter() - started
+    return result
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -395,7 +402,8 @@ def progress_line(label: str, result: dict) -> str:
     updates = ", ".join(f"{s:.1f}" for s in result["update_seconds"])
     return (
         f"  {label}: peak PSS {memory['peak']['pss']:.0f} MiB ({above:.0f} above the imports), "
-        f"{result['eps']:.2f} episodes/s, updates {updates} s"
+        f"{result['eps']:.2f} episodes/s, updates {updates} s; process {result['wall_seconds']:.0f} s, "
+        f"{result['cpu_seconds']:.0f} CPU s"
     )
 
 
@@ -418,15 +426,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from marl.environment import machine_description, package_versions
 
-    setups = setup_names(args.setup)
+    configs = {setup: build_config(setup, args) for setup in setup_names(args.setup)}
     known = (*marl_systems(), "trl")
-    systems = [s.strip() for s in (args.systems or ",".join(known)).split(",") if s.strip()]
-    if unknown := set(systems) - set(known):
+    chosen = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
+    if unknown := set(chosen or ()) - set(known):
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; this marl knows {list(known)}")
+    systems = {setup: setup_systems(config, known, chosen) for setup, config in configs.items()}
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1 (3 or more for a median worth quoting)")
     quantizations = QUANTIZATIONS if args.quantization == "both" else (args.quantization,)
-    plan = [(setup, q, system) for setup in setups for q in quantizations for system in systems]
+    plan = [(setup, q, system) for setup in configs for q in quantizations for system in systems[setup]]
     minutes = estimate_minutes(plan, run_seconds, args.runs)
     print(
         f"estimated time: {minutes:.0f} min for {len(plan) * args.runs} runs (2 cores, one thread)",
@@ -443,14 +452,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "command": "python " + " ".join([os.path.relpath(__file__, REPO_ROOT), *sys.argv[1:]]),
         "machine": machine,
         "versions": package_versions(),
-        "systems": systems,
+        "systems": [s for s in known if any(s in mine for mine in systems.values())],
         "setups": {},
     }
-    name = "-".join(sorted({s.split("-")[0] for s in setups})) if len(setups) > 1 else setups[0]
+    name = "-".join(sorted({s.split("-")[0] for s in configs})) if len(configs) > 1 else next(iter(configs))
     results_dir = REPO_ROOT / "benchmarks" / "results"
     output = Path(args.output) if args.output else results_dir / f"{date:%Y-%m-%d}-{name}.md"
-    for setup in setups:
-        config = build_config(setup, args)
+    for setup, config in configs.items():
         model_path = prepare_model(config, work_dir)
         reward_adapter = prepare_reward_adapter(config, model_path, work_dir, args.reward_adapter)
         prompts = prepare_prompts(config, model_path)
@@ -461,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if config.model == "smollm2-135m-instruct"
             else "built from a config with random weights",
             "reward_adapter_note": reward_adapter_note(reward_adapter, args.reward_adapter, config),
+            "systems": systems[setup],
             "blocks": {},
         }
         for quantization in quantizations:
@@ -468,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"[{setup} {quantization}] load average {block['loadavg']}", flush=True)
             common = dict(quantization=quantization, config=dataclasses.asdict(config), prompts=prompts)
             common.update(model_path=model_path, reward_adapter=reward_adapter)
-            jobs = {system: dict(common, system=system, **sharing(system, known)) for system in systems}
+            jobs = {s: dict(common, system=s, **sharing(s, known)) for s in systems[setup]}
             block["runs"] = run_block(jobs, args.runs, work_dir, f"{setup}-{quantization}")
             block["summary"] = summarize(block["runs"])
             block["floor"] = compute_floor(config, quantization, model_path, reward_adapter, prompts)
@@ -476,10 +485,24 @@ def main(argv: Sequence[str] | None = None) -> None:
             report["wall_minutes"] = (time.perf_counter() - started) / 60
             (work_dir / "report.json").write_text(json.dumps(report, indent=1))
             print(f"raw results: {work_dir / 'report.json'}", flush=True)
-            if "trl" in systems and "marl" in systems:
+            if {"marl", "trl"} <= set(systems[setup]):
                 output.parent.mkdir(parents=True, exist_ok=True)
                 output.write_text(render_markdown(report))
                 print(f"results: {output}", flush=True)
+
+
+def setup_systems(config: BenchConfig, known: Sequence[str], chosen: Sequence[str] | None) -> list[str]:
+    """The systems a setup runs: those chosen with --systems, else marl and TRL, and marl with prompt-prefix
+    sharing off too where the setup compares it (and this marl can turn it off).
+
+    Example:
+        >>> config = BenchConfig("s", "m", "cpu", "float32", 1, 4, 8, 2, compare_sharing=False)
+        >>> setup_systems(config, ["marl", "marl-unshared", "trl"], None)
+        ['marl', 'trl']
+    """
+    if chosen:
+        return list(chosen)
+    return [s for s in known if s != "marl-unshared" or config.compare_sharing]
 
 
 def sharing(system: str, known: Sequence[str]) -> dict:
