@@ -83,7 +83,8 @@ def bitsandbytes_config(quantization: str | None, compute_dtype: torch.dtype) ->
 def prepare_quantized_base(model: nn.Module, quantization: str | None) -> nn.Module:
     """Make a freshly loaded quantized base ready for adapters: freeze it, upcast its non-quantized
     parameters (norms, embeddings) to float32 (``prepare_model_for_kbit_training``), keep its 4-bit layers
-    differentiable on CPU and drop LLM.int8's per-call notice. An unquantized base is only frozen.
+    differentiable on CPU, drop LLM.int8's per-call notice, and let go of the checkpoint's pages and of the
+    memory the quantization freed. An unquantized base is only frozen.
 
     Gradient checkpointing is not switched on here; the caller decides (see ``MultiAdapterModel``).
     """
@@ -93,6 +94,8 @@ def prepare_quantized_base(model: nn.Module, quantization: str | None) -> nn.Mod
         return model
     from peft import prepare_model_for_kbit_training
 
+    from marl.memory import release_freed_memory
+
     if quantization == "4bit":
         keep_4bit_layers_differentiable_on_cpu(model)
     else:
@@ -100,6 +103,9 @@ def prepare_quantized_base(model: nn.Module, quantization: str | None) -> nn.Mod
         use_one_int8_path_in_train_and_eval(model)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     release_checkpoint_mapping(model)
+    # Quantizing cycles every float32 weight through the C heap, which keeps what they freed (a 0.5B model:
+    # 1.96 GB of anonymous memory after the load, 0.40 GB once returned).
+    release_freed_memory()
     return model
 
 

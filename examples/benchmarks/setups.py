@@ -59,7 +59,7 @@ _SMOLLM2_CPU = dict(model="smollm2-135m-instruct", device="cpu", dtype="float32"
 SETUPS = {
     "cpu-short": dict(_SMOLLM2_CPU, prompts_per_update=4, response_length=16, updates=3),
     "cpu-long": dict(
-        _SMOLLM2_CPU, prompts_per_update=1, response_length=32, updates=3, context_tokens=128,
+        _SMOLLM2_CPU, prompts_per_update=1, response_length=32, updates=2, context_tokens=128,
         compare_sharing=True,
     ),
     "cpu-weights": dict(
@@ -71,15 +71,16 @@ SETUPS = {
     ),
 }  # fmt: skip
 SETUP_GROUPS = {"cpu": ("cpu-short", "cpu-long", "cpu-weights"), "gpu": ("gpu-qwen2",)}
-# Seconds of one run (process start to exit) on the reference machine (2 cores, one torch thread), by
-# (setup, quantization, system); for the estimate printed at the start.
+# Seconds of one run (process start to exit) on the reference machine when it is otherwise idle (2 cores, one
+# torch thread), by (setup, quantization) and system, for the estimate printed at the start. From the 5-run
+# results of 2026-11-21 (cpu-short) and the CPU seconds of single runs on a shared machine (the others).
 RUN_SECONDS = {
-    ("cpu-short", "none"): {"marl": 45, "trl": 50},
-    ("cpu-short", "4bit"): {"marl": 50, "trl": 60},
-    ("cpu-long", "none"): {"marl": 45, "trl": 55},
-    ("cpu-long", "4bit"): {"marl": 55, "trl": 65},
-    ("cpu-weights", "none"): {"marl": 60, "trl": 80},
-    ("cpu-weights", "4bit"): {"marl": 90, "trl": 120},
+    ("cpu-short", "none"): {"marl": 37, "trl": 38},
+    ("cpu-short", "4bit"): {"marl": 40, "trl": 45},
+    ("cpu-long", "none"): {"marl": 35, "trl": 45},
+    ("cpu-long", "4bit"): {"marl": 42, "trl": 55},
+    ("cpu-weights", "none"): {"marl": 30, "trl": 30},
+    ("cpu-weights", "4bit"): {"marl": 45, "trl": 60},
 }
 DEFAULT_RUN_SECONDS = 120
 
