@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +41,37 @@ def format_bytes(num_bytes: float) -> str:
             value = num_bytes / scale
             return f"{value:.2f} {unit}" if unit == "GB" else f"{value:.1f} {unit}"
     return f"{int(num_bytes)} B"
+
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018  (only glibc has it)
+        libc.malloc_trim  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def release_freed_memory() -> bool:
+    """Give the memory that freed CPU tensors left in the C heap back to the operating system; returns
+    whether it could (glibc only).
+
+    glibc serves tensors up to 32 MiB from its heap once a larger one was freed, and keeps what they free:
+    after a training step on CPU, most of the process's anonymous memory can be free heap that no tensor uses
+    (measured: 1.4 GB of 1.9 GB after an update of SmolLM2-135M on 1,400 tokens). ``malloc_trim`` returns it;
+    it takes milliseconds.
+
+    Example:
+        >>> release_freed_memory() in (True, False)
+        True
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:

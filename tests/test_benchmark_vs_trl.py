@@ -1,38 +1,53 @@
-"""The pure parts of the marl-vs-TRL benchmark harness: floor sum, KV tokens, throughput clock, summary."""
+"""The pure parts of the marl-vs-TRL benchmark harness (examples/benchmarks): floor, KV tokens, memory
+parsing and sampling, throughput clock, summaries, the time estimate, prompts and the results file."""
 
 from __future__ import annotations
 
-import importlib.util
+import doctest
+import importlib
 import math
 import sys
 from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "benchmarks" / "vs_trl.py"
+_HERE = Path(__file__).resolve().parents[1] / "examples" / "benchmarks"
+_MODULES = ("measure", "setups", "report_markdown", "vs_trl")
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("vs_trl", _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vs_trl"] = module  # dataclasses look their module up by name
+def modules():
+    """The benchmark's modules, imported from their folder as the script imports them."""
+    sys.path.insert(0, str(_HERE))
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield {name: importlib.import_module(name) for name in _MODULES}
     finally:
-        del sys.modules["vs_trl"]
+        sys.path.remove(str(_HERE))
+        for name in _MODULES:
+            sys.modules.pop(name, None)
 
 
-def test_kv_tokens_store_each_prompt_once(bench):
-    tokens = bench.rollout_kv_tokens(prompt_tokens=8, num_prompts=4, rloo_k=4, response_length=16)
+@pytest.fixture(scope="module")
+def measure(modules):
+    return modules["measure"]
+
+
+def test_examples_of_the_helpers_run(modules):
+    for name, module in modules.items():
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        assert result.failed == 0, name
+    assert doctest.testmod(modules["measure"]).attempted >= 8
+
+
+def test_kv_tokens_store_each_prompt_once(measure):
+    tokens = measure.rollout_kv_tokens(prompt_tokens=8, num_prompts=4, rloo_k=4, response_length=16)
     assert tokens == 4 * 8 + 4 * 4 * 16
     unshared = 4 * 4 * (8 + 16)  # the prompt repeated for each of the k samples
     assert tokens < unshared
 
 
-def test_memory_floor_sums_its_parts(bench):
-    floor = bench.memory_floor(
+def test_memory_floor_sums_its_parts(measure):
+    floor = measure.memory_floor(
         base_weight_bytes=100.0, policy_adapter_bytes=48.0, frozen_adapter_bytes=7.0, kv_bytes=5
     )
     assert floor["policy adapter + grads + AdamW"] == 48.0
@@ -40,8 +55,56 @@ def test_memory_floor_sums_its_parts(bench):
     assert len(floor) == 5
 
 
-def test_clock_excludes_the_first_update(bench):
-    clock = bench.UpdateClock()
+def test_proc_fields_parse_a_smaps_rollup(measure):
+    text = (
+        "56356eeee000-7fffd968d000 ---p 00000000 00:00 0                          [rollup]\n"
+        "Rss:              536040 kB\n"
+        "Pss:              465132 kB\n"
+        "Pss_Anon:         395072 kB\n"
+        "Anonymous:        395072 kB\n"
+        "Swap:                  0 kB\n"
+    )
+    fields = measure.parse_proc_fields(text)
+    assert fields["Rss"] == 536040 / 1024 and fields["Pss"] == 465132 / 1024
+    assert fields["Anonymous"] == fields["Pss_Anon"] and fields["Swap"] == 0.0
+    assert len(fields) == 5  # the header line is no field
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").is_file(), reason="reads /proc (Linux)")
+def test_sampler_gives_a_phase_its_own_peak(measure):
+    sampler = measure.MemorySampler(interval=0.01)
+    with sampler.phase("update"):
+        block = bytearray(64 * 2**20)  # zero-filled: every page is touched
+        sampler.mark("inside")
+        del block
+    sampler.set_base_phase("other")
+    sampler.mark("after update")
+    memory = sampler.stop()
+    baseline = memory["baseline"]
+    assert memory["phases"]["update"]["anon"] - baseline["anon"] > 48
+    assert memory["phases"]["update"]["pss"] - baseline["pss"] > 48
+    assert memory["points"]["inside"][0]["pss"] - memory["points"]["after update"][0]["pss"] > 48
+    assert memory["peak"]["pss"] >= memory["phases"]["update"]["pss"]
+    assert memory["rises"]["update"]["anon"] > 48 and "other" not in memory["rises"]
+    assert memory["vmhwm"] >= memory["peak"]["rss"] - 1
+
+
+def test_label_calls_wraps_what_exists_and_skips_what_does_not(measure):
+    class Job:
+        def work(self, value):
+            return value * 2
+
+    job = Job()
+    sampler = measure.MemorySampler(interval=1.0)
+    assert measure.label_calls(sampler, job, "work", "update", mark="after update")
+    assert not measure.label_calls(sampler, job, "renamed", "update")
+    assert job.work(21) == 42
+    memory = sampler.stop()
+    assert "update" in memory["phases"] and len(memory["points"]["after update"]) == 1
+
+
+def test_clock_excludes_the_first_update(measure):
+    clock = measure.UpdateClock()
     clock.start = 0.0
     clock.update_ends = [100.0, 110.0, 130.0]  # warm-up 100 s, then 10 s and 20 s
     result = clock.throughput(episodes_per_update=16, tokens_per_update=256)
@@ -53,21 +116,144 @@ def test_clock_excludes_the_first_update(bench):
         clock.throughput(16, 256)
 
 
-def test_summary_gives_median_spread_and_a_nan_ratio_for_a_zero_peer(bench):
-    runs = [
-        {"system": system, "quantization": "none", "result": {"eps": eps, "peak_rss_mib": mem}}
-        for system, eps, mem in [
-            ("marl", 3.0, 10.0),
-            ("trl", 1.0, 40.0),
-            ("marl", 1.0, 30.0),
-            ("trl", 2.0, 20.0),
-            ("marl", 2.0, 20.0),
-            ("trl", 3.0, 30.0),
+def _result(eps: float, peak_pss: float, baseline_pss: float = 400.0) -> dict:
+    """A run's result as the workers write it (MiB, episodes/s)."""
+    memory = {
+        "baseline": {"pss": baseline_pss, "rss": baseline_pss + 50, "anon": baseline_pss - 100},
+        "peak": {"pss": peak_pss, "rss": peak_pss + 300, "anon": peak_pss - 150},
+        "vmhwm": peak_pss + 310,
+        "phases": {
+            phase: {"pss": peak_pss - 10 * i, "rss": peak_pss, "anon": peak_pss - 200}
+            for i, phase in enumerate(("load", "generation", "scoring", "update", "other"))
+        },
+        "rises": {
+            phase: {"pss": 50.0, "rss": 60.0, "anon": 40.0} for phase in ("generation", "scoring", "update")
+        },
+        "points": {
+            "after load": [{"pss": baseline_pss + 200, "rss": baseline_pss + 250, "anon": baseline_pss}],
+            "after update": [{"pss": peak_pss - 100, "rss": peak_pss, "anon": peak_pss - 200}] * 2,
+        },
+    }
+    checkpoint = {"rss": 513.0, "pss": 513.0}
+    return {
+        "eps": eps,
+        "tokens_per_s": 16 * eps,
+        "update_seconds": [10.0, 8.0, 8.0],
+        "memory": memory,
+        "checkpoint_after_load": checkpoint,
+        "checkpoint_at_end": checkpoint,
+        "lengths": [16] if eps else [],
+    }
+
+
+def _runs() -> list[dict]:
+    return [
+        {"system": system, "result": _result(eps, pss)}
+        for system, eps, pss in [
+            ("marl", 3.0, 1000.0),
+            ("trl", 1.0, 1400.0),
+            ("marl", 1.0, 1200.0),
+            ("trl", 2.0, 1800.0),
+            ("marl", 2.0, 1100.0),
+            ("trl", 3.0, 1600.0),
         ]
     ]
-    summary = bench.summarize(runs, "none")
+
+
+def test_summary_gives_median_spread_per_metric_and_phase(measure):
+    summary = measure.summarize(_runs())
     assert summary["marl"]["eps"] == {"median": 2.0, "min": 1.0, "max": 3.0}
-    assert summary["trl"]["peak_rss_mib"] == {"median": 30.0, "min": 20.0, "max": 40.0}
-    medians = {system: summary[system]["peak_rss_mib"]["median"] for system in ("marl", "trl")}
-    assert bench.ratio(medians["marl"], medians["trl"]) == pytest.approx(2 / 3)
-    assert math.isnan(bench.ratio(1.0, 0.0))
+    assert summary["trl"]["pss_above_baseline"] == {"median": 1200.0, "min": 1000.0, "max": 1400.0}
+    assert summary["marl"]["update_pss_above_baseline"]["median"] == 1100.0 - 30 - 400
+    assert summary["marl"]["after load_pss_above_baseline"]["median"] == 200.0
+    assert summary["marl"]["update_pss_rise"]["median"] == 50.0
+    assert summary["marl"]["after update_pss_above_baseline"]["median"] == 1100.0 - 100 - 400
+    medians = {s: summary[s]["pss_above_baseline"]["median"] for s in ("marl", "trl")}
+    assert measure.ratio(medians["marl"], medians["trl"]) == pytest.approx(700 / 1200)
+    assert math.isnan(measure.ratio(1.0, 0.0))
+
+
+def test_estimate_adds_every_run(modules):
+    vs_trl = modules["vs_trl"]
+    plan = [
+        (s, q, system)
+        for s in ("cpu-short", "cpu-long")
+        for q in ("none", "4bit")
+        for system in ("marl", "trl")
+    ]
+    minutes = modules["measure"].estimate_minutes(plan, vs_trl.run_seconds, runs=3)
+    table = modules["setups"].RUN_SECONDS
+    expected = 3 * sum(table[(s, q)][system] for s, q, system in plan) / 60
+    assert minutes == pytest.approx(expected)
+    assert vs_trl.run_seconds("cpu-long", "none", "marl-unshared") == table[("cpu-long", "none")]["marl"]
+
+
+def test_setup_groups_expand_and_unknown_names_stop(modules):
+    vs_trl = modules["vs_trl"]
+    assert vs_trl.setup_names("cpu") == ["cpu-short", "cpu-long", "cpu-weights"]
+    assert vs_trl.setup_names("cpu-long,gpu") == ["cpu-long", "gpu-qwen2"]
+    with pytest.raises(SystemExit, match="unknown"):
+        vs_trl.setup_names("cpu-huge")
+
+
+def test_sharing_is_passed_only_where_marl_has_the_switch(modules):
+    sharing = modules["vs_trl"].sharing
+    with_switch = ("marl", "marl-unshared", "trl")
+    assert sharing("marl", with_switch) == {"share_prompt_prefix": True}
+    assert sharing("marl-unshared", with_switch) == {"share_prompt_prefix": False}
+    assert sharing("trl", with_switch) == {"share_prompt_prefix": None}
+    assert sharing("marl", ("marl", "trl")) == {"share_prompt_prefix": None}
+
+
+def test_long_prompts_reach_their_length_with_whole_snippets(modules):
+    setups = modules["setups"]
+    snippets = [f"review number {i} says the film is fine" for i in range(40)]
+    prompts = setups.build_context_prompts(snippets, 3, 40, lambda text: len(text.split()))
+    assert len(prompts) == 3 and all(len(p.split()) >= 40 for p in prompts)
+    assert all(p.startswith(setups.CONTEXT_HEAD) and p.endswith(setups.CONTEXT_TAIL) for p in prompts)
+    assert len({p for p in prompts}) == 3  # every prompt has its own snippets
+    with pytest.raises(ValueError, match="too few"):
+        setups.build_context_prompts(snippets[:2], 3, 40, lambda text: len(text.split()))
+
+
+def test_results_file_has_ratios_phases_floor_and_every_run(modules):
+    runs = _runs()
+    floor = modules["measure"].memory_floor(500 * 2**20, 75 * 2**20, 6 * 2**20, 13 * 2**20)
+    config = dataclasses_config(modules["setups"])
+    report = {
+        "date": "2026-11-22 08:00 UTC",
+        "command": "python examples/benchmarks/vs_trl.py",
+        "wall_minutes": 12.0,
+        "machine": {"cores": "2"},
+        "versions": {"marl": "0.1.0"},
+        "systems": ["marl", "trl"],
+        "setups": {
+            "cpu-short": {
+                "config": config,
+                "prompt_tokens": [4, 11],
+                "model_note": "bundled",
+                "reward_adapter_note": "bundled",
+                "blocks": {
+                    "none": {
+                        "loadavg": "0.1",
+                        "runs": runs,
+                        "summary": modules["measure"].summarize(runs),
+                        "floor": floor,
+                    }
+                },
+            }
+        },
+    }
+    text = modules["report_markdown"].render_markdown(report)
+    assert "| cpu-short | none | 0.58 | 1.00 | 1.18 |" in text  # 700 / 1200 PSS, 2 / 2 eps, 700 / 594 floor
+    assert (
+        "| none | marl | 200 / 100 | 690 (+50) |" in text
+    )  # after load: PSS / anon; generation: peak (+rise)
+    assert "| total | 594.0 MiB |" in text
+    assert text.count("| none | ") >= 6 + 2 + 2 + 6  # results, phases, checkpoint maps, every run
+
+
+def dataclasses_config(setups) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(setups.BenchConfig(setup="cpu-short", **setups.SETUPS["cpu-short"]))

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import TINY_ARCHITECTURES
+from conftest import TINY_ARCHITECTURES, save_tiny_model
 from peft import LoraConfig
 from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
@@ -17,9 +19,11 @@ from marl.memory import (
     logical_parameter_count,
     lora_parameter_count,
     quantized_weight_bytes,
+    release_freed_memory,
     stored_bytes,
 )
 from marl.model import MultiAdapterModel
+from marl.quantization import release_checkpoint_mapping
 
 
 def test_adamw_estimate_matches_a_real_optimizer_step():
@@ -161,3 +165,67 @@ def test_format_bytes():
     assert format_bytes(512) == "512 B"
     assert format_bytes(1_500) == "1.5 kB"
     assert format_bytes(2_500_000_000) == "2.50 GB"
+
+
+def _mapped_ranges(directory: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of files under ``directory`` (/proc/self/maps)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(str(directory)):
+            start, end = (int(address, 16) for address in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads the memory maps from /proc (Linux)")
+@pytest.mark.parametrize("quantization", [None, "4bit", "8bit"])
+def test_a_quantized_base_keeps_no_pages_of_its_checkpoint(quantization, tmp_path):
+    """transformers maps a safetensors checkpoint; a quantized base must not stay a view of that map (its
+    float32 pages would stay resident next to the quantized weights). Unquantized, the map is the weights."""
+    model_dir = save_tiny_model(tmp_path / "model").resolve()
+    model = MultiAdapterModel.from_pretrained(model_dir, quantization=quantization)
+    ranges = _mapped_ranges(model_dir)
+    tensors = [*model.peft_model.named_parameters(), *model.peft_model.named_buffers()]
+    file_backed = [
+        name
+        for name, tensor in tensors
+        if any(start <= tensor.untyped_storage().data_ptr() < end for start, end in ranges)
+    ]
+    if quantization is None:
+        assert file_backed  # the check sees the map: an unquantized CPU base is the mapped checkpoint
+    else:
+        assert file_backed == [] and ranges == []
+
+
+def test_releasing_the_checkpoint_map_keeps_tied_weights_tied():
+    embedding = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = embedding.weight
+    model = torch.nn.Sequential(embedding, head)
+    before = embedding.weight.detach().clone()
+    pointer = embedding.weight.data_ptr()
+    assert release_checkpoint_mapping(model) == 1
+    assert head.weight is embedding.weight and embedding.weight.data_ptr() != pointer
+    assert torch.equal(embedding.weight, before)
+
+
+def _anonymous_mib() -> float:
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")) / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc (Linux)")
+def test_freed_heap_memory_goes_back_to_the_system():
+    if not release_freed_memory():
+        pytest.skip("not glibc")
+    # 64 KiB blocks come from the heap (below glibc's mmap threshold); the last one pins the heap's top.
+    blocks = [bytearray(64 * 1024) for _ in range(400)]
+    pin = bytearray(64 * 1024)
+    held = _anonymous_mib()
+    del blocks[:]
+    freed = _anonymous_mib()
+    release_freed_memory()
+    assert freed > held - 5  # freed blocks below the top stay resident
+    assert _anonymous_mib() < freed - 15
+    del pin
