@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CURVES = (
-    ("objective/scores", "reward-adapter score"),
-    ("objective/kl", "KL to the reference (sum over tokens)"),
-    ("objective/rlhf_reward", "RLHF reward = score − kl_coef·KL"),
+# One panel per entry: its title and the (metric, legend) lines it draws. A panel none of whose metrics a run
+# logged is left out (the judge panel needs a trainer with a judge and held-out prompts).
+PANELS = (
+    (
+        "reward-adapter score",
+        (("objective/scores", "training rollouts"), ("eval/score", "held-out prompts")),
+    ),
+    ("gold-judge score, held-out prompts", (("eval/judge_score", None),)),
+    ("KL to the reference (sum over tokens)", (("objective/kl", None),)),
+    ("RLHF reward = score − kl_coef·KL", (("objective/rlhf_reward", None),)),
 )
 
 
@@ -23,8 +29,19 @@ def read_metrics(metrics_file: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
+def logged_panels(records: list[dict[str, float]]) -> list[tuple[str, tuple]]:
+    """The entries of ``PANELS`` with at least one metric in ``records``.
+
+    Example:
+        >>> [title for title, _ in logged_panels([{"objective/scores": 1.0, "objective/kl": 0.1}])]
+        ['reward-adapter score', 'KL to the reference (sum over tokens)']
+    """
+    return [(title, lines) for title, lines in PANELS if any(key in r for r in records for key, _ in lines)]
+
+
 def plot_training_curves(metrics_file: str | Path, output_file: str | Path, title: str | None = None) -> Path:
-    """Plot score, KL and RLHF reward against the episode (completions seen) into ``output_file``.
+    """Plot score, judge score (when logged), KL and RLHF reward against the episode (completions seen)
+    into ``output_file``.
 
     Example:
         >>> plot_training_curves("runs/rloo/metrics.jsonl", "runs/rloo/training_curves.png")  # doctest: +SKIP
@@ -37,11 +54,19 @@ def plot_training_curves(metrics_file: str | Path, output_file: str | Path, titl
     records = read_metrics(metrics_file)
     if not records:
         raise ValueError(f"{metrics_file} has no records: the run logged no update")
-    episodes = [record["episode"] for record in records]
-    figure, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4), constrained_layout=True)
-    for axis, (key, label) in zip(axes, CURVES, strict=True):
-        axis.plot(episodes, [record[key] for record in records], marker="o", markersize=3)
-        axis.set_title(label, fontsize=10)
+    panels = logged_panels(records)
+    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), constrained_layout=True)
+    for axis, (panel_title, lines) in zip(axes, panels, strict=True):
+        for key, legend in lines:
+            logged = [record for record in records if key in record]
+            if logged:
+                values = [record[key] for record in logged]
+                axis.plot(
+                    [record["episode"] for record in logged], values, marker="o", markersize=3, label=legend
+                )
+        if any(legend for _, legend in lines):
+            axis.legend(fontsize=8)
+        axis.set_title(panel_title, fontsize=10)
         axis.set_xlabel("episode (completions)")
         axis.grid(alpha=0.3)
     if title:

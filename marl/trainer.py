@@ -33,6 +33,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,12 +51,14 @@ from marl.config import RLOOConfig
 from marl.errors import ConfigError
 from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 from marl.model import MultiAdapterModel
-from marl.rewards import build_rewards
+from marl.rewards import CheckedJudge, build_rewards
 from marl.rollout import Rollout, Sampler, collect_rollout, prepare_prompts, prompts_for_update
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
 PROCESS_SEED_STRIDE = 100_003
 SAMPLE_TABLE_ROWS = 8
+# Held-out prompts a judge scores at each sample table: enough for a readable curve, cheap next to an update.
+JUDGED_EVAL_ROWS = 32
 
 
 @dataclass
@@ -83,6 +86,12 @@ class RLOOTrainer:
             adapter names, functions ``f(prompts, completions)`` returning one number (or ``None``) per
             completion, :class:`marl.rewards.RewardSource` objects. They are combined as
             ``Σ_i w_i · r_i`` with ``config.reward_weights`` (1 each by default); see :mod:`marl.rewards`.
+        judge: optional ``judge(texts) -> scores`` (higher is better, e.g. :func:`marl.rewards.load_judge`)
+            that no training signal sees; with ``eval_dataset``, each sample table also scores the first
+            ``JUDGED_EVAL_ROWS`` held-out prompts with it and logs ``eval/judge_score`` beside ``eval/score``
+            (the reward's mean on them), so that a rise of the reward without a rise of the judge shows.
+        callbacks: functions called as ``callback(state, metrics)`` after every update (with the
+            :class:`TrainerState` and that update's metrics), e.g. :class:`marl.cpu_threads.FreeCoreThreads`.
 
     Attributes:
         state: :class:`TrainerState`.
@@ -102,9 +111,19 @@ class RLOOTrainer:
         train_dataset: Any,
         eval_dataset: Any = None,
         reward_funcs: Any = None,
+        judge: Callable[[list[str]], Any] | None = None,
+        callbacks: Sequence[Callable[[TrainerState, dict[str, float]], Any]] = (),
     ) -> None:
         if not isinstance(config, RLOOConfig):
             raise TypeError(f"config must be a marl.RLOOConfig, got {type(config).__name__}")
+        if judge is not None and (eval_dataset is None or config.num_sample_generations == 0):
+            raise ConfigError(
+                "a judge scores the held-out samples: pass eval_dataset and set num_sample_generations > 0"
+            )
+        self.judge = (
+            judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge")
+        )
+        self.callbacks = list(callbacks)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -369,17 +388,25 @@ class RLOOTrainer:
         if self.accelerator.is_main_process:
             run_dir.append_metrics(self.output_dir, record)
 
-    def _sample_table(self, rollout: Rollout) -> None:
-        """Print and save a table of sample completions: of held-out prompts when given (sampled without
-        disturbing the training RNG), else of this rollout."""
+    def _sample_table(self, rollout: Rollout) -> dict[str, float]:
+        """Save a table of sample completions: of held-out prompts when given (sampled without disturbing the
+        training RNG), else of this rollout. Returns the held-out means to log (none without a judge)."""
         if not self.accelerator.is_main_process:
-            return
+            return {}
+        held_out = {}
         if self.eval_prompts is not None:
+            rows = JUDGED_EVAL_ROWS if self.judge is not None else SAMPLE_TABLE_ROWS
             devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
-                samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:SAMPLE_TABLE_ROWS]), k=1)
+                samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
             with torch.no_grad(), self.accelerator.autocast():
                 scores = self.reward.score(samples.scoring_batch()).total.tolist()
+            if self.judge is not None:
+                texts = [p + c for p, c in zip(samples.prompt_texts, samples.completions, strict=True)]
+                held_out = {
+                    "eval/score": float(torch.tensor(scores).nanmean()),
+                    "eval/judge_score": sum(self.judge(texts)) / len(texts),
+                }
         else:
             samples, scores = rollout, rollout.scores.tolist()
         rows = [
@@ -389,6 +416,7 @@ class RLOOTrainer:
             )
         ][:SAMPLE_TABLE_ROWS]
         run_dir.write_sample_table(self.output_dir, self.state.update, rows)
+        return held_out
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -507,19 +535,23 @@ class RLOOTrainer:
                     self._start_writing(plan, resumed_update)
 
                 metrics = self._metrics(RolloutStats.of(rollout, shaped), update_stats, start)
+                sample_now = self.sample_every and (self.state.update - 1) % self.sample_every == 0
+                held_out = self._sample_table(rollout) if sample_now else {}
+                metrics.update(held_out)
                 if (
-                    self.state.update % config.logging_steps == 0
+                    held_out
+                    or self.state.update % config.logging_steps == 0
                     or self.state.update == sizes.num_total_batches
                 ):
                     self._log(metrics)
+                for callback in self.callbacks:
+                    callback(self.state, metrics)
                 progress.update(1)
                 progress.set_postfix(
                     episode=self.episode,
                     score=f"{metrics['objective/scores']:.3f}",
                     kl=f"{metrics['objective/kl']:.3f}",
                 )
-                if self.sample_every and (self.state.update - 1) % self.sample_every == 0:
-                    self._sample_table(rollout)
                 if config.save_steps and self.state.update % config.save_steps == 0:
                     self._save_checkpoint()
         if self.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train

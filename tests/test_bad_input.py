@@ -427,6 +427,7 @@ CASES += [
     Case(DEMO, ["--temperature", "0"], r"temperature=0.0 must be > 0"),
     Case(DEMO, ["--num_eval_prompts", "0"], r"--num_eval_prompts=0 must be a positive integer"),
     Case(DEMO, ["--seed", "-1"], r"--seed=-1 is out of range"),
+    Case(DEMO, ["--threads", "-1"], r"--threads=-1 must be >= 0"),
     Case(DEMO, ["--train_reward", "please"], r"--train_reward.*got please"),
 ]  # fmt: skip
 

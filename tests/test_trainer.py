@@ -12,8 +12,9 @@ import torch
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
-from marl.errors import DataError
+from marl.errors import ConfigError, DataError
 from marl.rollout import Prompt, collect_rollout
+from marl.trainer import JUDGED_EVAL_ROWS
 
 PROMPTS = ["the movie", "a film about", "review:", "good", "bad acting", "the plot", "write a", "an honest"]
 
@@ -401,6 +402,45 @@ def test_tensorboard_tracker_and_eval_samples(tiny_llama_dir, tmp_path):
     ]
     assert [row["prompt"] for row in rows] == ["held out one", "held out two"]
     assert all(row["score"] == row["completion"].count("e") for row in rows)
+
+
+def test_a_judge_scores_the_held_out_samples_without_touching_training(tiny_llama_dir, tmp_path):
+    held_out = prompt_dataset([f"held out {i}" for i in range(40)])
+    seen: list[str] = []
+
+    def judge(texts):
+        seen.extend(texts)
+        return [float(text.count("o")) for text in texts]
+
+    def run(output_dir, judge):
+        config = tiny_config(output_dir, num_sample_generations=3, logging_steps=2)
+        config.model_name_or_path = str(tiny_llama_dir)
+        torch.manual_seed(0)
+        model = config.load_model()
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+        trainer = RLOOTrainer(
+            config, model, tokenizer, prompt_dataset(), held_out, reward_funcs=count_e, judge=judge
+        )
+        trainer.train()
+        return read_metrics(output_dir)
+
+    judged, plain = run(tmp_path / "judged", judge), run(tmp_path / "plain", None)
+    # A sample table at every update (3 updates / 3 generations): each logged with the held-out means.
+    assert [r["update"] for r in judged] == [1, 2, 3] and [r["update"] for r in plain] == [2, 3]
+    assert len(seen) == 3 * JUDGED_EVAL_ROWS
+    assert all(text.startswith("held out ") for text in seen)
+    first = seen[:JUDGED_EVAL_ROWS]
+    assert judged[0]["eval/judge_score"] == pytest.approx(sum(t.count("o") for t in first) / len(first))
+    for with_judge, without in zip(judged[1:], plain, strict=True):  # the training RNG is not disturbed
+        assert "eval/score" in with_judge and "eval/judge_score" not in without
+        assert with_judge["objective/scores"] == without["objective/scores"]
+        assert with_judge["objective/kl"] == pytest.approx(without["objective/kl"], abs=1e-6)
+
+
+def test_a_judge_needs_held_out_prompts(tiny_llama_dir, tmp_path):
+    config = tiny_config(tmp_path / "run", num_sample_generations=1)
+    with pytest.raises(ConfigError, match="pass eval_dataset"):
+        RLOOTrainer(config, None, None, prompt_dataset(), reward_funcs=count_e, judge=len)
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])
