@@ -9,18 +9,15 @@ number of updates, and the same seed.
 - marl: :func:`marl.demo.demo_rloo_config` on one base; the reward adapter scores prompt + completion + EOS
   (:class:`marl.rewards.EosTerminatedAdapterReward`), as it was trained.
 - TRL 1.16 ``RLOOTrainer``: the policy is the base + ``peft_config`` (reference = adapters disabled); the
-reward
-  is what a TRL user loads, ``AutoModelForSequenceClassification`` + ``PeftModel.from_pretrained``, called
-  from
-  a reward function that scores prompt + completion + EOS with the padding id the adapter was trained with
-  (its ``marl_reward.json``), so both read the score where the adapter was trained to read it. Completions
-  are fixed-length through ``min_new_tokens``.
+  reward is what a TRL user loads, ``AutoModelForSequenceClassification`` + ``PeftModel.from_pretrained``,
+  called from a reward function that scores prompt + completion + EOS with the padding id the adapter was
+  trained with (its ``marl_reward.json``), so both read the score where the adapter was trained to read it.
+  Completions are fixed-length through ``min_new_tokens``.
 
 Each training run is its own process; then both policies and the base are evaluated by
 :func:`marl.evaluate.generate_and_score` on the same held-out prompts: VADER win rate over the base, mean
-VADER
-score, mean reward-adapter score, KL to the base, wall time. The results go to a dated markdown file with the
-configuration mapping, and a PNG overlays the two systems' training curves.
+VADER score, mean reward-adapter score, KL to the base, wall time. The results go to a dated markdown file
+with the configuration mapping, and a PNG overlays the two systems' training curves.
 
     python examples/benchmarks/learning_vs_trl.py --seeds 0 1 2
 """
@@ -236,14 +233,20 @@ def worker(job_file: str) -> None:
     (Path(job.output_dir) / "result.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
-def run(job: Job) -> dict:
-    folder = Path(job.output_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
-    log = (folder / "log.txt").open("w")
-    command = [sys.executable, __file__, "--worker", str(folder / "job.json")]
-    subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-    return json.loads((folder / "result.json").read_text())
+def run(jobs: list[Job]) -> list[dict]:
+    """Run the jobs at the same time, each in its own single-threaded process; their results in order."""
+    processes = []
+    for job in jobs:
+        folder = Path(job.output_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
+        log = (folder / "log.txt").open("w")
+        command = [sys.executable, __file__, "--worker", str(folder / "job.json")]
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT))
+    for job, process in zip(jobs, processes, strict=True):
+        if process.wait() != 0:
+            raise SystemExit(f"{job.system} seed {job.seed} failed: see {Path(job.output_dir) / 'log.txt'}")
+    return [json.loads((Path(job.output_dir) / "result.json").read_text()) for job in jobs]
 
 
 def median_spread(values: list[float]) -> str:
@@ -359,6 +362,11 @@ def main() -> None:
     parser.add_argument("--num_eval_prompts", type=int, default=None, help="Default: the demo's.")
     parser.add_argument("--work_dir", default="runs/learning-vs-trl")
     parser.add_argument(
+        "--side_by_side",
+        action="store_true",
+        help="Train marl and TRL of a seed at the same time, one thread each (needs >= 2 free cores).",
+    )
+    parser.add_argument(
         "--output", default=None, help="Results markdown (default benchmarks/results/<date>-...)"
     )
     options = parser.parse_args()
@@ -369,17 +377,21 @@ def main() -> None:
     output = Path(options.output or REPO_ROOT / "benchmarks" / "results" / f"{stamp}-learning-vs-trl.md")
     results: dict[str, list[dict]] = {system: [] for system in SYSTEMS}
     for seed in options.seeds:
-        for system in SYSTEMS:  # alternating, so that a slower period of the machine hits both
-            folder = str(Path(options.work_dir) / f"{system}-seed{seed}")
-            job = Job(system, seed, folder, options.total_episodes, options.num_eval_prompts)
-            print(f"{system} seed {seed} ...", flush=True)
-            result = run(job)
-            result["seed"] = seed
-            results[system].append(result)
-            comparison = result["evaluation"]["comparison"]
-            print(
-                f"  win rate {comparison['win_rate']:.1%}, {result['train_seconds'] / 60:.1f} min", flush=True
-            )
+        jobs = [
+            Job(system, seed, str(Path(options.work_dir) / f"{system}-seed{seed}"), options.total_episodes,
+                options.num_eval_prompts)
+            for system in SYSTEMS
+        ]  # fmt: skip
+        # Both systems of a seed at once (side by side) or one after the other: either way a slower period of
+        # the machine hits both.
+        batches = [jobs] if options.side_by_side else [[job] for job in jobs]
+        for batch in batches:
+            print(f"seed {seed}: {', '.join(job.system for job in batch)} ...", flush=True)
+            for job, result in zip(batch, run(batch), strict=True):
+                result["seed"] = seed
+                results[job.system].append(result)
+                win, minutes = result["evaluation"]["comparison"]["win_rate"], result["train_seconds"] / 60
+                print(f"  {job.system}: win rate {win:.1%}, {minutes:.1f} min", flush=True)
     first = Job("marl", options.seeds[0], options.work_dir, options.total_episodes, options.num_eval_prompts)
     arguments, _, _ = demo_settings(first)
     settings = {**dataclasses.asdict(arguments), "seeds": options.seeds}
