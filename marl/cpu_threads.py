@@ -3,7 +3,7 @@
 Torch splits each operation over its threads and waits for the slowest. When another process takes one of the
 cores, the thread on that core runs only part of the time and every operation waits for it, while the other
 threads spin: on a 2-core machine an update of ``marl demo`` went from about 18 s alone to 74–170 s beside one
-other CPU-bound process. With one thread fewer than the busy cores it runs at the speed of the cores it has.
+other CPU-bound process. With one thread per free core it runs at the speed of the cores it actually has.
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 # A process using less than this share of a core (an editor, a shell, a monitor) does not take a thread away.
 IDLE_SHARE = 0.35
+# Shorter windows turn the 10 ms resolution of /proc/stat into noise: the measure waits for a longer one.
+MIN_WINDOW_SECONDS = 0.2
 
 
 def threads_for_free_cores(cores: int, busy_elsewhere: float) -> int:
-    """The thread count for ``cores`` cores of which other processes keep ``busy_elsewhere`` busy.
+    """The thread count for ``cores`` usable cores of which other processes keep ``busy_elsewhere`` busy.
 
     Example:
         >>> threads_for_free_cores(2, 0.0), threads_for_free_cores(2, 1.0), threads_for_free_cores(2, 3.0)
@@ -27,7 +29,7 @@ def threads_for_free_cores(cores: int, busy_elsewhere: float) -> int:
         8
     """
     taken = math.ceil(max(busy_elsewhere - IDLE_SHARE, 0.0))
-    return max(1, min(cores, cores - taken))
+    return max(1, cores - taken)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ def sample_cpu(cores: set[int] | None = None) -> CpuSample | None:
         >>> sample is None or sample.busy_seconds >= 0
         True
     """
-    if not os.path.exists("/proc/stat"):
+    if not os.path.exists("/proc/stat") or not hasattr(os, "sched_getaffinity"):
         return None
     cores = cores if cores is not None else os.sched_getaffinity(0)
     ticks_per_second = os.sysconf("SC_CLK_TCK")
@@ -65,19 +67,23 @@ def sample_cpu(cores: set[int] | None = None) -> CpuSample | None:
 
 
 class FreeCoreThreads:
-    """Sets torch's thread count, at every call, to the cores other processes left free since the last call.
+    """Sets torch's thread count, at every call, to the cores other processes left free since the last call,
+    never above the count torch had when this was made (its default, ``OMP_NUM_THREADS`` or the user's).
 
-    Call it between units of work (an RLOO update): the measure is the CPU time of all processes on this
-    process's cores minus this process's own, over the time since the last call.
+    Call it between units of work (an RLOO update, as a :class:`marl.RLOOTrainer` callback): the measure is
+    the CPU time of all processes on this process's cores, minus this process's own, over the time since the
+    last call. Steal time of a virtual machine counts as another process's. Where ``/proc/stat`` is missing
+    (macOS, Windows) it leaves the thread count alone.
 
     Example:
-        >>> governor = FreeCoreThreads()
-        >>> governor() >= 1
-        True
+        >>> threads = FreeCoreThreads()  # doctest: +SKIP
+        >>> trainer = RLOOTrainer(config, model, tokenizer, prompts, callbacks=[threads])  # doctest: +SKIP
     """
 
     def __init__(self, measure_seconds: float = 0.5) -> None:
-        self.cores = len(os.sched_getaffinity(0))
+        import torch
+
+        self.cores = torch.get_num_threads()
         self.busy_elsewhere = 0.0
         self._last = sample_cpu()
         if self._last is not None:
@@ -88,9 +94,11 @@ class FreeCoreThreads:
 
         now = sample_cpu()
         if now is not None and self._last is not None:
-            wall = max(now.wall_seconds - self._last.wall_seconds, 1e-3)
-            others = (now.busy_seconds - self._last.busy_seconds) - (now.own_seconds - self._last.own_seconds)
-            self.busy_elsewhere = max(others / wall, 0.0)
-            self._last = now
-            torch.set_num_threads(threads_for_free_cores(self.cores, self.busy_elsewhere))
+            wall = now.wall_seconds - self._last.wall_seconds
+            if wall >= MIN_WINDOW_SECONDS:
+                busy = now.busy_seconds - self._last.busy_seconds
+                others = busy - (now.own_seconds - self._last.own_seconds)
+                self.busy_elsewhere = max(others / wall, 0.0)
+                self._last = now
+                torch.set_num_threads(threads_for_free_cores(self.cores, self.busy_elsewhere))
         return torch.get_num_threads()

@@ -230,7 +230,6 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     Example:
         >>> run_demo(DemoArguments(output_dir="marl-demo/first"))  # doctest: +SKIP
     """
-    import datasets
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -304,7 +303,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         model,
         tokenizer,
         train_prompts,
-        eval_dataset=datasets.Dataset.from_dict({"prompt": eval_prompts}),
+        eval_dataset=[{"prompt": prompt} for prompt in eval_prompts],
         reward_funcs=reward,
         judge=load_judge(None),
         callbacks=callbacks,

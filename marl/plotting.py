@@ -29,7 +29,7 @@ def read_metrics(metrics_file: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def logged_panels(records: list[dict[str, float]]) -> list[tuple[str, tuple]]:
+def logged_panels(records: list[dict[str, float]]) -> list[tuple[str, tuple[tuple[str, str | None], ...]]]:
     """The entries of ``PANELS`` with at least one metric in ``records``.
 
     Example:
@@ -55,8 +55,10 @@ def plot_training_curves(metrics_file: str | Path, output_file: str | Path, titl
     if not records:
         raise ValueError(f"{metrics_file} has no records: the run logged no update")
     panels = logged_panels(records)
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), constrained_layout=True)
-    for axis, (panel_title, lines) in zip(axes, panels, strict=True):
+    figure, axes = plt.subplots(
+        1, len(panels), figsize=(4.2 * len(panels), 3.4), constrained_layout=True, squeeze=False
+    )
+    for axis, (panel_title, lines) in zip(axes[0], panels, strict=True):
         for key, legend in lines:
             logged = [record for record in records if key in record]
             if logged:

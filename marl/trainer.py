@@ -48,6 +48,7 @@ from transformers import get_scheduler
 
 from marl import checkpoints, distributed, rloo, run_dir
 from marl.config import RLOOConfig
+from marl.data import prompt_text
 from marl.errors import ConfigError
 from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 from marl.model import MultiAdapterModel
@@ -120,6 +121,12 @@ class RLOOTrainer:
             raise ConfigError(
                 "a judge scores the held-out samples: pass eval_dataset and set num_sample_generations > 0"
             )
+        for what, function in [("judge", judge), *(("callbacks entry", c) for c in callbacks)]:
+            if function is not None and not callable(function):
+                raise ConfigError(
+                    f"{what} {function!r} is not a function: a judge is called as judge(texts) -> scores, a "
+                    "callback as callback(state, metrics) (not transformers.TrainerCallback objects)"
+                )
         self.judge = (
             judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge")
         )
@@ -165,6 +172,7 @@ class RLOOTrainer:
         context = getattr(model.config, "max_position_embeddings", None)
         prompts = dict(context_length=context, response_length=config.response_length)
         self.train_prompts = prepare_prompts(train_dataset, tokenizer, "train_dataset", **prompts)
+        self.eval_dataset = eval_dataset
         self.eval_prompts = (
             None
             if eval_dataset is None
@@ -388,6 +396,12 @@ class RLOOTrainer:
         if self.accelerator.is_main_process:
             run_dir.append_metrics(self.output_dir, record)
 
+    def _judged_prompt_text(self, index: int) -> str:
+        """What `marl evaluate` gives its judge of a held-out prompt: a conversation's last message, not the
+        chat template's rendering."""
+        row = self.eval_dataset[index]
+        return prompt_text(row["prompt"]) if "prompt" in row else self.eval_prompts[index].text
+
     def _sample_table(self, rollout: Rollout) -> dict[str, float]:
         """Save a table of sample completions: of held-out prompts when given (sampled without disturbing the
         training RNG), else of this rollout. Returns the held-out means to log (none without a judge)."""
@@ -402,7 +416,10 @@ class RLOOTrainer:
             with torch.no_grad(), self.accelerator.autocast():
                 scores = self.reward.score(samples.scoring_batch()).total.tolist()
             if self.judge is not None:
-                texts = [p + c for p, c in zip(samples.prompt_texts, samples.completions, strict=True)]
+                texts = [
+                    self._judged_prompt_text(index) + completion
+                    for index, completion in enumerate(samples.completions)
+                ]
                 held_out = {
                     "eval/score": float(torch.tensor(scores).nanmean()),
                     "eval/judge_score": sum(self.judge(texts)) / len(texts),
@@ -538,8 +555,9 @@ class RLOOTrainer:
                 sample_now = self.sample_every and (self.state.update - 1) % self.sample_every == 0
                 held_out = self._sample_table(rollout) if sample_now else {}
                 metrics.update(held_out)
+                judged_now = sample_now and self.judge is not None  # the same on every process
                 if (
-                    held_out
+                    judged_now
                     or self.state.update % config.logging_steps == 0
                     or self.state.update == sizes.num_total_batches
                 ):

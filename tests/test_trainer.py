@@ -437,10 +437,16 @@ def test_a_judge_scores_the_held_out_samples_without_touching_training(tiny_llam
         assert with_judge["objective/kl"] == pytest.approx(without["objective/kl"], abs=1e-6)
 
 
-def test_a_judge_needs_held_out_prompts(tiny_llama_dir, tmp_path):
+def test_a_judge_needs_held_out_prompts_and_functions_are_checked_first(tmp_path):
     config = tiny_config(tmp_path / "run", num_sample_generations=1)
     with pytest.raises(ConfigError, match="pass eval_dataset"):
         RLOOTrainer(config, None, None, prompt_dataset(), reward_funcs=count_e, judge=len)
+    config.num_sample_generations = 0
+    with pytest.raises(ConfigError, match="num_sample_generations > 0"):
+        RLOOTrainer(config, None, None, prompt_dataset(), prompt_dataset(), reward_funcs=count_e, judge=len)
+    with pytest.raises(ConfigError, match=r"callbacks entry 3 is not a function.*callback\(state, metrics\)"):
+        RLOOTrainer(config, None, None, prompt_dataset(), reward_funcs=count_e, callbacks=[3])
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("architecture", ["llama", "gpt_neox"])

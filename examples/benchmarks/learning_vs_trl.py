@@ -225,7 +225,9 @@ def worker(job_file: str) -> None:
     job = Job(**json.loads(Path(job_file).read_text()))
     import torch
 
-    torch.set_num_threads(1)  # the demo's thread rule on this 2-core machine: one thread does not stall
+    # One thread per run: a run never stalls on a core that the other system's run (side by side) or another
+    # process takes, and both systems get the same share of the machine.
+    torch.set_num_threads(1)
     result = (train_marl if job.system == "marl" else train_trl)(job)
     started = time.perf_counter()
     result["evaluation"] = evaluate(job, result["adapter"])
@@ -236,16 +238,30 @@ def worker(job_file: str) -> None:
 def run(jobs: list[Job]) -> list[dict]:
     """Run the jobs at the same time, each in its own single-threaded process; their results in order."""
     processes = []
-    for job in jobs:
-        folder = Path(job.output_dir)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
-        log = (folder / "log.txt").open("w")
-        command = [sys.executable, __file__, "--worker", str(folder / "job.json")]
-        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT))
-    for job, process in zip(jobs, processes, strict=True):
-        if process.wait() != 0:
-            raise SystemExit(f"{job.system} seed {job.seed} failed: see {Path(job.output_dir) / 'log.txt'}")
+    try:
+        for job in jobs:
+            folder = Path(job.output_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
+            command = [sys.executable, __file__, "--worker", str(folder / "job.json")]
+            with (folder / "log.txt").open("w") as log:
+                processes.append(
+                    subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+                )
+        while True:
+            codes = [process.poll() for process in processes]
+            failed = [job for job, code in zip(jobs, codes, strict=True) if code not in (None, 0)]
+            if failed:
+                job = failed[0]
+                raise SystemExit(f"{job.system} seed {job.seed} failed: see {job.output_dir}/log.txt")
+            if all(code == 0 for code in codes):
+                break
+            time.sleep(1.0)
+    finally:
+        for process in processes:  # a failed run stops its sibling
+            if process.poll() is None:
+                process.terminate()
+                process.wait()
     return [json.loads((Path(job.output_dir) / "result.json").read_text()) for job in jobs]
 
 
@@ -394,7 +410,7 @@ def main() -> None:
                 print(f"  {job.system}: win rate {win:.1%}, {minutes:.1f} min", flush=True)
     first = Job("marl", options.seeds[0], options.work_dir, options.total_episodes, options.num_eval_prompts)
     arguments, _, _ = demo_settings(first)
-    settings = {**dataclasses.asdict(arguments), "seeds": options.seeds}
+    settings = {**dataclasses.asdict(arguments), "seeds": options.seeds, "side_by_side": options.side_by_side}
     command = " ".join(["python", "examples/benchmarks/learning_vs_trl.py", *sys.argv[1:]])
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(report(results, settings, command))
