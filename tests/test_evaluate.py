@@ -127,7 +127,7 @@ def test_reward_scorer_reads_every_text_at_an_appended_eos(eval_setup):
     expected = model.compute_reward_score(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
     assert scores[1] == pytest.approx(expected.item(), abs=1e-5)
     # Left padding inside a batch does not change a row's score.
-    assert scorer.score_texts(["a dull"], [" boring film"])[0] == pytest.approx(scores[1], abs=1e-5)
+    assert scorer.score_texts(["a dull"], [" boring film"])[0] == pytest.approx(float(scores[1]), abs=1e-5)
 
 
 def test_evaluate_works_with_a_tokenizer_without_pad_token(family_dir, eval_setup, tmp_path):
