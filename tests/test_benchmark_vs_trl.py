@@ -6,6 +6,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import math
+import mmap
 import sys
 from pathlib import Path
 
@@ -74,9 +75,12 @@ def test_proc_fields_parse_a_smaps_rollup(measure):
 def test_sampler_gives_a_phase_its_own_peak(measure):
     sampler = measure.MemorySampler(interval=0.01)
     with sampler.phase("update"):
-        block = bytearray(64 * 2**20)  # zero-filled: every page is touched
+        # A fresh anonymous map, every page written: new resident memory whatever the heap already holds
+        # (a bytearray may reuse freed pages that are still resident).
+        block = mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        block.write(b"\x01" * len(block))
         sampler.mark("inside")
-        del block
+        block.close()
     sampler.set_base_phase("other")
     sampler.mark("after update")
     memory = sampler.stop()
