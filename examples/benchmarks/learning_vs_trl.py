@@ -108,6 +108,7 @@ def train_marl(job: Job) -> dict:
 def train_trl(job: Job) -> dict:
     import torch
     from peft import LoraConfig, PeftModel
+    from setups import trl_sampling_and_objective
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from trl import RLOOConfig as TrlRLOOConfig
     from trl import RLOOTrainer as TrlRLOOTrainer
@@ -148,19 +149,7 @@ def train_trl(job: Job) -> dict:
         per_device_train_batch_size=config.per_device_train_batch_size,
         steps_per_generation=config.num_mini_batches,
         max_steps=updates * config.num_mini_batches,
-        num_generations=config.rloo_k,
-        max_completion_length=config.response_length,
-        generation_kwargs={"min_new_tokens": config.response_length},
-        temperature=config.temperature,
-        top_k=0,
-        top_p=1.0,
-        learning_rate=config.learning_rate,
-        lr_scheduler_type="linear",
-        warmup_steps=0,
-        beta=config.kl_coef,
-        epsilon=config.cliprange,
-        num_iterations=config.num_ppo_epochs,
-        seed=job.seed,
+        **trl_sampling_and_objective(config, seed=job.seed),
         bf16=False,
         use_cpu=True,
         logging_steps=config.num_mini_batches,

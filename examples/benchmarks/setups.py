@@ -7,6 +7,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from measure import memory_floor, rollout_kv_tokens
 
@@ -256,4 +257,26 @@ def reward_adapter_note(reward_adapter: str, requested: str | None, config: Benc
         return "given with --reward-adapter"
     return (
         f"freshly initialised LoRA r{config.lora_r} + score head (timing and memory do not depend on weights)"
+    )
+
+
+def trl_sampling_and_objective(config: Any, seed: int) -> dict[str, Any]:
+    """TRL 1.16 ``RLOOConfig`` fields that make TRL sample and optimise what a marl config (``rloo_k``,
+    ``response_length``, ``temperature``, ``learning_rate``, ``kl_coef``, ``cliprange``, ``num_ppo_epochs``)
+    does: fixed-length completions from the plain temperature distribution, the same clipped objective and a
+    linear schedule without warm-up."""
+    return dict(
+        num_generations=config.rloo_k,
+        max_completion_length=config.response_length,
+        generation_kwargs={"min_new_tokens": config.response_length},
+        temperature=config.temperature,
+        top_k=0,
+        top_p=1.0,
+        learning_rate=config.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=0,
+        beta=config.kl_coef,
+        epsilon=config.cliprange,
+        num_iterations=config.num_ppo_epochs,
+        seed=seed,
     )

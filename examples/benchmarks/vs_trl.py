@@ -69,6 +69,7 @@ from setups import (
     prepare_reward_adapter,
     prompt_token_range,
     reward_adapter_note,
+    trl_sampling_and_objective,
 )
 
 
@@ -164,19 +165,7 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
             max_steps=config.updates,
             per_device_train_batch_size=config.batch_size,
             gradient_accumulation_steps=1,
-            num_generations=config.rloo_k,
-            max_completion_length=config.response_length,
-            generation_kwargs={"min_new_tokens": config.response_length},
-            temperature=config.temperature,
-            top_k=0,
-            top_p=1.0,
-            learning_rate=config.learning_rate,
-            lr_scheduler_type="linear",
-            warmup_steps=0,
-            beta=config.kl_coef,
-            epsilon=config.cliprange,
-            num_iterations=config.num_ppo_epochs,
-            seed=config.seed,
+            **trl_sampling_and_objective(config, seed=config.seed),
             bf16=config.dtype == "bfloat16",
             use_cpu=config.device == "cpu",
             gradient_checkpointing=config.gradient_checkpointing,
