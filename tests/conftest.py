@@ -23,12 +23,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if config.getoption("--run-slow"):
-        return
     skip_slow = pytest.mark.skip(reason="slow: pass --run-slow to run")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device (bash scripts/gpu-check.sh runs these)")
     for item in items:
-        if "slow" in item.keywords:
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
             item.add_marker(skip_slow)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_cuda)
 
 
 def build_tiny_tokenizer():
