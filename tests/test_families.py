@@ -18,7 +18,7 @@ import datasets
 import pytest
 import torch
 from conftest import save_reward_adapter, train_reward_adapter_with_trl
-from families import FAMILIES, FAMILY_SPECS, position_ids_from_mask
+from families import FAMILIES, FAMILY_SPECS, REFUSED_FAMILIES, build_family, position_ids_from_mask
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
     AutoConfig,
@@ -426,3 +426,43 @@ def test_dropout_is_off_after_loading_and_the_model_config_says_so(family_dir):
         finally:
             model.eval()
         assert torch.equal(first, second), family
+
+
+# ---------------------------------------------------------------------- rotary scalings
+
+
+@pytest.mark.parametrize("family", REFUSED_FAMILIES)
+def test_batch_dependent_rotary_scalings_are_refused_at_load_naming_the_fix(family, family_dir):
+    with pytest.raises(ModelError, match=FAMILY_SPECS[family].refused_at_load) as refused:
+        load(family_dir, family)
+    assert "config.json" in str(refused.value) and "'linear', 'yarn' or 'llama3'" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        dict(rope_type="linear", factor=2.0),
+        dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=128),
+        dict(
+            rope_type="llama3",
+            factor=2.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=128,
+        ),
+    ],
+    ids=lambda scaling: scaling["rope_type"],
+)
+def test_static_rotary_scalings_load_and_pack(rope_scaling, tmp_path, monkeypatch):
+    """Static scalings fix their frequencies at init: marl loads them and packs their prompts."""
+    import families
+
+    spec = families.FamilySpec(
+        name="llama_static_rope",
+        model_type="llama",
+        config=dict(num_key_value_heads=2, rope_scaling=rope_scaling),
+    )
+    monkeypatch.setitem(families.FAMILY_SPECS, spec.name, spec)
+    model = MultiAdapterModel.from_pretrained(build_family(spec.name, tmp_path / "model"))
+    assert model.config.rope_parameters["rope_type"] == rope_scaling["rope_type"]
+    assert model.packing_problem is None

@@ -203,9 +203,9 @@ def test_the_rows_order_of_an_update_does_not_depend_on_packing(tiny_llama_dir, 
     def order(share: bool, per_device: int) -> list[int]:
         config = RLOOConfig(
             output_dir=str(tmp_path / f"{share}-{per_device}"), model_name_or_path=str(tiny_llama_dir),
-            rloo_k=2, per_device_train_batch_size=per_device, gradient_accumulation_steps=2, total_episodes=24,
-            response_length=4, lora_r=4, lora_alpha=8, num_sample_generations=0, save_steps=0,
-            share_prompt_prefix=share,
+            rloo_k=2, per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
+            total_episodes=24, response_length=4, lora_r=4, lora_alpha=8, num_sample_generations=0,
+            save_steps=0, share_prompt_prefix=share,
         )  # fmt: skip
         prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"] * 3})
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
