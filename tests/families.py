@@ -316,6 +316,27 @@ FAMILIES: tuple[str, ...] = tuple(name for name, spec in FAMILY_SPECS.items() if
 REFUSED_FAMILIES: tuple[str, ...] = tuple(name for name in FAMILY_SPECS if name not in FAMILIES)
 
 
+# The exactness tests run in the dtype the CPU tests use and in the one CUDA users train in.
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def logprob_tolerance(dtype: torch.dtype) -> float:
+    """Absolute tolerance on log-probs when two paths compute the same function in ``dtype``.
+
+    In float32 only the order of accumulation differs: 1e-5 (observed up to 1.4e-6 on the table). In a
+    16-bit dtype the hidden states and logits are stored rounded (8 significant bits in bf16), and paths that
+    round at different places (the whole forward vs the LM head on chunks of positions, ``generate``'s cached
+    steps vs one forward, a packed vs an unshared sequence) differ by about eps times the logits' scale:
+    4 eps, i.e. 3.1e-2 in bf16 (observed up to 9.5e-3 = 1.2 eps on the table). A wrong distribution (a
+    processor left in, another temperature, another position) moves log-probs by 1e-1 or more.
+
+    Example:
+        >>> logprob_tolerance(torch.float32), logprob_tolerance(torch.bfloat16)
+        (1e-05, 0.03125)
+    """
+    return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+
+
 def build_family_tokenizer(
     extra_special_tokens: tuple[str, ...] = (),
     pad_is_eos: bool = False,
@@ -412,6 +433,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "BAD_WORD_TOKEN_ID",
+    "DTYPES",
     "FAMILIES",
     "FAMILY_SPECS",
     "NEUTRAL_SAMPLING",
@@ -421,6 +443,7 @@ __all__ = [
     "build_family",
     "build_family_config",
     "build_family_tokenizer",
+    "logprob_tolerance",
     "position_ids_from_mask",
     "terminator_ids",
 ]
