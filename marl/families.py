@@ -14,6 +14,11 @@ RL needs the update to see the same function as the rollout, so :func:`disable_d
 off (as TRL's trainers do: ``nn.Dropout`` modules, and the float rates that attention and decoder layers apply
 functionally), and :func:`check_train_matches_eval` proves that train mode (needed for gradient checkpointing)
 computes what eval mode computes.
+
+Rotary scalings whose frequencies transformers recomputes from the batch (``dynamic_rope_update``: every
+``rope_type`` containing "dynamic", and "longrope") are refused by :func:`check_static_rotary`: a completion's
+frequencies would depend on the longest position of the batch it is computed in and, in ``generate``, on the
+step, so it would be sampled and scored under different functions.
 """
 
 from __future__ import annotations
@@ -126,6 +131,54 @@ def check_logit_head(causal_lm: nn.Module, backbone: nn.Module, head: LogitHead)
             "than the one it samples, so it is refused. Supported logit transforms: soft-capping "
             "(final_logit_softcapping), Granite's logits_scaling, Cohere's logit_scale, Falcon-H1's "
             "lm_head_multiplier"
+        )
+
+
+def batch_dependent_rope_types(config: object) -> list[str]:
+    """The rotary scaling types in ``config`` whose frequencies transformers recomputes in every forward from
+    ``max(position_ids)`` (the rule of ``transformers.modeling_rope_utils.dynamic_rope_update``): dynamic NTK
+    (any type with "dynamic" in its name) raises the base once positions pass ``max_position_embeddings``,
+    "longrope" switches all rows of a batch to its long factors once one position passes
+    ``original_max_position_embeddings``.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> batch_dependent_rope_types(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+        ['dynamic']
+        >>> batch_dependent_rope_types(LlamaConfig(rope_scaling={"rope_type": "linear", "factor": 2.0}))
+        []
+    """
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    parameters = getattr(text_config, "rope_parameters", None) or getattr(text_config, "rope_scaling", None)
+    if not isinstance(parameters, dict):
+        return []
+    # one set of parameters, or one per layer type ({"full_attention": {...}, "sliding_attention": {...}})
+    is_one_set = "rope_type" in parameters or "type" in parameters
+    groups = (
+        [parameters] if is_one_set else [value for value in parameters.values() if isinstance(value, dict)]
+    )
+    types = [str(group.get("rope_type", group.get("type", ""))) for group in groups]
+    return [kind for kind in types if "dynamic" in kind or kind == "longrope"]
+
+
+def check_static_rotary(causal_lm: nn.Module) -> None:
+    """Refuse a model whose rotary frequencies depend on the batch (:func:`batch_dependent_rope_types`).
+
+    RLOO needs one distribution per completion: the one it is sampled from, scored under (in rollout chunks
+    and packed by prompt) and updated on (in micro-batches). These scalings pick their frequencies from the
+    longest position of each forward pass, so the same completion gets other numbers in ``generate`` (one
+    step at a time), in a chunk next to a longer row, and in the update. marl does not override transformers'
+    rotary modules, so such models are refused before any training.
+    """
+    kinds = batch_dependent_rope_types(causal_lm.config)
+    if kinds:
+        raise ModelError(
+            f"{type(causal_lm).__name__} (model_type {causal_lm.config.model_type!r}) uses rotary scaling "
+            f"rope_type={kinds[0]!r} (config.json 'rope_scaling' / 'rope_parameters'), whose frequencies "
+            "transformers recomputes from the longest position in each forward pass: a completion would be "
+            "sampled and scored under different frequencies, and its log-probs would depend on the other "
+            "rows of its batch. Set rope_type in the model's config.json to a static scaling ('linear', "
+            "'yarn' or 'llama3', with the same factor), or remove the rotary scaling"
         )
 
 

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 from marl import adapters
 from marl.adapters import REFERENCE_MODES
 from marl.errors import AdapterError, ConfigError, ModelError
-from marl.families import check_logit_head, check_train_matches_eval, disable_dropout
+from marl.families import check_logit_head, check_static_rotary, check_train_matches_eval, disable_dropout
 from marl.quantization import (
     bitsandbytes_config,
     default_compute_dtype,
@@ -248,6 +248,7 @@ def load_multi_adapter_model(
         quantization_config=bitsandbytes_config(quantization, compute_dtype),
         **({"device_map": device_map} if device_map is not None else {}),
     )
+    check_static_rotary(base)
     base = prepare_quantized_base(base, quantization)
     # The first policy wraps the base in a PeftModel; every later adapter is added to it.
     if policy.directory is not None:

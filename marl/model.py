@@ -167,7 +167,8 @@ class MultiAdapterModel:
         (``bias`` other than ``"none"``, PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA initialisations, layer replication),
         bad adapter folders, and names that are reserved or used twice. Refused after loading: a model whose
         forward computes its logits in a way marl does not reproduce, or that computes differently in train
-        and eval mode with dropout off.
+        and eval mode with dropout off, or whose rotary frequencies depend on the batch (dynamic NTK,
+        longrope).
 
         Example:
             >>> model = MultiAdapterModel.from_pretrained("smollm2-135m-instruct")  # doctest: +SKIP

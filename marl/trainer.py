@@ -165,10 +165,10 @@ class RLOOTrainer:
             policy=self.policy,
             share_prompt_prefix=config.share_prompt_prefix,
         )
-        # Micro-batches of whole prompt groups let the update compute each prompt once too.
-        self.grouped_micro_batches = (
-            self.sampler.share_prompt_prefix and config.per_device_train_batch_size % config.rloo_k == 0
-        )
+        # Micro-batches of whole prompt groups let the update compute each prompt once too (when packing is
+        # on). The data order depends only on the batch sizes, never on whether the packing probe passed: a
+        # run resumed on other hardware (another dtype) sees the same rows in the same micro-batches.
+        self.grouped_micro_batches = config.per_device_train_batch_size % config.rloo_k == 0
         context = getattr(model.config, "max_position_embeddings", None)
         prompts = dict(context_length=context, response_length=config.response_length)
         self.train_prompts = prepare_prompts(train_dataset, tokenizer, "train_dataset", **prompts)
@@ -295,7 +295,8 @@ class RLOOTrainer:
 
     def _shuffled_rows(self, rollout: Rollout) -> torch.Tensor:
         """A random order of the rollout's rows: whole prompt groups in a random order when micro-batches
-        hold whole groups (so a prompt is computed once for its k completions), else single rows."""
+        hold whole groups (so a prompt can be computed once for its k completions), else single rows. The
+        same whether prefix sharing is on or off."""
         if not self.grouped_micro_batches:
             return torch.randperm(rollout.prompt_index.shape[0]).to(self.accelerator.device)
         groups = torch.randperm(int(rollout.prompt_index.max()) + 1).to(self.accelerator.device)

@@ -103,6 +103,9 @@ class FamilySpec:
     needs_position_ids: bool = False
     # The chat template closes each turn with this token.
     turn_end: str = EOS
+    # marl refuses the family at load with an error matching this pattern (it cannot train it exactly); the
+    # family is in REFUSED_FAMILIES, not in FAMILIES.
+    refused_at_load: str | None = None
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -281,10 +284,57 @@ _SPECS = (
         config=dict(num_key_value_heads=2, use_qkv_bias=True),
         notes="LayerNorm with bias, q/k/v biases, partial rotary (factor 0.25)",
     ),
+    FamilySpec(
+        name="llama_dynamic_rope",
+        model_type="llama",
+        # positions past max_position_embeddings (32) raise the rotary base
+        config=dict(
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            rope_scaling=dict(rope_type="dynamic", factor=4.0),
+        ),
+        refused_at_load="rope_type='dynamic'",
+        notes="dynamic NTK rotary scaling: frequencies follow the longest position of each forward pass",
+    ),
+    FamilySpec(
+        name="phi3_longrope",
+        model_type="phi3",
+        # head_dim 16: 8 rotary frequencies; long factors once a position passes 32
+        config=dict(
+            num_key_value_heads=2,
+            original_max_position_embeddings=32,
+            rope_scaling=dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[4.0] * 8),
+        ),
+        refused_at_load="rope_type='longrope'",
+        notes="Phi-3.5 style longrope: a whole batch switches to the long factors when one row is long",
+    ),
 )
 
 FAMILY_SPECS: dict[str, FamilySpec] = {spec.name: spec for spec in _SPECS}
-FAMILIES: tuple[str, ...] = tuple(FAMILY_SPECS)
+# The families marl trains, and those it refuses at load (each with the reason in ``refused_at_load``).
+FAMILIES: tuple[str, ...] = tuple(name for name, spec in FAMILY_SPECS.items() if spec.refused_at_load is None)
+REFUSED_FAMILIES: tuple[str, ...] = tuple(name for name in FAMILY_SPECS if name not in FAMILIES)
+
+
+# The exactness tests run in the dtype the CPU tests use and in the one CUDA users train in.
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def logprob_tolerance(dtype: torch.dtype) -> float:
+    """Absolute tolerance on log-probs when two paths compute the same function in ``dtype``.
+
+    In float32 only the order of accumulation differs: 1e-5 (observed up to 1.4e-6 on the table). In a
+    16-bit dtype the hidden states and logits are stored rounded (8 significant bits in bf16), and paths that
+    round at different places (the whole forward vs the LM head on chunks of positions, ``generate``'s cached
+    steps vs one forward, a packed vs an unshared sequence) differ by about eps times the logits' scale:
+    4 eps, i.e. 3.1e-2 in bf16 (observed up to 9.5e-3 = 1.2 eps on the table). A wrong distribution (a
+    processor left in, another temperature, another position) moves log-probs by 1e-1 or more.
+
+    Example:
+        >>> logprob_tolerance(torch.float32), logprob_tolerance(torch.bfloat16)
+        (1e-05, 0.03125)
+    """
+    return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
 def build_family_tokenizer(
@@ -383,14 +433,17 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "BAD_WORD_TOKEN_ID",
+    "DTYPES",
     "FAMILIES",
     "FAMILY_SPECS",
     "NEUTRAL_SAMPLING",
+    "REFUSED_FAMILIES",
     "SUPPRESSED_TOKEN_ID",
     "FamilySpec",
     "build_family",
     "build_family_config",
     "build_family_tokenizer",
+    "logprob_tolerance",
     "position_ids_from_mask",
     "terminator_ids",
 ]

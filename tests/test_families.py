@@ -18,7 +18,15 @@ import datasets
 import pytest
 import torch
 from conftest import save_reward_adapter, train_reward_adapter_with_trl
-from families import FAMILIES, FAMILY_SPECS, position_ids_from_mask
+from families import (
+    DTYPES,
+    FAMILIES,
+    FAMILY_SPECS,
+    REFUSED_FAMILIES,
+    build_family,
+    logprob_tolerance,
+    position_ids_from_mask,
+)
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import (
     AutoConfig,
@@ -89,9 +97,10 @@ def family_logits(model: MultiAdapterModel, ids: torch.Tensor, mask: torch.Tenso
         ).logits
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_policy_and_reference_logprobs_equal_the_family_forward(family, family_dir):
-    model = load(family_dir, family)
+def test_policy_and_reference_logprobs_equal_the_family_forward(family, dtype, family_dir):
+    model = load(family_dir, family, dtype=dtype)
     move_policy(model)
     tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
     ids, mask = left_padded(PROMPT_ROWS, pad_token_id(tokenizer))
@@ -106,7 +115,7 @@ def test_policy_and_reference_logprobs_equal_the_family_forward(family, family_d
         theirs = torch.log_softmax(logits[:, start - 1 : -1].float() / TEMPERATURE, dim=-1)
         theirs = theirs.gather(-1, ids[:, start:, None]).squeeze(-1)
         differences[name] = float((ours - theirs)[valid].abs().max())
-    assert max(differences.values()) <= 1e-5, differences
+    assert max(differences.values()) <= logprob_tolerance(dtype), differences
     # the policy really differs from the reference, so the two comparisons are not the same one
     with model.policy():
         policy = model.token_logprobs(ids, mask, response_start=start)
@@ -115,10 +124,12 @@ def test_policy_and_reference_logprobs_equal_the_family_forward(family, family_d
     assert (policy - reference)[valid].abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_rollout_samples_from_the_distribution_it_scores(family, family_dir):
+def test_rollout_samples_from_the_distribution_it_scores(family, dtype, family_dir):
     spec = FAMILY_SPECS[family]
-    model = load(family_dir, family)
+    model = load(family_dir, family, dtype=dtype)
+    tolerance = logprob_tolerance(dtype)
     move_policy(model)
     tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
     stop_ids = eos_token_ids(tokenizer, model.generation_config)
@@ -142,10 +153,10 @@ def test_rollout_samples_from_the_distribution_it_scores(family, family_dir):
     sampled = torch.stack([torch.log_softmax(score.float(), dim=-1) for score in output.scores], dim=1)
     # every step's whole sampling distribution is softmax(forward logits / T) ...
     expected = torch.log_softmax(forward.float() / TEMPERATURE, dim=-1)
-    torch.testing.assert_close(sampled[valid], expected[valid], rtol=0, atol=1e-5)
+    torch.testing.assert_close(sampled[valid], expected[valid], rtol=0, atol=tolerance)
     # ... and the log-probs marl trains on are those of the tokens drawn from it
     drawn = sampled.gather(-1, completions[:, :, None]).squeeze(-1)
-    torch.testing.assert_close(scored[valid], drawn[valid], rtol=0, atol=1e-5)
+    torch.testing.assert_close(scored[valid], drawn[valid], rtol=0, atol=tolerance)
     # the same seed through marl's sampling gives the same completions
     torch.manual_seed(0)
     with model.policy():
@@ -426,3 +437,43 @@ def test_dropout_is_off_after_loading_and_the_model_config_says_so(family_dir):
         finally:
             model.eval()
         assert torch.equal(first, second), family
+
+
+# ---------------------------------------------------------------------- rotary scalings
+
+
+@pytest.mark.parametrize("family", REFUSED_FAMILIES)
+def test_batch_dependent_rotary_scalings_are_refused_at_load_naming_the_fix(family, family_dir):
+    with pytest.raises(ModelError, match=FAMILY_SPECS[family].refused_at_load) as refused:
+        load(family_dir, family)
+    assert "config.json" in str(refused.value) and "'linear', 'yarn' or 'llama3'" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        dict(rope_type="linear", factor=2.0),
+        dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=128),
+        dict(
+            rope_type="llama3",
+            factor=2.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=128,
+        ),
+    ],
+    ids=lambda scaling: scaling["rope_type"],
+)
+def test_static_rotary_scalings_load_and_pack(rope_scaling, tmp_path, monkeypatch):
+    """Static scalings fix their frequencies at init: marl loads them and packs their prompts."""
+    import families
+
+    spec = families.FamilySpec(
+        name="llama_static_rope",
+        model_type="llama",
+        config=dict(num_key_value_heads=2, rope_scaling=rope_scaling),
+    )
+    monkeypatch.setitem(families.FAMILY_SPECS, spec.name, spec)
+    model = MultiAdapterModel.from_pretrained(build_family(spec.name, tmp_path / "model"))
+    assert model.config.rope_parameters["rope_type"] == rope_scaling["rope_type"]
+    assert model.packing_problem is None

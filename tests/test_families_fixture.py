@@ -14,6 +14,7 @@ from families import (
     FAMILIES,
     FAMILY_SPECS,
     NEUTRAL_SAMPLING,
+    REFUSED_FAMILIES,
     SUPPRESSED_TOKEN_ID,
     build_family,
     position_ids_from_mask,
@@ -65,7 +66,7 @@ def test_table_lists_the_required_families():
     required = {"llama", "llama3", "qwen2", "mistral", "gpt_neox", "gemma2", "granite", "cohere", "phi3"}
     required |= {"opt", "gpt2"}
     assert required <= set(FAMILIES)
-    assert tuple(FAMILY_SPECS) == FAMILIES
+    assert tuple(FAMILY_SPECS) == FAMILIES + REFUSED_FAMILIES
     assert all(FAMILY_SPECS[name].name == name for name in FAMILIES)
     for spec in FAMILY_SPECS.values():
         assert (spec.logit_transform is None) == (spec.logit_transform_value is None), spec.name
@@ -374,3 +375,25 @@ def test_4bit_cpu_load_and_forward_exactly_where_stated(name, family_dir):
     with torch.no_grad():
         logits = model(input_ids, attention_mask=attention_mask).logits
     assert logits.shape[-1] == model.config.vocab_size and logits.isfinite().all()
+
+
+@pytest.mark.parametrize("name", REFUSED_FAMILIES)
+def test_rotary_frequencies_follow_the_batch_exactly_where_stated(name, family_dir):
+    """The refused rotary scalings really are batch-dependent in transformers: a short row's logits change
+    when a row longer than the scaling's threshold (32 positions) shares its forward pass."""
+    spec = FAMILY_SPECS[name]
+    assert "rope_type=" in spec.refused_at_load
+    model = load_causal_lm(family_dir(name)).eval()
+    short = torch.arange(10, 20)[None]
+    long = torch.arange(10, 58)[None]  # 48 positions, past the threshold
+    padded = torch.cat([torch.zeros(1, long.shape[1] - short.shape[1], dtype=torch.long), short], dim=1)
+    batch = torch.cat([padded, long])
+    mask = torch.ones_like(batch)
+    mask[0, : long.shape[1] - short.shape[1]] = 0
+    with torch.no_grad():
+        alone = model(input_ids=short).logits[0]
+        together = model(input_ids=batch, attention_mask=mask, position_ids=position_ids_from_mask(mask))
+        beside_a_long_row = together.logits[0, -short.shape[1] :]
+        alone_again = model(input_ids=short).logits[0]
+    assert (beside_a_long_row - alone).abs().max() > 1e-4  # fp32 rounding: ~1e-6
+    torch.testing.assert_close(alone_again, alone, rtol=0, atol=1e-6)

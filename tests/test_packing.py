@@ -4,17 +4,28 @@ rewards, gradients, a whole update) on every family where packing is allowed, an
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import datasets
 import pytest
 import torch
 from conftest import save_reward_adapter
-from families import FAMILIES, FAMILY_SPECS
+from families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance
 from peft import LoraConfig
-from transformers import AutoTokenizer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPT2Model,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+)
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
-from marl.packing import pack_rows, read_slots
+from marl.packing import pack_rows, probe_tolerance, read_slots
 from marl.rollout import Prompt, Sampler, collect_rollout
 
 CLASSIFIER_FAMILIES = [name for name in FAMILIES if FAMILY_SPECS[name].sequence_classification]
@@ -72,9 +83,11 @@ def test_pack_rows_stores_each_prompt_once_and_masks_other_completions():
     assert read_slots(packed, torch.tensor([4, 2, 3])).tolist() == [3, 1, 6 + 3]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_logprobs_equal_the_unshared_ones(family, family_dir):
-    model = load(family_dir, family)
+def test_packed_logprobs_equal_the_unshared_ones(family, dtype, family_dir):
+    """In fp32 and in bf16: packing stays on in bf16 for every family that packs in fp32."""
+    model = load(family_dir, family, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
     sampler, samples = sampled(model, tokenizer)
     if FAMILY_SPECS[family].model_type == "falcon_h1":
@@ -95,7 +108,7 @@ def test_packed_logprobs_equal_the_unshared_ones(family, family_dir):
                 samples.query_responses, samples.attention_mask, response_start=samples.prompt_length
             )
             shared = model.packed_token_logprobs(packed)
-        torch.testing.assert_close(shared[valid], unshared[valid], rtol=0, atol=1e-5)
+        torch.testing.assert_close(shared[valid], unshared[valid], rtol=0, atol=logprob_tolerance(dtype))
     # fewer forward tokens: 3 prompts once instead of 9 times
     assert packed.input_ids.numel() < samples.query_responses.numel()
 
@@ -162,7 +175,8 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
         return RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c])
 
     shared, unshared = trainer_for(True, tmp_path / "a"), trainer_for(False, tmp_path / "b")
-    assert shared.grouped_micro_batches and not unshared.sampler.share_prompt_prefix
+    assert shared.grouped_micro_batches and unshared.grouped_micro_batches
+    assert shared.sampler.share_prompt_prefix and not unshared.sampler.share_prompt_prefix
     with torch.no_grad():  # one starting point
         for a, b in zip(shared.policy_parameters, unshared.policy_parameters, strict=True):
             b.copy_(a)
@@ -171,7 +185,6 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
     advantages = torch.linspace(-1.0, 1.0, rollout.prompt_index.shape[0])
     results = []
     for trainer in (shared, unshared):
-        trainer.grouped_micro_batches = True  # the same group-wise order for both
         torch.manual_seed(2)
         stats = trainer._update(copy.deepcopy(rollout), advantages)
         results.append(([p.detach().clone() for p in trainer.policy_parameters], stats))
@@ -183,3 +196,127 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
     moved = [p for p in shared_weights if p.abs().max() > 0]
     assert moved
+
+
+def test_the_rows_order_of_an_update_does_not_depend_on_packing(tiny_llama_dir, tmp_path):
+    """Whether the packing probe passes (it depends on the dtype, so on the hardware) must not change which
+    rows train together: the same seed gives the same order with sharing on and off."""
+
+    def order(share: bool, per_device: int) -> list[int]:
+        config = RLOOConfig(
+            output_dir=str(tmp_path / f"{share}-{per_device}"), model_name_or_path=str(tiny_llama_dir),
+            rloo_k=2, per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
+            total_episodes=24, response_length=4, lora_r=4, lora_alpha=8, num_sample_generations=0,
+            save_steps=0, share_prompt_prefix=share,
+        )  # fmt: skip
+        prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"] * 3})
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+        trainer = RLOOTrainer(
+            config, config.load_model(), tokenizer, prompts, reward_funcs=lambda p, c: [0.0] * len(c)
+        )
+        torch.manual_seed(1)
+        rollout = collect_rollout(trainer.sampler, trainer.train_prompts[:12], 2, trainer.reward)
+        torch.manual_seed(2)
+        return trainer._shuffled_rows(rollout).tolist()
+
+    grouped = order(True, 4)
+    assert order(False, 4) == grouped
+    # whole prompt groups stay together (rows r and r + 12 share a prompt: the rollout is k-major)
+    assert all(abs(a - b) == 12 for a, b in zip(grouped[::2], grouped[1::2], strict=True))
+    # micro-batches that cannot hold whole groups shuffle single rows, with sharing on or off
+    assert order(True, 3) == order(False, 3)
+
+
+# ---------------------------------------------------------------------- the probe decides structure
+# Real transformers model classes under new model types, each breaking one thing packing relies on.
+
+
+class _MaskIgnoringConfig(LlamaConfig):
+    model_type = "marl_test_mask_ignoring"
+
+
+class _MaskIgnoringLlamaModel(LlamaModel):
+    """Drops a 4-D attention mask and attends causally over the whole packed sequence."""
+
+    def forward(self, *args, attention_mask=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = None
+        return super().forward(*args, attention_mask=attention_mask, **kwargs)
+
+
+class _MaskIgnoringForCausalLM(LlamaForCausalLM):
+    config_class = _MaskIgnoringConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = _MaskIgnoringLlamaModel(config)
+        self.post_init()
+
+
+class _PositionIgnoringConfig(GPT2Config):
+    model_type = "marl_test_position_ignoring"
+
+
+class _PositionIgnoringGPT2Model(GPT2Model):
+    """Ignores explicit position ids and counts positions from the start of each sequence."""
+
+    def forward(self, *args, position_ids=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+class _PositionIgnoringLMHeadModel(GPT2LMHeadModel):
+    config_class = _PositionIgnoringConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.transformer = _PositionIgnoringGPT2Model(config)
+        self.post_init()
+
+
+@pytest.fixture(scope="module")
+def broken_model_dir(tmp_path_factory):
+    def save(config: Any, model_class) -> str:
+        AutoConfig.register(config.model_type, type(config), exist_ok=True)
+        AutoModelForCausalLM.register(type(config), model_class, exist_ok=True)
+        directory = tmp_path_factory.mktemp(config.model_type)
+        torch.manual_seed(0)
+        model_class(config).save_pretrained(directory)
+        return str(directory)
+
+    return save
+
+
+PROBE_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", PROBE_DTYPES, ids=str)
+def test_the_probe_refuses_a_model_that_ignores_the_4d_mask_in_every_dtype(dtype, broken_model_dir):
+    config = _MaskIgnoringConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = MultiAdapterModel.from_pretrained(broken_model_dir(config, _MaskIgnoringForCausalLM), dtype=dtype)
+    assert model.packing_problem is not None and "packed rows differ" in model.packing_problem
+
+
+@pytest.mark.parametrize("dtype", PROBE_DTYPES, ids=str)
+def test_the_probe_refuses_a_model_that_ignores_explicit_positions_in_every_dtype(dtype, broken_model_dir):
+    config = _PositionIgnoringConfig(vocab_size=64, n_embd=64, n_inner=128, n_layer=2, n_head=4)
+    model = MultiAdapterModel.from_pretrained(
+        broken_model_dir(config, _PositionIgnoringLMHeadModel), dtype=dtype
+    )
+    assert model.packing_problem is not None and "packed rows differ" in model.packing_problem
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_probe_passes_in_half_precision_where_it_passes_in_fp32(family, dtype, family_dir):
+    """Rounding in bf16/fp16 does not switch packing off: the probe allows what the dtype's epsilon explains
+    (bf16 ~3e-2 relative, fp16 ~4e-3), far below what a structural failure gives (see the two tests above)."""
+    model = MultiAdapterModel.from_pretrained(
+        family_dir(family), policy_adapter=policy_lora(family), dtype=dtype
+    )
+    if FAMILY_SPECS[family].model_type == "falcon_h1":
+        assert "carry state" in model.packing_problem
+    else:
+        assert model.packing_problem is None, model.packing_problem
+    assert probe_tolerance(dtype) < 0.05
