@@ -189,8 +189,14 @@ def check_packing(model: Any) -> str | None:
     prompt_ids, response_ids = prompt_ids % vocab, response_ids % vocab
     prompt_ids, prompt_mask = prompt_ids[prompt_index].to(device), prompt_mask[prompt_index].to(device)
     response_ids, response_mask = response_ids.to(device), response_mask.to(device)
+    # the mask the training path builds: its dtype must suit the attention kernel, not the weights' dtype
     packed = pack_rows(
-        prompt_ids, prompt_mask, response_ids, response_mask, prompt_index.to(device), model.dtype
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        prompt_index.to(device),
+        packing_mask_dtype(model),
     )
     query_responses = torch.cat([prompt_ids, response_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, response_mask.long()], dim=1)

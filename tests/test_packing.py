@@ -320,3 +320,14 @@ def test_the_probe_passes_in_half_precision_where_it_passes_in_fp32(family, dtyp
     else:
         assert model.packing_problem is None, model.packing_problem
     assert probe_tolerance(dtype) < 0.05
+
+
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_the_probe_passes_on_a_quantized_bf16_base(quantization, tiny_llama_dir):
+    """A quantized base in bf16 keeps float32 activations where bitsandbytes computes in float32: the probe
+    must build the mask the training path builds (boolean for SDPA), not one in the weights' dtype, which SDPA
+    refuses (and packing was switched off on every quantized bf16 run)."""
+    model = MultiAdapterModel.from_pretrained(
+        str(tiny_llama_dir), quantization=quantization, dtype=torch.bfloat16
+    )
+    assert model.packing_problem is None, model.packing_problem
