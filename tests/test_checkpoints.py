@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import datasets
 import pytest
 import torch
+from transformers import AutoTokenizer
 
-from marl import checkpoints
+from marl import RLOOConfig, RLOOTrainer, checkpoints
 from marl.errors import CheckpointError
 from marl.model import MultiAdapterModel
 
@@ -119,3 +121,59 @@ def test_resumed_optimizer_state_is_placed_as_in_a_stepped_optimizer(tiny_llama_
             actual = resumed.state[parameter][key]
             assert (key, actual.device, actual.dtype) == (key, expected.device, expected.dtype)
             assert torch.equal(actual.cpu(), expected.cpu())
+
+
+def train_fp16(model_dir, output_dir, device, *, resume=None, after_update=None) -> RLOOTrainer:
+    """A 2-update fp16 run with a checkpoint after each update; ``after_update(trainer, update)`` runs after
+    each update."""
+    config = RLOOConfig(
+        output_dir=str(output_dir),
+        model_name_or_path=str(model_dir),
+        fp16=True,
+        rloo_k=2,
+        per_device_train_batch_size=4,
+        total_episodes=8,
+        learning_rate=1e-3,
+        response_length=6,
+        lora_r=4,
+        lora_alpha=8,
+        num_sample_generations=0,
+        save_steps=1,
+        seed=3,
+    )
+    model = config.load_model(device_map={"": device})
+    prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film about", "review:", "good"]})
+    trainer = RLOOTrainer(
+        config,
+        model,
+        AutoTokenizer.from_pretrained(model_dir),
+        prompts,
+        reward_funcs=lambda prompts, completions: [float(text.count("e")) for text in completions],
+    )
+    if after_update is not None:
+        trainer.callbacks.append(lambda state, metrics: after_update(trainer, state.update))
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate makes fp16 loss scalers only on GPUs")
+def test_an_fp16_run_resumes_with_its_loss_scale(tiny_llama_dir, tmp_path):
+    """The scale after update 1 is in checkpoint-1, and a run resumed from there goes on from it: the second
+    checkpoint of the resumed run holds the scaler state of the uninterrupted run's second checkpoint (before
+    the fix it restarted at 2**16)."""
+
+    def lower_the_scale(trainer, update):
+        if update == 1:  # as if overflows had backed it off: 2**16 -> 2**9
+            trainer.accelerator.scaler.update(new_scale=512.0)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    train_fp16(tiny_llama_dir, tmp_path / "full", device, after_update=lower_the_scale)
+    scaler_files = [tmp_path / "full" / f"checkpoint-{update}" / checkpoints.SCALER_FILE for update in (1, 2)]
+    assert torch.load(scaler_files[0])["scale"] == 512.0
+
+    resumed = train_fp16(tiny_llama_dir, tmp_path / "resumed", device, resume=scaler_files[0].parent)
+    assert torch.load(tmp_path / "resumed" / "checkpoint-2" / checkpoints.SCALER_FILE) == torch.load(
+        scaler_files[1]
+    )
+    for parameter in resumed.policy_parameters:
+        assert resumed.optimizer.state[parameter]["step"].device == torch.device("cpu")
