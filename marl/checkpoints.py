@@ -1,10 +1,10 @@
 """Checkpoints of a run: what a ``checkpoint-N`` folder holds, how it is written so that it is always
 complete, and how it is read back and checked against the run that resumes from it.
 
-A checkpoint holds the policy adapter, the optimizer and scheduler states, the trainer state and one RNG
-state per process. It is written into a staging folder and renamed to ``checkpoint-N`` once complete, so a
-kill at any moment leaves either no ``checkpoint-N`` or a complete one. Every file that cannot be read is
-named in the error.
+A checkpoint holds the policy adapter, the optimizer and scheduler states, the fp16 loss scaler's state
+(only in fp16 runs), the trainer state and one RNG state per process. It is written into a staging folder
+and renamed to ``checkpoint-N`` once complete, so a kill at any moment leaves either no ``checkpoint-N`` or a
+complete one. Every file that cannot be read is named in the error.
 
 Example:
     >>> rng_state_file(1)
@@ -17,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ from marl.run_dir import TRAINER_STATE_FILE, checkpoint_name, list_checkpoints, 
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
+# The fp16 loss scaler (torch.amp.GradScaler): its scale and growth tracker decide which steps overflow and
+# are skipped, so a resumed fp16 run restores them to skip the steps an uninterrupted run skips.
+SCALER_FILE = "scaler.pt"
 # The fields of trainer_state.json that resuming reads.
 TRAINER_STATE_FIELDS = ("update", "skipped_optimizer_steps", "world_size", "batch_size", "num_total_batches")
 
@@ -85,10 +89,18 @@ def _delete_checkpoint(folder: Path) -> None:
 
 
 def write_checkpoint(
-    folder: Path, *, model: Any, policy: str, optimizer: Any, scheduler: Any, trainer_state: dict[str, Any]
+    folder: Path,
+    *,
+    model: Any,
+    policy: str,
+    optimizer: Any,
+    scheduler: Any,
+    trainer_state: dict[str, Any],
+    scaler: Any = None,
 ) -> None:
     """The shared files of a checkpoint (written by the main process): the policy adapter, the optimizer and
-    scheduler states and the trainer state. Each process adds its RNG state with :func:`write_rng_state`."""
+    scheduler states, the loss scaler's state when there is one (``accelerator.scaler``: fp16 only) and the
+    trainer state. Each process adds its RNG state with :func:`write_rng_state`."""
     import torch
 
     remove_files([folder])
@@ -96,6 +108,8 @@ def write_checkpoint(
     model.save_policy_adapter(folder, policy)
     torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
     torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
+    if scaler is not None:
+        torch.save(scaler.state_dict(), folder / SCALER_FILE)
     (folder / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2) + "\n")
 
 
@@ -115,10 +129,12 @@ class Checkpoint:
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     rng: dict[str, Any]
+    scaler: dict[str, Any] | None  # None: written by a run without a loss scaler, or before marl saved it
 
 
 def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
-    """Read every file of a checkpoint; a missing or damaged file is named in the error."""
+    """Read every file of a checkpoint; a missing or damaged file is named in the error. The adapter is read
+    onto ``device``; the optimizer state onto the CPU, for ``optimizer.load_state_dict`` to place."""
     import torch
     from safetensors.torch import load_file
 
@@ -141,10 +157,35 @@ def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
         path=path,
         trainer_state=read(TRAINER_STATE_FILE, _read_trainer_state),
         adapter=read(SAFETENSORS_WEIGHTS_NAME, lambda file: load_file(str(file), device=str(device))),
-        optimizer=read(OPTIMIZER_FILE, lambda file: torch.load(file, map_location=device)),
+        # Not mapped to the device: torch's load_state_dict moves the moments to their parameter's device
+        # and keeps AdamW's `step` counters where a stepped optimizer holds them, on the CPU (unless fused or
+        # capturable); a `step` on the GPU would cost a device sync at every optimizer step.
+        optimizer=read(OPTIMIZER_FILE, lambda file: torch.load(file, map_location="cpu")),
         scheduler=read(SCHEDULER_FILE, lambda file: torch.load(file, weights_only=False)),
         rng=read(rng_state_file(process_index), lambda file: torch.load(file, weights_only=False)),
+        scaler=read(SCALER_FILE, torch.load) if (path / SCALER_FILE).is_file() else None,
     )
+
+
+def restore_loss_scaler(saved: Checkpoint, scaler: Any) -> None:
+    """Give ``scaler`` (``accelerator.scaler``; ``None`` outside fp16) the loss-scaler state of ``saved``.
+
+    A checkpoint without one (written before marl saved it, or by a bf16/fp32 run) resumes with a warning:
+    the scale restarts at its initial value, so the first steps may overflow and be skipped until it has
+    come down again. A checkpoint's scaler state is unused by a run without a scaler.
+    """
+    if scaler is None:
+        return
+    if saved.scaler is None:
+        warnings.warn(
+            f"{saved.path} holds no loss-scaler state ({SCALER_FILE}): it was written before marl saved it, "
+            f"or by a run without fp16. The fp16 loss scale restarts at {scaler.get_scale():g}; steps whose "
+            "gradients overflow are skipped until it has come down",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return
+    scaler.load_state_dict(saved.scaler)
 
 
 def _read_trainer_state(file: Path) -> dict[str, Any]:

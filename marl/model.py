@@ -68,6 +68,20 @@ def reward_read_positions(
     return (positions * (ids != pad_token_id).long()).argmax(dim=1)
 
 
+def without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """A region where float32 math stays float32 on ``device``: mixed precision (``accelerator.autocast()``)
+    would otherwise run an ``nn.Linear`` in bf16/fp16 whatever its weights' and inputs' dtype.
+
+    Example:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16), without_autocast(torch.device("cpu")):
+        ...     torch.nn.Linear(2, 1)(torch.ones(1, 2)).dtype
+        torch.float32
+    """
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()  # no autocast exists for this device type, so none can be active
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counted over real tokens only, as ``generate`` does, so a left-padded row sees the same
     positions as the unpadded one (padding gets position 0; it is masked anyway).
@@ -531,7 +545,8 @@ class MultiAdapterModel:
         tokenizer's pad token (its EOS when it has none), which is what TRL's ``RewardTrainer`` uses. With
         pad == eos a completion ending in EOS is therefore read at the token before its EOS, as the adapter
         was trained. Left or right padding: masked positions are padding. Runs in eval mode without grad; the
-        active adapter and modes are restored after. The head runs in float32. ``packed``: the same rows
+        active adapter and modes are restored after. The head runs in float32, under autocast too (the
+        backbone keeps the caller's mixed precision). ``packed``: the same rows
         packed by prompt (:mod:`marl.packing`), to compute each prompt once; the scores are the same.
 
         Example:
@@ -549,7 +564,8 @@ class MultiAdapterModel:
                 hidden = self._hidden_states(packed.input_ids, packed.attention_mask, packed.position_ids)
                 pooled = hidden.reshape(-1, hidden.shape[-1])[read_slots(packed, read_at)]
             pooled = pooled.to(device=reward.head.weight.device, dtype=torch.float32)
-            return reward.head(pooled).squeeze(-1)
+            with without_autocast(pooled.device):
+                return reward.head(pooled).squeeze(-1)
 
     def sample(
         self,

@@ -234,9 +234,11 @@ def token_level_k3_kl(
         >>> token_level_k3_kl(torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([[True]]))
         tensor([[0.]])
     """
-    log_ratio_ref = ref_logprobs - new_logprobs
-    k3 = torch.exp(log_ratio_ref) - log_ratio_ref - 1.0
-    return torch.where(mask, k3, torch.zeros_like(k3))
+    # Masked before exp: after the stop token the log-probs are unconstrained, and exp of a large difference
+    # there is inf, whose local gradient times the mask's 0 is NaN in backward. A masked log-ratio of 0 gives
+    # k3 = 0 and a zero gradient.
+    log_ratio_ref = torch.where(mask, ref_logprobs - new_logprobs, torch.zeros_like(new_logprobs))
+    return torch.exp(log_ratio_ref) - log_ratio_ref - 1.0
 
 
 class ShapedRewards(NamedTuple):

@@ -449,6 +449,7 @@ class RLOOTrainer:
                 policy=self.policy,
                 optimizer=self.optimizer,
                 scheduler=self.lr_scheduler,
+                scaler=accelerator.scaler,
                 trainer_state={
                     **dataclasses.asdict(self.state),
                     "world_size": accelerator.num_processes,
@@ -475,6 +476,7 @@ class RLOOTrainer:
         set_peft_model_state_dict(self.model.peft_model, saved.adapter, adapter_name=self.policy)
         self.optimizer.load_state_dict(saved.optimizer)
         self.lr_scheduler.load_state_dict(saved.scheduler)
+        checkpoints.restore_loss_scaler(saved, self.accelerator.scaler)
         state = saved.trainer_state
         self.state = TrainerState(
             **{field.name: state[field.name] for field in dataclasses.fields(TrainerState)}

@@ -552,6 +552,29 @@ def test_bfloat16_compute_dtype(tiny_llama_dir, reward_adapter_factory):
         assert model.token_logprobs(ids, mask, response_start=2).dtype == torch.float32
 
 
+def test_score_head_runs_in_float32_under_autocast(tiny_llama_dir, tiny_reward_adapter):
+    """Mixed precision runs the rollout under autocast, where an ``nn.Linear`` computes in bf16: the score
+    head must not, or every score is rounded to bf16 (steps of 0.0625 around 12). The score equals the float32
+    head applied, outside autocast, to the hidden state it read."""
+    model = MultiAdapterModel.from_pretrained(tiny_llama_dir, reward_adapter=tiny_reward_adapter)
+    head = model.rewards["reward"].head
+    torch.manual_seed(0)
+    with torch.no_grad():  # scores of several units, where bf16 steps are 1/32 or coarser
+        head.weight.normal_(std=10.0 / head.weight.shape[1] ** 0.5)
+    pooled = []
+    hook = head.register_forward_hook(lambda module, inputs, output: pooled.append(inputs[0].detach()))
+    ids, mask = padded_batch("left")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        scores = model.compute_reward_score(ids, mask)
+    hook.remove()
+    (hidden,) = pooled
+    assert hidden.dtype == torch.float32
+    expected = torch.nn.functional.linear(hidden, head.weight, head.bias).squeeze(-1)
+    assert scores.abs().max() > 4
+    torch.testing.assert_close(scores.float(), expected, rtol=1e-6, atol=1e-6)
+    assert scores.dtype == torch.float32
+
+
 # ---------------------------------------------------------------------- process memory
 
 _MEMORY_PROBE = """

@@ -158,6 +158,33 @@ def test_k3_kl_is_non_negative_zero_on_agreement_and_masked():
     assert (rloo.token_level_k3_kl(new, new, mask) == 0).all()
 
 
+@pytest.mark.parametrize("masked_gap", [200.0, math.inf])
+def test_k3_kl_gradient_ignores_masked_positions_however_far_apart(masked_gap):
+    """After the stop token the log-probs are unconstrained: a difference whose exp overflows there must not
+    turn the gradient into NaN (0 * inf), and the gradient equals that of the same input with the masked
+    positions' values set to 0."""
+    new = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.5, -4.0]])
+    ref = torch.tensor([[-1.2, -1.0, -0.5], [-0.1, -2.5, -3.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    far_new, far_ref = new.clone(), ref.clone()
+    far_ref[0, 2], far_new[0, 2] = 0.0, -masked_gap  # ref - new = masked_gap at a masked position
+    far_new.requires_grad_(True)
+    far_ref.requires_grad_(True)
+    clean_new = torch.where(mask, new, torch.zeros_like(new)).requires_grad_(True)
+    clean_ref = torch.where(mask, ref, torch.zeros_like(ref)).requires_grad_(True)
+
+    far = rloo.token_level_k3_kl(far_new, far_ref, mask).sum()
+    clean = rloo.token_level_k3_kl(clean_new, clean_ref, mask).sum()
+    far_grads = torch.autograd.grad(far, (far_new, far_ref))
+    clean_grads = torch.autograd.grad(clean, (clean_new, clean_ref))
+
+    assert far.item() == clean.item()
+    for far_grad, clean_grad in zip(far_grads, clean_grads, strict=True):
+        assert torch.isfinite(far_grad).all(), far_grad
+        assert torch.equal(far_grad, clean_grad)
+        assert (far_grad[~mask] == 0).all()
+
+
 def test_token_level_kl_adds_a_penalty_that_changes_the_gradient():
     """The token-level variant changes the loss and its gradient (summing per-token KL into the reward would
     equal the sequence-level variant: the defect this replaces)."""
