@@ -414,7 +414,7 @@ class RLOOTrainer:
             with torch.random.fork_rng(devices=devices):
                 samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
             with torch.no_grad(), self.accelerator.autocast():
-                scores = self.reward.score(samples.scoring_batch()).total.tolist()
+                scores = self.reward.score(self.sampler.scoring_batch(samples)).total.tolist()
             if self.judge is not None:
                 texts = [
                     self._judged_prompt_text(index) + completion
