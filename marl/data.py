@@ -190,6 +190,39 @@ def load_prompt_dataset(
     return dataset
 
 
+def prompt_source(dataset_name: str, split: str) -> dict[str, Any]:
+    """What :func:`load_prompt_dataset` reads for ``dataset_name`` and ``split``: the dataset as given, its
+    absolute path when it is a local file or folder, and the split really read, ``None`` for a single file
+    (a file has no splits: it is read whole whatever split is named).
+
+    Example:
+        >>> prompt_source("rotten-tomatoes", "test")
+        {'dataset_name': 'rotten-tomatoes', 'dataset_path': None, 'split': 'test'}
+    """
+    path = Path(dataset_name).expanduser()
+    local = dataset_name != ROTTEN_TOMATOES and path.exists()
+    return {
+        "dataset_name": dataset_name,
+        "dataset_path": str(path.resolve()) if local else None,
+        "split": None if local and path.is_file() else split,
+    }
+
+
+def describe_prompt_source(source: dict[str, Any]) -> str:
+    """``source`` (from :func:`prompt_source`) in words.
+
+    Example:
+        >>> describe_prompt_source(prompt_source("rotten-tomatoes", "test"))
+        "split 'test' of rotten-tomatoes"
+        >>> describe_prompt_source({"dataset_name": "p.jsonl", "dataset_path": "/d/p.jsonl", "split": None})
+        'the whole file /d/p.jsonl (a file has no splits)'
+    """
+    where = source["dataset_path"] or source["dataset_name"]
+    if source["split"] is None:
+        return f"the whole file {where} (a file has no splits)"
+    return f"split {source['split']!r} of {where}"
+
+
 def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:
     import datasets
 
