@@ -329,6 +329,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     summary["judge_reward_correlation"] = _correlation(
         both, [*samples["base"].judge_scores, *samples["policy"].judge_scores]
     )
+    # The trainer drew this file untitled at the end of training; the demo redraws it with its title.
     curves = plot_training_curves(
         Path(config.output_dir) / METRICS_FILE,
         Path(config.output_dir) / CURVES_FILE,

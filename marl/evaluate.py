@@ -60,7 +60,10 @@ class EvaluateArguments:
     )
     quantization: str | None = field(default=None, metadata={"help": "Load the base in '4bit' or '8bit'."})
     dataset_name: str = dataset_name_field("Held-out prompts")
-    dataset_split: str = field(default="test", metadata={"help": "Split of held-out prompts."})
+    dataset_split: str = field(
+        default="test",
+        metadata={"help": "Split to evaluate on (a single file has no splits: it is read whole)."},
+    )
     prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
     num_prompts: int = field(default=200, metadata={"help": "Evaluate on the first this many prompts."})
     response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
