@@ -274,7 +274,38 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         console.print(model.memory_report())
     # The reward adapters first, then the functions: the order of --reward_weights.
     reward_funcs = [*model.rewards, *reward_functions]
-    return RLOOTrainer(config, model, tokenizer, train_dataset, eval_dataset, reward_funcs=reward_funcs)
+    return RLOOTrainer(
+        config,
+        model,
+        tokenizer,
+        train_dataset,
+        eval_dataset,
+        reward_funcs=reward_funcs,
+        dataset_source=dataset_record(script),
+    )
+
+
+def dataset_record(script: ScriptArguments) -> dict[str, Any]:
+    """Where the run's prompts came from, for ``rloo_config.json``: the dataset (and its absolute path when
+    local), the splits really read (``None``: a whole file; a test split of ``None`` with no test prompts)
+    and the prompt column.
+
+    Example:
+        >>> record = dataset_record(ScriptArguments(dataset_test_split="test"))
+        >>> record["dataset_name"], record["train_split"], record["test_split"], record["prompt_column"]
+        ('rotten-tomatoes', 'train', 'test', 'prompt')
+    """
+    from marl.data import prompt_source
+
+    train = prompt_source(script.dataset_name, script.dataset_train_split)
+    test_split = script.dataset_test_split
+    return {
+        "dataset_name": train["dataset_name"],
+        "dataset_path": train["dataset_path"],
+        "train_split": train["split"],
+        "test_split": None if test_split is None else prompt_source(script.dataset_name, test_split)["split"],
+        "prompt_column": script.prompt_column,
+    }
 
 
 def train_arguments(script: ScriptArguments) -> dict[str, Any]:

@@ -70,6 +70,43 @@ def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple
     return tokenizer(text, add_special_tokens=False)["input_ids"], text
 
 
+def is_conversation(prompt: Any) -> bool:
+    """Whether ``prompt`` is a conversation (a list of ``{"role", "content"}`` messages), as TRL's
+    ``is_conversational`` decides it: by its first message.
+
+    Example:
+        >>> is_conversation([{"role": "user", "content": "Hi"}]), is_conversation("Hi")
+        (True, False)
+    """
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+def reward_model_text(tokenizer: Any, prompt: Any, completion: Any) -> str:
+    """The text a reward model reads for ``prompt`` and its ``completion``, as TRL 1.16's ``RLOOTrainer`` and
+    ``GRPOTrainer`` build it: a plain prompt followed by the completion text; a conversation followed by the
+    completion as an assistant message, rendered whole through the chat template (no generation prompt), which
+    is also how ``RewardTrainer`` renders conversational pairs. ``completion`` is a text or, as TRL passes
+    it, a list of messages.
+
+    Example:
+        >>> reward_model_text(tokenizer, "The film", " is fine")  # doctest: +SKIP
+        'The film is fine'
+        >>> reward_model_text(tokenizer, [{"role": "user", "content": "Hi"}], "Hello")  # doctest: +SKIP
+        '<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello<|im_end|>\\n'
+    """
+    if not is_conversation(prompt):
+        return prompt + completion
+    if isinstance(completion, str):
+        completion = [{"role": "assistant", "content": completion}]
+    return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+
+
+def reward_model_ids(tokenizer: Any, prompt: Any, completion: Any) -> list[int]:
+    """:func:`reward_model_text` tokenised as TRL tokenises it for a reward model: whole, with no special
+    tokens added."""
+    return tokenizer(reward_model_text(tokenizer, prompt, completion), add_special_tokens=False)["input_ids"]
+
+
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)`` of token-id lists padded on the left to the longest one.
 
@@ -151,6 +188,39 @@ def load_prompt_dataset(
     if max_prompts is not None:
         dataset = dataset.select(range(min(max_prompts, len(dataset))))
     return dataset
+
+
+def prompt_source(dataset_name: str, split: str) -> dict[str, Any]:
+    """What :func:`load_prompt_dataset` reads for ``dataset_name`` and ``split``: the dataset as given, its
+    absolute path when it is a local file or folder, and the split really read, ``None`` for a single file
+    (a file has no splits: it is read whole whatever split is named).
+
+    Example:
+        >>> prompt_source("rotten-tomatoes", "test")
+        {'dataset_name': 'rotten-tomatoes', 'dataset_path': None, 'split': 'test'}
+    """
+    path = Path(dataset_name).expanduser()
+    local = dataset_name != ROTTEN_TOMATOES and path.exists()
+    return {
+        "dataset_name": dataset_name,
+        "dataset_path": str(path.resolve()) if local else None,
+        "split": None if local and path.is_file() else split,
+    }
+
+
+def describe_prompt_source(source: dict[str, Any]) -> str:
+    """``source`` (from :func:`prompt_source`) in words.
+
+    Example:
+        >>> describe_prompt_source(prompt_source("rotten-tomatoes", "test"))
+        "split 'test' of rotten-tomatoes"
+        >>> describe_prompt_source({"dataset_name": "p.jsonl", "dataset_path": "/d/p.jsonl", "split": None})
+        'the whole file /d/p.jsonl (a file has no splits)'
+    """
+    where = source["dataset_path"] or source["dataset_name"]
+    if source["split"] is None:
+        return f"the whole file {where} (a file has no splits)"
+    return f"split {source['split']!r} of {where}"
 
 
 def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:

@@ -28,7 +28,6 @@ from marl.validation import check_fields
 
 REWARD_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-reward"
 SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "adapters"
-CURVES_FILE = "training_curves.png"
 DEMO_SUMMARY_FILE = "demo_summary.json"
 
 # Targets of the demo: total under 15 minutes; VADER win rate >= 80% on >= 200 held-out prompts.
@@ -242,7 +241,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from marl.loading import load_tokenizer
     from marl.plotting import plot_training_curves
     from marl.rewards import EosTerminatedAdapterReward, load_judge
-    from marl.run_dir import METRICS_FILE, plan_start
+    from marl.run_dir import CURVES_FILE, METRICS_FILE, plan_start
     from marl.trainer import RLOOTrainer
 
     start = time.perf_counter()
@@ -330,6 +329,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     summary["judge_reward_correlation"] = _correlation(
         both, [*samples["base"].judge_scores, *samples["policy"].judge_scores]
     )
+    # The trainer drew this file untitled at the end of training; the demo redraws it with its title.
     curves = plot_training_curves(
         Path(config.output_dir) / METRICS_FILE,
         Path(config.output_dir) / CURVES_FILE,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,7 +60,10 @@ class EvaluateArguments:
     )
     quantization: str | None = field(default=None, metadata={"help": "Load the base in '4bit' or '8bit'."})
     dataset_name: str = dataset_name_field("Held-out prompts")
-    dataset_split: str = field(default="test", metadata={"help": "Split of held-out prompts."})
+    dataset_split: str = field(
+        default="test",
+        metadata={"help": "Split to evaluate on (a single file has no splits: it is read whole)."},
+    )
     prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
     num_prompts: int = field(default=200, metadata={"help": "Evaluate on the first this many prompts."})
     response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
@@ -298,6 +302,43 @@ def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out 
     return table
 
 
+def training_run_dataset(policy_adapter: str | None) -> tuple[Path, dict[str, Any]] | None:
+    """``(rloo_config.json, its "dataset" record)`` of the run that wrote ``policy_adapter`` (the run folder,
+    or one of its ``checkpoint-N`` folders), or ``None`` when there is no such record."""
+    from marl.run_dir import CONFIG_FILE
+
+    if policy_adapter is None:
+        return None
+    folder = Path(policy_adapter)
+    for config_file in (folder / CONFIG_FILE, folder.parent / CONFIG_FILE):
+        if config_file.is_file():
+            try:
+                dataset = json.loads(config_file.read_text()).get("dataset")
+            except (OSError, ValueError, AttributeError):
+                return None
+            return (config_file, dataset) if isinstance(dataset, dict) and "train_split" in dataset else None
+    return None
+
+
+def are_training_prompts(source: dict[str, Any], run_dataset: dict[str, Any]) -> bool:
+    """Whether prompts read from ``source`` (:func:`marl.data.prompt_source`) are the prompts a run trained
+    on, as its ``rloo_config.json`` records them: the same dataset and the same split (a whole file is one
+    split).
+
+    Example:
+        >>> run = {"dataset_name": "p.jsonl", "dataset_path": "/d/p.jsonl", "train_split": None}
+        >>> whole_file = {"dataset_name": "p.jsonl", "dataset_path": "/d/p.jsonl", "split": None}
+        >>> are_training_prompts(whole_file, run)
+        True
+        >>> held_out = {"dataset_name": "rotten-tomatoes", "dataset_path": None, "split": "test"}
+        >>> are_training_prompts(held_out, {"dataset_name": "rotten-tomatoes", "train_split": "train"})
+        False
+    """
+    where = source["dataset_path"] or source["dataset_name"]
+    trained_on = run_dataset.get("dataset_path") or run_dataset.get("dataset_name")
+    return where == trained_on and source["split"] == run_dataset["train_split"]
+
+
 def write_results(
     output_dir: str | Path,
     summary: dict[str, Any],
@@ -334,7 +375,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """
     from rich.console import Console
 
-    from marl.data import load_prompt_dataset
+    from marl.data import describe_prompt_source, load_prompt_dataset, prompt_source
     from marl.loading import load_tokenizer
     from marl.model import MultiAdapterModel
     from marl.rewards import load_judge
@@ -347,6 +388,19 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         arguments.prompt_column,
         max_prompts=arguments.num_prompts,
     )["prompt"]
+    source = prompt_source(arguments.dataset_name, arguments.dataset_split)
+    described = describe_prompt_source(source)
+    run = training_run_dataset(arguments.policy_adapter)
+    # Warned, not refused: scores on the training prompts are a legitimate measurement (of fit, or when no
+    # held-out prompts exist); what must not happen is to present them as held-out.
+    training_prompts = None if run is None else are_training_prompts(source, run[1])
+    if training_prompts:
+        print(
+            f"warning: the evaluation prompts ({described}) are the prompts the policy was trained on, "
+            f"as {run[0]} records: these scores are not held-out scores. For held-out ones pass other "
+            "prompts with --dataset_name (a file the run did not train on) or --dataset_split",
+            file=sys.stderr,
+        )
     start = time.perf_counter()
     model = MultiAdapterModel.from_pretrained(
         arguments.model_name_or_path,
@@ -369,10 +423,18 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         stop_at_eos=arguments.stop_at_eos,
     )
     summary = summarize(samples)
-    settings = {**asdict(arguments), "judge": arguments.judge or "vader", "num_prompts": len(prompts)}
+    settings = {
+        **asdict(arguments),
+        "dataset_split": source["split"],
+        "evaluated_prompts": described,
+        "training_prompts": training_prompts,
+        "judge": arguments.judge or "vader",
+        "num_prompts": len(prompts),
+    }
     settings["seconds"] = round(time.perf_counter() - start, 1)
     output_dir = arguments.output_dir or arguments.policy_adapter
     results_path = write_results(output_dir, summary, samples, prompts, settings)
-    console.print(results_table(summary, title=f"Evaluation on {len(prompts)} held-out prompts"))
+    kind = {True: "training prompts of the run", False: "held-out prompts", None: "prompts"}[training_prompts]
+    console.print(results_table(summary, title=f"Evaluation on {len(prompts)} {kind}: {described}"))
     console.print(f"results written to {results_path}")
     return summary

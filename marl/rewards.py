@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from marl.data import import_function, left_pad, prompt_text
+from marl.data import import_function, is_conversation, left_pad, reward_model_ids
 from marl.errors import ConfigError, DataError
 from marl.sampling import pad_token_id
 
@@ -40,16 +40,19 @@ RewardFunction = Callable[..., Sequence[float | None]]
 
 @dataclass(frozen=True)
 class ScoringBatch:
-    """Rows to score: prompt and completion texts, and prompt + completion as ids with their attention mask
-    (masked positions are padding; the completion ends at its stop token). ``chunks(rows_per_pass)``, when
-    given, yields ``(rows, input_ids, attention_mask, packed)`` for whole prompt groups, so that a reward
-    adapter computes each prompt once (:mod:`marl.packing`)."""
+    """Rows to score: prompt and completion texts, and the rows as a reward adapter reads them, as ids with
+    their attention mask (masked positions are padding): prompt + completion as sampled for plain prompts, a
+    conversation rendered with the completion as the assistant's reply (:func:`marl.data.reward_model_text`).
+    ``chunks(rows_per_pass)``, when given, yields ``(rows, input_ids, attention_mask, packed)`` for whole
+    prompt groups, so that a reward adapter computes each shared prefix once (:mod:`marl.packing`).
+    ``conversations``: each row's prompt messages when it is a conversation (``None`` for a plain prompt)."""
 
     prompts: list[str]
     completions: list[str]
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     chunks: Callable[[int], Iterator[tuple]] | None = None
+    conversations: list[list[dict[str, Any]] | None] | None = None
 
 
 @runtime_checkable
@@ -193,14 +196,23 @@ class EosTerminatedAdapterReward:
         self.rows_per_pass = rows_per_pass
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
-        return self.score_texts(batch.prompts, batch.completions).to(batch.input_ids.device)
+        prompts = batch.prompts
+        if batch.conversations is not None:
+            prompts = [
+                text if messages is None else messages
+                for text, messages in zip(batch.prompts, batch.conversations, strict=True)
+            ]
+        return self.score_texts(prompts, batch.completions).to(batch.input_ids.device)
 
     def score_texts(self, prompts: Sequence[Any], completions: Sequence[str]) -> torch.Tensor:
+        """Scores of plain prompts read as ``prompt + completion + EOS``; a conversation is read as TRL
+        renders it for a reward model (:func:`marl.data.reward_model_text`): the chat template closes the
+        assistant's turn, as ``RewardTrainer`` saw conversations, and no EOS is added."""
         eos = self.tokenizer.eos_token_id
-        rows = [
-            [*self.tokenizer(prompt_text(prompt) + completion, add_special_tokens=False)["input_ids"], eos]
-            for prompt, completion in zip(prompts, completions, strict=True)
-        ]
+        rows = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            ids = reward_model_ids(self.tokenizer, prompt, completion)
+            rows.append(ids if is_conversation(prompt) else [*ids, eos])
         device = self.model.device
         scores = []
         for start in range(0, len(rows), self.rows_per_pass):
@@ -382,14 +394,10 @@ class RewardAdapterFunction:
         self.rows_per_pass = rows_per_pass
 
     def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
-        if isinstance(prompts[0], list):  # conversations, rendered as TRL renders them for a reward model
-            texts = [
-                self.tokenizer.apply_chat_template(prompt + completion, tokenize=False)
-                for prompt, completion in zip(prompts, completions, strict=True)
-            ]
-        else:
-            texts = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
-        rows = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        rows = [
+            reward_model_ids(self.tokenizer, prompt, completion)
+            for prompt, completion in zip(prompts, completions, strict=True)
+        ]
         if self.append_eos:
             rows = [[*row, self.tokenizer.eos_token_id] for row in rows]
         pad, device = pad_token_id(self.tokenizer), self.model.device

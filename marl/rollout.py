@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from marl import rloo
-from marl.data import left_pad, tokenize_prompt
+from marl.data import is_conversation, left_pad, reward_model_ids, tokenize_prompt
 from marl.errors import ConfigError, DataError
 from marl.model import position_ids_from_mask
 from marl.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
@@ -48,10 +48,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One tokenised prompt: the ids the model reads, and the text shown to reward functions and in tables."""
+    """One tokenised prompt: the ids the model reads, the text shown to reward functions and in tables, and
+    for a conversation its messages (reward adapters read the conversation with each completion as the
+    assistant's reply, :meth:`Sampler.scoring_batch`)."""
 
     ids: tuple[int, ...]
     text: str
+    messages: list[dict[str, Any]] | None = None
 
 
 def prepare_prompts(
@@ -80,7 +83,8 @@ def prepare_prompts(
             ids, text = tokenize_prompt(tokenizer, row["prompt"], f"{name} row {index}")
         if not ids:
             raise DataError(f"{name} row {index} has an empty prompt; remove it or give it text")
-        prompts.append(Prompt(tuple(ids), text))
+        messages = None if use_ids or not is_conversation(row["prompt"]) else list(row["prompt"])
+        prompts.append(Prompt(tuple(ids), text, messages))
     longest = max(len(prompt.ids) for prompt in prompts)
     if context_length is not None and longest + response_length > context_length:
         too_long = sum(len(prompt.ids) + response_length > context_length for prompt in prompts)
@@ -123,13 +127,15 @@ class PromptBatch:
     texts: list[str]
     ids: torch.Tensor
     mask: torch.Tensor
+    messages: list[list[dict[str, Any]] | None]
 
     @classmethod
     def of(
         cls, prompts: Sequence[Prompt], pad_token_id: int, device: torch.device | str = "cpu"
     ) -> PromptBatch:
         ids, mask = left_pad([prompt.ids for prompt in prompts], pad_token_id)
-        return cls([prompt.text for prompt in prompts], ids.to(device), mask.to(device))
+        messages = [prompt.messages for prompt in prompts]
+        return cls([prompt.text for prompt in prompts], ids.to(device), mask.to(device), messages)
 
 
 @dataclass
@@ -145,6 +151,7 @@ class Samples:
     contains_stop: torch.Tensor  # [B] bool
     contains_eos: torch.Tensor  # [B] bool: an end-of-sequence id among the valid tokens
     prompt_index: torch.Tensor  # [B]: which prompt of the batch each row completes (its group)
+    prompt_messages: list[list[dict[str, Any]] | None]  # a conversation's messages, None for a plain prompt
 
     @property
     def prompt_length(self) -> int:
@@ -161,11 +168,6 @@ class Samples:
     @property
     def lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
-
-    def scoring_batch(self, chunks: Callable | None = None) -> ScoringBatch:
-        return ScoringBatch(
-            self.prompt_texts, self.completions, self.query_responses, self.attention_mask, chunks
-        )
 
     def pack(self, mask_dtype: torch.dtype) -> PackedRows:
         """These rows packed by prompt (:mod:`marl.packing`): each prompt once, then its completions."""
@@ -297,6 +299,7 @@ class Sampler:
             contains_stop=contains_stop,
             contains_eos=contains_eos,
             prompt_index=torch.arange(prompts.ids.shape[0], device=responses.device).repeat(k),
+            prompt_messages=prompts.messages * k,
         )
 
     def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
@@ -359,14 +362,22 @@ class Sampler:
 
     def pack(self, samples: Samples) -> PackedRows | None:
         """``samples`` packed by prompt when prefix sharing is on and exact for them, else ``None``."""
-        if not self.share_prompt_prefix:
-            return None
-        window = attention_window(self.model.config)
-        group_size = int((samples.prompt_index == samples.prompt_index[0]).sum())
-        packed_length = int(samples.prompt_mask.sum(dim=1).max()) + group_size * samples.response_ids.shape[1]
-        if window is not None and packed_length > window:
+        if not self.can_pack(samples.prompt_mask, samples.response_ids, samples.prompt_index):
             return None
         return samples.pack(packing_mask_dtype(self.model))
+
+    def can_pack(
+        self, prompt_mask: torch.Tensor, response_ids: torch.Tensor, prompt_index: torch.Tensor
+    ) -> bool:
+        """Whether rows ``[prompt (left-padded), completion (right-padded)]`` grouped by ``prompt_index`` may
+        be packed: prefix sharing is on and exact on this model, and no packed sequence exceeds its
+        sliding attention window."""
+        if not self.share_prompt_prefix:
+            return False
+        window = attention_window(self.model.config)
+        group_size = int((prompt_index == prompt_index[0]).sum())
+        packed_length = int(prompt_mask.sum(dim=1).max()) + group_size * response_ids.shape[1]
+        return window is None or packed_length <= window
 
     def completion_logprobs(
         self, samples: Samples, packed: PackedRows | None, with_entropy: bool = False
@@ -399,13 +410,109 @@ class Sampler:
         return logprobs, ref_logprobs
 
     def scoring_batch(self, samples: Samples) -> ScoringBatch:
-        """``samples`` for the reward sources; reward adapters score them in prompt-group chunks, packed."""
+        """``samples`` for the reward sources; reward adapters score them in prompt-group chunks, packed.
 
-        def chunks(rows_per_pass: int):
-            for rows, chunk, packed in self.chunks(samples, rows_per_pass):
-                yield rows, chunk.query_responses, chunk.attention_mask, packed
+        Plain prompts are read as sampled: the prompt ids followed by the completion ids. Conversations are
+        read as TRL renders them for a reward model (:func:`marl.data.reward_model_text`): the prompt's
+        messages and the completion as the assistant's reply, through the chat template, tokenised whole.
+        """
+        if all(messages is None for messages in samples.prompt_messages):
 
-        return samples.scoring_batch(chunks)
+            def chunks(rows_per_pass: int):
+                for rows, chunk, packed in self.chunks(samples, rows_per_pass):
+                    yield rows, chunk.query_responses, chunk.attention_mask, packed
+
+            return ScoringBatch(
+                samples.prompt_texts,
+                samples.completions,
+                samples.query_responses,
+                samples.attention_mask,
+                chunks,
+                conversations=samples.prompt_messages,
+            )
+        rows = self.reward_rows(samples)
+        input_ids, attention_mask = left_pad(rows, self.settings.pad_token_id)
+
+        def rendered_chunks(rows_per_pass: int):
+            group_size = int((samples.prompt_index == samples.prompt_index[0]).sum())
+            for chunk_rows in samples.group_rows(max(1, rows_per_pass // group_size)):
+                positions = chunk_rows.tolist()
+                yield (
+                    chunk_rows,
+                    *self.shared_prefix_rows([rows[i] for i in positions], samples.prompt_index[chunk_rows]),
+                )
+
+        return ScoringBatch(
+            samples.prompt_texts,
+            samples.completions,
+            input_ids.to(self.device),
+            attention_mask.to(self.device),
+            rendered_chunks,
+            conversations=samples.prompt_messages,
+        )
+
+    def reward_rows(self, samples: Samples) -> list[list[int]]:
+        """Token ids a reward adapter reads per row: a conversation with the completion as the assistant's
+        reply through the chat template (tokenised whole, as TRL does), a plain prompt as sampled."""
+        rows = []
+        for row, messages in enumerate(samples.prompt_messages):
+            if messages is None:
+                prompt = samples.prompt_ids[row][samples.prompt_mask[row].bool()]
+                completion = samples.response_ids[row][samples.response_mask[row]]
+                rows.append(torch.cat([prompt, completion]).tolist())
+            else:
+                rows.append(reward_model_ids(self.tokenizer, messages, samples.completions[row]))
+        return rows
+
+    def shared_prefix_rows(
+        self, rows: list[list[int]], prompt_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, PackedRows | None]:
+        """``(input_ids, attention_mask, packed or None)`` of token rows grouped by ``prompt_index``.
+
+        A rendered conversation is tokenised whole, so the tokens its completions share are checked, not
+        assumed: each group's prefix is the longest run of leading tokens common to all its rows (short of
+        each row's last token, so that every completion keeps one). That prefix is packed once per group;
+        the rest of each row is its completion. A group with no common token is computed unshared, row by
+        row, and so is the chunk it belongs to.
+        """
+        pad = self.settings.pad_token_id
+        groups: dict[int, list[int]] = {}
+        for position, index in enumerate(prompt_index.tolist()):
+            groups.setdefault(index, []).append(position)
+        prefix = [0] * len(rows)
+        for members in groups.values():
+            length = min(len(rows[member]) for member in members) - 1
+            first = rows[members[0]]
+            for member in members[1:]:
+                length = next(
+                    (t for t in range(length) if rows[member][t] != first[t]),
+                    length,
+                )
+            for member in members:
+                prefix[member] = length
+        if min(prefix) < 1:
+            input_ids, attention_mask = left_pad(rows, pad)
+            return input_ids.to(self.device), attention_mask.to(self.device), None
+        prompt_ids, prompt_mask = left_pad([row[:cut] for row, cut in zip(rows, prefix, strict=True)], pad)
+        tails, tail_mask = left_pad([row[cut:][::-1] for row, cut in zip(rows, prefix, strict=True)], pad)
+        response_ids, response_mask = tails.flip(dims=[1]), tail_mask.flip(dims=[1])  # right-padded
+        prompt_ids, prompt_mask, response_ids, response_mask, prompt_index = (
+            tensor.to(self.device)
+            for tensor in (prompt_ids, prompt_mask, response_ids, response_mask, prompt_index)
+        )
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        if not self.can_pack(prompt_mask, response_ids, prompt_index):
+            return input_ids, attention_mask, None
+        packed = pack_rows(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask.bool(),
+            prompt_index,
+            packing_mask_dtype(self.model),
+        )
+        return input_ids, attention_mask, packed
 
 
 def collect_rollout(sampler: Sampler, prompts: Sequence[Prompt], k: int, reward: WeightedRewards) -> Rollout:

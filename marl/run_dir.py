@@ -3,13 +3,14 @@ it without mixing with, or losing, an earlier one.
 
 Layout of ``output_dir``::
 
-    rloo_config.json            the run's settings and the model it trained
+    rloo_config.json            the run's settings, the model it trained and where its prompts came from
     metrics.jsonl               one JSON record per logged update
     samples/update_NNNNNN.jsonl sample tables
     marl-rloo/                  tracker logs (tensorboard, ...), when report_to names trackers
     checkpoint-N/               adapter, optimizer, scheduler, trainer state, RNG state per process
                                 (written and read by :mod:`marl.checkpoints`)
     adapter_config.json, adapter_model.safetensors   the final policy adapter
+    training_curves.png         score, KL and RLHF reward against the episode, drawn at the end
 
 How a run starts (:func:`plan_start`, then :meth:`RunStart.commit`): every check runs first and writes
 nothing. The new run then writes nothing into ``output_dir`` until its first update is done. Only then does
@@ -41,6 +42,7 @@ from marl.errors import ConfigError, MissingPathError, RunFolderError
 
 CONFIG_FILE = "rloo_config.json"
 METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "training_curves.png"
 SAMPLES_DIR = "samples"
 TRACKER_DIR = "marl-rloo"
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -55,12 +57,24 @@ RUN_FILES = (
     TRACKER_DIR,
     ADAPTER_CONFIG_NAME,
     SAFETENSORS_WEIGHTS_NAME,
+    CURVES_FILE,
 )
 _CHECKPOINT = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 
 def checkpoint_name(update: int) -> str:
     return f"{CHECKPOINT_PREFIX}{update}"
+
+
+def finished_line(output_dir: str | Path, policy: str, curves: str | Path) -> str:
+    """The last line of a finished run: where its policy adapter (a PEFT folder, loadable with
+    ``PeftModel.from_pretrained(base, output_dir)``) and its training curves are.
+
+    Example:
+        >>> finished_line("runs/a", "policy", "runs/a/training_curves.png")
+        "Done: policy adapter 'policy' written to runs/a; training curves in runs/a/training_curves.png"
+    """
+    return f"Done: policy adapter {policy!r} written to {output_dir}; training curves in {curves}"
 
 
 def sample_table_file(output_dir: Path, update: int) -> Path:

@@ -33,7 +33,7 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from marl.data import prompt_text
 from marl.errors import ConfigError
 from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 from marl.model import MultiAdapterModel
+from marl.plotting import plot_training_curves
 from marl.rewards import CheckedJudge, build_rewards
 from marl.rollout import Rollout, Sampler, collect_rollout, prepare_prompts, prompts_for_update
 
@@ -93,6 +94,9 @@ class RLOOTrainer:
             (the reward's mean on them), so that a rise of the reward without a rise of the judge shows.
         callbacks: functions called as ``callback(state, metrics)`` after every update (with the
             :class:`TrainerState` and that update's metrics), e.g. :class:`marl.cpu_threads.FreeCoreThreads`.
+        dataset_source: where the prompts came from (e.g. ``dataset_name``, ``dataset_train_split``,
+            ``prompt_column``), recorded in ``rloo_config.json`` under ``"dataset"`` with the prompt counts;
+            ``marl evaluate`` reads it to tell held-out prompts from training prompts.
 
     Attributes:
         state: :class:`TrainerState`.
@@ -114,6 +118,7 @@ class RLOOTrainer:
         reward_funcs: Any = None,
         judge: Callable[[list[str]], Any] | None = None,
         callbacks: Sequence[Callable[[TrainerState, dict[str, float]], Any]] = (),
+        dataset_source: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(config, RLOOConfig):
             raise TypeError(f"config must be a marl.RLOOConfig, got {type(config).__name__}")
@@ -131,6 +136,7 @@ class RLOOTrainer:
             judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge")
         )
         self.callbacks = list(callbacks)
+        self.dataset_source = dict(dataset_source or {})
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -415,7 +421,7 @@ class RLOOTrainer:
             with torch.random.fork_rng(devices=devices):
                 samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
             with torch.no_grad(), self.accelerator.autocast():
-                scores = self.reward.score(samples.scoring_batch()).total.tolist()
+                scores = self.reward.score(self.sampler.scoring_batch(samples)).total.tolist()
             if self.judge is not None:
                 texts = [
                     self._judged_prompt_text(index) + completion
@@ -510,6 +516,11 @@ class RLOOTrainer:
                 "gradient_checkpointing": model.gradient_checkpointing,
             },
             "world_size": self.accelerator.num_processes,
+            "dataset": {
+                **self.dataset_source,
+                "train_prompts": len(self.train_prompts),
+                "eval_prompts": None if self.eval_prompts is None else len(self.eval_prompts),
+            },
         }
 
     # ------------------------------------------------------------------ the loop
@@ -580,6 +591,10 @@ class RLOOTrainer:
 
         if accelerator.is_main_process:
             self.model.save_policy_adapter(self.output_dir, self.policy)
+            curves = plot_training_curves(
+                self.output_dir / run_dir.METRICS_FILE, self.output_dir / run_dir.CURVES_FILE
+            )
+            print(run_dir.finished_line(self.output_dir, self.policy, curves))
         accelerator.wait_for_everyone()
         accelerator.end_training()
         return self.log_history

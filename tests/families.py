@@ -106,6 +106,9 @@ class FamilySpec:
     # marl refuses the family at load with an error matching this pattern (it cannot train it exactly); the
     # family is in REFUSED_FAMILIES, not in FAMILIES.
     refused_at_load: str | None = None
+    # The chat template's layout, a key of ``CHAT_TEMPLATES``: "plain" (``<|role|>content`` + turn end),
+    # "chatml" (Qwen, SmolLM) or "llama3" (Llama-3.x-Instruct: header tokens, trimmed content, BOS first).
+    chat_template: str = "plain"
     notes: str = ""
 
     def __post_init__(self) -> None:
@@ -114,8 +117,11 @@ class FamilySpec:
 
     @property
     def extra_special_tokens(self) -> tuple[str, ...]:
-        """Terminators other than the eos: added to the tokenizer as single special tokens."""
-        return tuple(token for token in self.terminators if token != EOS)
+        """Terminators other than the eos, and the chat template's own tokens: added to the tokenizer as
+        single special tokens."""
+        template_tokens = CHAT_TEMPLATES[self.chat_template][0]
+        terminators = tuple(token for token in self.terminators if token != EOS)
+        return terminators + tuple(token for token in template_tokens if token not in terminators)
 
     def apply_logit_transform(self, raw_logits: torch.Tensor) -> torch.Tensor:
         """The documented transform of ``lm_head(final_hidden)`` into the logits ``forward`` returns."""
@@ -131,6 +137,26 @@ class FamilySpec:
         raise ValueError(f"unknown logit transform {self.logit_transform!r}")
 
 
+# Chat template layouts: (their special tokens, the template with ``{turn_end}`` where a turn closes).
+CHAT_TEMPLATES: dict[str, tuple[tuple[str, ...], str]] = {
+    "plain": (
+        (),
+        "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}{turn_end}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    ),
+    "chatml": (
+        ("<|im_start|>", "<|im_end|>"),
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}{turn_end}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    ),
+    "llama3": (
+        ("<|start_header_id|>", "<|end_header_id|>"),
+        "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}"
+        "<|end_header_id|>\n\n{{ message['content'] | trim }}{turn_end}{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+    ),
+}
+
 _SPECS = (
     FamilySpec(
         name="llama",
@@ -145,16 +171,21 @@ _SPECS = (
         pad_is_eos=True,
         terminators=(EOS, EOT, EOM),
         turn_end=EOT,
-        notes="Llama-3.x-Instruct style: no pad token (pad = eos), three terminators, turns end <|eot_id|>",
+        chat_template="llama3",
+        notes="Llama-3.x-Instruct style: no pad token (pad = eos), three terminators, turns end <|eot_id|>, "
+        "Llama-3 chat template",
     ),
     FamilySpec(
         name="qwen2",
         model_type="qwen2",
         config=dict(num_key_value_heads=2),
+        turn_end="<|im_end|>",
+        chat_template="chatml",
         generation_processors=dict(
             repetition_penalty=1.1, temperature=0.7, top_p=0.8, top_k=20, do_sample=True
         ),
-        notes="q/k/v projections have biases; Qwen2.5-Instruct sampling defaults in the generation config",
+        notes="q/k/v projections have biases; Qwen2.5-Instruct sampling defaults in the generation config; "
+        "ChatML chat template",
     ),
     FamilySpec(
         name="mistral",
@@ -342,12 +373,14 @@ def build_family_tokenizer(
     pad_is_eos: bool = False,
     turn_end: str = EOS,
     with_bos: bool = True,
+    chat_template: str = "plain",
 ):
     """A byte-level BPE tokenizer trained in milliseconds, wrapped as a transformers fast tokenizer.
 
     ``extra_special_tokens`` become single special tokens (extra terminators); with ``pad_is_eos`` the
     vocabulary has no pad token at all and ``pad_token`` is set to the eos, as users do for such models;
-    ``with_bos=False`` leaves the BOS token out (the vocabulary of the plain tiny models in conftest).
+    ``with_bos=False`` leaves the BOS token out (the vocabulary of the plain tiny models in conftest);
+    ``chat_template`` names the layout in ``CHAT_TEMPLATES`` (its tokens must be among the special tokens).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -370,12 +403,7 @@ def build_family_tokenizer(
         pad_token=EOS if pad_is_eos else PAD,
         additional_special_tokens=list(extra_special_tokens) or None,
     )
-    tokenizer.chat_template = (
-        "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}"
-        + turn_end
-        + "{% endfor %}"
-        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
+    tokenizer.chat_template = CHAT_TEMPLATES[chat_template][1].replace("{turn_end}", turn_end)
     return tokenizer
 
 
@@ -400,7 +428,9 @@ def build_family(name: str, directory: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     spec = FAMILY_SPECS[name]
-    tokenizer = build_family_tokenizer(spec.extra_special_tokens, spec.pad_is_eos, spec.turn_end)
+    tokenizer = build_family_tokenizer(
+        spec.extra_special_tokens, spec.pad_is_eos, spec.turn_end, chat_template=spec.chat_template
+    )
     stop_ids = terminator_ids(tokenizer, spec)
     eos_token_id = stop_ids if len(stop_ids) > 1 else stop_ids[0]
     config = build_family_config(
@@ -433,6 +463,7 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 __all__ = [
     "BAD_WORD_TOKEN_ID",
+    "CHAT_TEMPLATES",
     "DTYPES",
     "FAMILIES",
     "FAMILY_SPECS",

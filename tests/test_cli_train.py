@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from conftest import refused, save_reward_adapter, write_jsonl
@@ -84,6 +85,82 @@ def test_two_updates_write_a_loadable_adapter_and_metrics(setup, tmp_path, capsy
     train_rloo_main(rloo_flags(setup, output, "--reward_adapter", setup["reward"], "--overwrite_output_dir"))
     assert len((output / "metrics.jsonl").read_text().splitlines()) == 2
     assert (output / "my-notes.txt").read_text() == "keep"
+
+
+def unwrapped(text: str) -> str:
+    return "".join(text.split())
+
+
+def test_a_run_names_its_outputs_and_evaluate_says_what_it_evaluated(setup, tmp_path, capsys):
+    """train-rloo ends with a line naming the adapter folder, draws its curves, records its prompts and keeps
+    the last --save_total_limit checkpoints; `marl evaluate` on the run's own training file says so, and does
+    not call those prompts held-out."""
+    output = tmp_path / "run"
+    flags = ["--reward_adapter", setup["reward"], "--save_steps", "1", "--save_total_limit", "1"]
+    main(["train-rloo", *rloo_flags(setup, output, *flags)])
+    printed = capsys.readouterr().out
+    curves = output / "training_curves.png"
+    assert printed.rstrip().splitlines()[-1] == (
+        f"Done: policy adapter 'policy' written to {output}; training curves in {curves}"
+    )
+    assert curves.read_bytes().startswith(b"\x89PNG")
+    assert sorted(path.name for path in output.glob("checkpoint-*")) == ["checkpoint-2"]
+    recorded = json.loads((output / "rloo_config.json").read_text())["dataset"]
+    assert recorded == {
+        "dataset_name": setup["prompts"],
+        "dataset_path": str(Path(setup["prompts"]).resolve()),
+        "train_split": None,  # one file has no splits: all of it was trained on
+        "test_split": None,
+        "prompt_column": "text",
+        "train_prompts": len(PROMPTS),
+        "eval_prompts": None,
+    }
+
+    evaluate = ["evaluate", "--model_name_or_path", setup["base"], "--prompt_column", "text"]
+    evaluate += ["--num_prompts", "4", "--response_length", "4", "--batch_size", "4"]
+    for policy in (output, output / "checkpoint-2"):  # the run folder, and a checkpoint of the run
+        results = tmp_path / f"eval-{policy.name}"
+        main(
+            [
+                *evaluate,
+                "--policy_adapter",
+                str(policy),
+                "--dataset_name",
+                setup["prompts"],
+                "--output_dir",
+                str(results),
+            ]
+        )
+    captured = capsys.readouterr()
+    # rich wraps the table title at the terminal width, paths included: compare without whitespace
+    out, err = unwrapped(captured.out), " ".join(captured.err.split())
+    whole_file = f"the whole file {recorded['dataset_path']}"
+    assert "held-out" not in out
+    assert out.count(unwrapped(f"Evaluation on 4 training prompts of the run: {whole_file}")) == 2
+    warning = (
+        f"warning: the evaluation prompts ({whole_file} (a file has no splits)) are the prompts the policy "
+        f"was trained on, as {output / 'rloo_config.json'} records"
+    )
+    assert err.count(warning) == 2
+    settings = json.loads((tmp_path / "eval-run" / "eval_results.json").read_text())["settings"]
+    assert settings["dataset_split"] is None and settings["training_prompts"] is True
+
+    other = write_jsonl(tmp_path / "other.jsonl", [{"text": "a lovely film"}, {"text": "the ending"}])
+    main(
+        [
+            *evaluate,
+            "--policy_adapter",
+            str(output),
+            "--dataset_name",
+            str(other),
+            "--output_dir",
+            str(results),
+        ]
+    )
+    captured = capsys.readouterr()
+    assert "warning" not in captured.err
+    title = f"Evaluation on 2 held-out prompts: the whole file {other.resolve()}"
+    assert unwrapped(title) in unwrapped(captured.out)
 
 
 def test_reward_function_instead_of_an_adapter(setup, tmp_path, monkeypatch, capsys):
