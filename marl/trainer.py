@@ -230,9 +230,8 @@ class RLOOTrainer:
 
     def _check_devices(self) -> None:
         model_device, process_device = self.model.device, self.accelerator.device
-        same_type = model_device.type == process_device.type
-        same_index = model_device.type != "cuda" or model_device.index == process_device.index
-        if not (same_type and same_index):
+        current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        if not same_device(model_device, process_device, current_cuda_index=current):
             raise ConfigError(
                 f"the model is on {model_device} but this process trains on {process_device}. Load it there: "
                 "MultiAdapterModel.from_pretrained(..., device_map={'': Accelerator().device}) (with "
@@ -601,6 +600,27 @@ class RLOOTrainer:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def same_device(first: torch.device, second: torch.device, current_cuda_index: int) -> bool:
+    """Whether two devices are the same; a CUDA device without an index is the current one (accelerate names
+    the only GPU of a single process ``cuda``, a model loaded there reports ``cuda:0``).
+
+    Example:
+        >>> same_device(torch.device("cuda", 0), torch.device("cuda"), current_cuda_index=0)
+        True
+        >>> same_device(torch.device("cuda", 1), torch.device("cuda"), current_cuda_index=0)
+        False
+        >>> same_device(torch.device("cpu"), torch.device("cuda", 0), current_cuda_index=0)
+        False
+    """
+    if first.type != second.type:
+        return False
+    if first.type != "cuda":
+        return True
+    return (first.index if first.index is not None else current_cuda_index) == (
+        second.index if second.index is not None else current_cuda_index
+    )
 
 
 def _tracker_value(value: Any) -> Any:
