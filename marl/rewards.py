@@ -66,13 +66,13 @@ def check_scores(scores: Any, expected: int, name: str, *, allow_none: bool = Fa
     """``scores`` as a list of floats; raise, naming ``name``, unless it is ``expected`` finite real numbers.
     With ``allow_none``, ``None`` (and NaN) stand for "not judged" and come back as ``None``.
 
-    Accepts lists, tuples, numpy arrays and 1-D torch tensors.
+    Accepts lists, tuples, numpy arrays and 1-D torch tensors; items may be numpy scalars or 0-d tensors.
 
     Example:
         >>> check_scores([1, 0.5], 2, "my_reward")
         [1.0, 0.5]
-        >>> check_scores([None, float("nan"), 2], 3, "my_reward", allow_none=True)
-        [None, None, 2.0]
+        >>> check_scores([None, float("nan"), torch.tensor(float("nan")), 2], 4, "my_reward", allow_none=True)
+        [None, None, None, 2.0]
     """
     if hasattr(scores, "tolist") and not isinstance(scores, list | tuple):
         scores = scores.tolist()
@@ -89,6 +89,8 @@ def check_scores(scores: Any, expected: int, name: str, *, allow_none: bool = Fa
         )
     values: list[float | None] = []
     for index, score in enumerate(scores):
+        if getattr(score, "ndim", None) == 0 and hasattr(score, "item"):  # a numpy scalar or a 0-d tensor
+            score = score.item()
         if allow_none and (score is None or (isinstance(score, float) and math.isnan(score))):
             values.append(None)
             continue
