@@ -313,7 +313,22 @@ class RLOOTrainer:
             self.train_prompts, self.state.update, self.accelerator.process_index, self.sizes, config.seed
         )
         rollout = collect_rollout(self.sampler, prompts, config.rloo_k, self.reward)
-        shaped = rloo.shape_rewards(
+        shaped = self._shaped_rewards(rollout)
+        if distributed.any_process(bool(shaped.judged.any()), self.accelerator):
+            return rollout, shaped, self._update(rollout, shaped.advantages)
+        warnings.warn(
+            f"update {self.state.update + 1}: no reward source judged any of its completions; its optimizer "
+            "steps are skipped",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._skip_update()
+        return rollout, shaped, None
+
+    def _shaped_rewards(self, rollout: Rollout) -> rloo.ShapedRewards:
+        """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
+        config = self.config
+        return rloo.shape_rewards(
             rollout.scores,
             rollout.logprobs,
             rollout.ref_logprobs,
@@ -328,16 +343,6 @@ class RLOOTrainer:
             normalize_advantage=config.normalize_advantage,
             gather=self.accelerator.gather,
         )
-        if distributed.any_process(bool(shaped.judged.any()), self.accelerator):
-            return rollout, shaped, self._update(rollout, shaped.advantages)
-        warnings.warn(
-            f"update {self.state.update + 1}: no reward source judged any of its completions; its optimizer "
-            "steps are skipped",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        self._skip_update()
-        return rollout, shaped, None
 
     def _optimizer_step(self, loss_finite: bool) -> bool:
         """Average gradients, clip, step; skip (and count) the step if anything is not finite."""
