@@ -228,11 +228,18 @@ class RLOOConfig:
     )
     normalize_reward: bool = field(
         default=False,
-        metadata={"help": "Z-score the scores over the batch, then clip to ±reward_clip_range."},
+        metadata={
+            "help": "Z-score the scores over the judged completions of the whole batch (all processes), then "
+            "clip to ±reward_clip_range."
+        },
     )
     reward_clip_range: float = field(default=10.0, metadata={"help": "Clip range of normalised scores."})
     normalize_advantage: bool = field(
-        default=False, metadata={"help": "Z-score the advantages over the batch."}
+        default=False,
+        metadata={
+            "help": "Z-score the advantages over the whole batch (all processes); completions without an "
+            "advantage (unjudged, or without a judged sibling) keep 0."
+        },
     )
     token_level_kl: bool = field(
         default=False,

@@ -4,12 +4,19 @@ into the logged means.
 Sums run over valid completion tokens only (up to and including the stop token, never padding), and every
 mean is taken after the sums of all processes are added, so it is the mean over the whole batch.
 
+A completion that no reward source judged has no reward: ``objective/scores``, ``objective/rlhf_reward`` and
+``objective/non_score_reward`` are means over the judged completions (so that rlhf_reward = scores +
+non_score_reward holds for the logged means too; NaN when none was judged), ``rewards/<name>`` over the
+completions that source judged, and ``objective/kl`` and ``objective/entropy``, which every sample has, over
+all completions. ``objective/unjudged`` counts the completions no source judged, over all processes.
+
 Example:
     >>> stats = RolloutStats(kl=2.0, entropy=6.0, non_score_reward=-0.1, rlhf_reward=1.9, scores=2.0,
-    ...                      num_eos=1.0, completions=2.0, source_sums=torch.tensor([3.0]),
+    ...                      num_eos=1.0, completions=2.0, judged=1.0, source_sums=torch.tensor([3.0]),
     ...                      source_counts=torch.tensor([2.0]))
-    >>> rollout_metrics(stats, ["sentiment"])["rewards/sentiment"]
-    1.5
+    >>> metrics = rollout_metrics(stats, ["sentiment"])
+    >>> metrics["rewards/sentiment"], metrics["objective/scores"], metrics["objective/unjudged"]
+    (1.5, 2.0, 1.0)
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ Record = TypeVar("Record")
 
 @dataclass
 class RolloutStats:
-    """Sums over one process's completions of a rollout."""
+    """Sums over one process's completions of a rollout; the reward sums over its judged completions."""
 
     kl: float
     entropy: float  # Σ_t −log π(y_t) of the sampled tokens
@@ -37,23 +44,29 @@ class RolloutStats:
     scores: float
     num_eos: float  # completions with an end-of-sequence id among their valid tokens
     completions: float
+    judged: float  # completions at least one reward source judged
     source_sums: torch.Tensor  # [S] each reward source's scores, over the completions it judged
     source_counts: torch.Tensor  # [S] how many completions each source judged
 
     @classmethod
     def of(cls, rollout: Any, shaped: rloo.ShapedRewards) -> RolloutStats:
         """From a :class:`marl.rollout.Rollout` and its shaped rewards."""
-        judged = ~torch.isnan(rollout.source_scores)
+        source_judged = ~torch.isnan(rollout.source_scores)
+
+        def judged_sum(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(shaped.judged, values, torch.zeros_like(values)).sum()
+
         return cls(
             kl=shaped.kl.sum(),
             entropy=rloo.masked_sum(-rollout.logprobs, rollout.response_mask).sum(),
-            non_score_reward=shaped.non_score_reward.sum(),
-            rlhf_reward=shaped.rlhf_reward.sum(),
-            scores=shaped.scores.sum(),
+            non_score_reward=judged_sum(shaped.non_score_reward),
+            rlhf_reward=judged_sum(shaped.rlhf_reward),
+            scores=judged_sum(shaped.scores),
             num_eos=rollout.contains_eos.sum(),
             completions=float(rollout.contains_eos.numel()),
-            source_sums=torch.where(judged, rollout.source_scores, 0.0).sum(dim=0),
-            source_counts=judged.sum(dim=0),
+            judged=shaped.judged.sum(),
+            source_sums=torch.where(source_judged, rollout.source_scores, 0.0).sum(dim=0),
+            source_counts=source_judged.sum(dim=0),
         )
 
 
@@ -116,8 +129,13 @@ def sum_over_processes(record: Record, accelerator: Any) -> Record:
 
 def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, float]:
     """The ``objective/*`` means of a rollout and each reward source's mean ``rewards/<name>`` (over the
-    completions it judged), from sums over all processes."""
-    count = stats.completions
+    completions it judged), from sums over all processes; see the module docstring for which completions each
+    mean is over."""
+    count, judged = stats.completions, stats.judged
+
+    def judged_mean(total: float) -> float:
+        return total / judged if judged > 0 else math.nan
+
     per_source = {
         f"rewards/{name}": float(total / judged) if judged > 0 else math.nan
         for name, total, judged in zip(source_names, stats.source_sums, stats.source_counts, strict=True)
@@ -126,9 +144,10 @@ def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, f
         **per_source,
         "objective/kl": stats.kl / count,
         "objective/entropy": stats.entropy / count,
-        "objective/non_score_reward": stats.non_score_reward / count,
-        "objective/rlhf_reward": stats.rlhf_reward / count,
-        "objective/scores": stats.scores / count,
+        "objective/non_score_reward": judged_mean(stats.non_score_reward),
+        "objective/rlhf_reward": judged_mean(stats.rlhf_reward),
+        "objective/scores": judged_mean(stats.scores),
+        "objective/unjudged": count - judged,
         "val/num_eos_tokens": stats.num_eos,
     }
 

@@ -8,8 +8,9 @@ sources as ``Σ_i w_i · r_i``, as TRL's ``reward_funcs`` with ``reward_weights`
 
 ``None`` from a reward function means "this source does not judge this completion" (NaN works the same way,
 as in TRL): the completion's reward is then the weighted sum over the sources that did judge it. A completion
-that no source judged has no reward, and the update it belongs to is skipped with a warning. Infinite scores
-from a function, a wrong count or a non-number are errors that name the function.
+that no source judged has no reward: it is left out of its prompt's leave-one-out baseline and gets advantage
+0 (:func:`marl.rloo.shape_rewards`); only an update in which no completion was judged is skipped, with a
+warning. Infinite scores from a function, a wrong count or a non-number are errors that name the function.
 
 Example:
     >>> length = FunctionReward(lambda prompts, completions: [len(c) for c in completions], "length")
@@ -68,13 +69,13 @@ def check_scores(scores: Any, expected: int, name: str, *, allow_none: bool = Fa
     """``scores`` as a list of floats; raise, naming ``name``, unless it is ``expected`` finite real numbers.
     With ``allow_none``, ``None`` (and NaN) stand for "not judged" and come back as ``None``.
 
-    Accepts lists, tuples, numpy arrays and 1-D torch tensors.
+    Accepts lists, tuples, numpy arrays and 1-D torch tensors; items may be numpy scalars or 0-d tensors.
 
     Example:
         >>> check_scores([1, 0.5], 2, "my_reward")
         [1.0, 0.5]
-        >>> check_scores([None, float("nan"), 2], 3, "my_reward", allow_none=True)
-        [None, None, 2.0]
+        >>> check_scores([None, float("nan"), torch.tensor(float("nan")), 2], 4, "my_reward", allow_none=True)
+        [None, None, None, 2.0]
     """
     if hasattr(scores, "tolist") and not isinstance(scores, list | tuple):
         scores = scores.tolist()
@@ -91,6 +92,8 @@ def check_scores(scores: Any, expected: int, name: str, *, allow_none: bool = Fa
         )
     values: list[float | None] = []
     for index, score in enumerate(scores):
+        if getattr(score, "ndim", None) == 0 and hasattr(score, "item"):  # a numpy scalar or a 0-d tensor
+            score = score.item()
         if allow_none and (score is None or (isinstance(score, float) and math.isnan(score))):
             values.append(None)
             continue

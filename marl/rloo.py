@@ -8,6 +8,11 @@ from Human Feedback in LLMs": the whole completion is one action, its reward is 
 KL penalty against the reference policy, and the baseline of a completion is the mean reward of the other
 ``k - 1`` completions of the same prompt (leave-one-out).
 
+A completion no reward source judged (NaN score) has no reward: it is left out of its group's baseline and
+gets advantage 0, and so does a judged completion without a judged sibling. Normalisation statistics are
+taken over the judged completions of every process (``gather`` concatenates a per-process tensor over
+processes), so they do not depend on how the rollout is split over processes.
+
 Example:
     >>> import torch
     >>> rewards = torch.tensor([1.0, 2.0, 3.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
@@ -17,13 +22,17 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
 
 # Added to standard deviations so that a batch of identical values normalises to zeros instead of NaN.
 STD_EPSILON = 1e-8
+
+# Concatenates a tensor of the same shape from every process along dim 0, in process order (accelerate's
+# ``Accelerator.gather``); ``None`` stands for one process.
+Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def truncate_after_stop_token(
@@ -102,26 +111,46 @@ def apply_missing_eos_penalty(
     return scores - penalty * (~contains_eos).to(scores.dtype)
 
 
-def standardize(values: torch.Tensor) -> torch.Tensor:
-    """Z-score over the whole tensor (unbiased standard deviation; a single value maps to 0).
+def standardize(
+    values: torch.Tensor, mask: torch.Tensor | None = None, gather: Gather | None = None
+) -> torch.Tensor:
+    """Z-score of the entries selected by ``mask`` (all by default), with the mean and unbiased standard
+    deviation of the selected entries of every process (``gather``; ``None``: this process only). Entries
+    outside ``mask`` come back unchanged; fewer than two selected entries in all map to 0.
 
     Example:
         >>> standardize(torch.tensor([1.0, 3.0]))
         tensor([-0.7071,  0.7071])
+        >>> standardize(torch.tensor([1.0, float("nan"), 3.0]), torch.tensor([True, False, True]))
+        tensor([-0.7071,     nan,  0.7071])
     """
-    if values.numel() < 2:
-        return torch.zeros_like(values)
-    return (values - values.mean()) / (values.std() + STD_EPSILON)
+    if mask is None:
+        mask = torch.ones_like(values, dtype=torch.bool)
+    pooled_values, pooled_mask = values, mask
+    if gather is not None:  # one collective: values and mask side by side
+        pooled = gather(torch.stack([values, mask.to(values.dtype)], dim=1))
+        pooled_values, pooled_mask = pooled[:, 0], pooled[:, 1] > 0
+    selected = pooled_values[pooled_mask]
+    if selected.numel() < 2:
+        return torch.where(mask, torch.zeros_like(values), values)
+    standardized = (values - selected.mean()) / (selected.std() + STD_EPSILON)
+    return torch.where(mask, standardized, values)
 
 
-def normalize_and_clip_rewards(scores: torch.Tensor, clip_range: float) -> torch.Tensor:
-    """Z-score the scores over the batch, then clip them to ``[-clip_range, clip_range]``.
+def normalize_and_clip_rewards(
+    scores: torch.Tensor,
+    clip_range: float,
+    judged: torch.Tensor | None = None,
+    gather: Gather | None = None,
+) -> torch.Tensor:
+    """Z-score the scores over the judged completions of the batch (of every process with ``gather``), then
+    clip them to ``[-clip_range, clip_range]``; unjudged scores stay NaN.
 
     Example:
         >>> normalize_and_clip_rewards(torch.tensor([0.0, 0.0, 0.0, 100.0]), clip_range=1.0)
         tensor([-0.5000, -0.5000, -0.5000,  1.0000])
     """
-    return standardize(scores).clamp(-clip_range, clip_range)
+    return standardize(scores, judged, gather).clamp(-clip_range, clip_range)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -162,6 +191,13 @@ def rlhf_rewards(
     return scores + non_score_reward, non_score_reward
 
 
+def _check_groups(count: int, k: int) -> None:
+    if k < 2:
+        raise ValueError(f"leave-one-out needs k >= 2 samples per prompt, got k={k}")
+    if count % k != 0:
+        raise ValueError(f"{count} rewards cannot be split into groups of k={k}")
+
+
 def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
     """RLOO advantage: a completion's reward minus the mean of the other ``k − 1`` samples of its prompt.
 
@@ -171,13 +207,36 @@ def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
         >>> leave_one_out_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]), k=2)
         tensor([-2., -3.,  2.,  3.])
     """
-    if k < 2:
-        raise ValueError(f"leave-one-out needs k >= 2 samples per prompt, got k={k}")
-    if rewards.numel() % k != 0:
-        raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of k={k}")
+    _check_groups(rewards.numel(), k)
     per_prompt = rewards.view(k, -1)
     baseline = (per_prompt.sum(dim=0, keepdim=True) - per_prompt) / (k - 1)
     return (per_prompt - baseline).flatten()
+
+
+def judged_leave_one_out_advantages(
+    rewards: torch.Tensor, judged: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out advantages where only ``judged`` completions have a reward: the baseline of a completion
+    is the mean reward of the JUDGED other samples of its prompt. An unjudged completion, and a judged one
+    without a judged sibling, get advantage 0. With every completion judged this equals
+    :func:`leave_one_out_advantages` bit for bit.
+
+    Returns:
+        ``(advantages, has_advantage)``; ``has_advantage[b]``: row ``b`` is judged with a judged sibling.
+
+    Example:
+        >>> rewards = torch.tensor([1.0, 2.0, 3.0, float("nan")])  # k=2: prompt 1 has one judged sample
+        >>> judged_leave_one_out_advantages(rewards, ~rewards.isnan(), k=2)
+        (tensor([-2.,  0.,  2.,  0.]), tensor([ True, False,  True, False]))
+    """
+    _check_groups(rewards.numel(), k)
+    per_prompt, judged_per_prompt = rewards.view(k, -1), judged.view(k, -1)
+    judged_rewards = torch.where(judged_per_prompt, per_prompt, torch.zeros_like(per_prompt))
+    judged_count = judged_per_prompt.sum(dim=0, keepdim=True)
+    baseline = (judged_rewards.sum(dim=0, keepdim=True) - judged_rewards) / (judged_count - 1)
+    has_advantage = judged_per_prompt & (judged_count >= 2)
+    advantages = torch.where(has_advantage, per_prompt - baseline, torch.zeros_like(per_prompt))
+    return advantages.flatten(), has_advantage.flatten()
 
 
 class PolicyLoss(NamedTuple):
@@ -242,13 +301,15 @@ def token_level_k3_kl(
 
 
 class ShapedRewards(NamedTuple):
-    """Rewards and advantages of one rollout, one value per completion (k-major)."""
+    """Rewards and advantages of one rollout, one value per completion (k-major). ``scores`` and
+    ``rlhf_reward`` are NaN where no source judged the completion; its advantage is 0."""
 
     scores: torch.Tensor  # after the missing-EOS penalty and normalisation
     kl: torch.Tensor  # Σ_t (logp_t − ref_logp_t) over valid tokens
     non_score_reward: torch.Tensor  # −kl_coef · kl
     rlhf_reward: torch.Tensor  # scores + non_score_reward
     advantages: torch.Tensor
+    judged: torch.Tensor  # bool: at least one reward source judged the completion
 
 
 def shape_rewards(
@@ -265,10 +326,18 @@ def shape_rewards(
     reward_clip_range: float = 10.0,
     token_level_kl: bool = False,
     normalize_advantage: bool = False,
+    gather: Gather | None = None,
 ) -> ShapedRewards:
     """From the reward source's scores and the rollout's log-probs to RLOO advantages, in this order:
     missing-stop-token penalty, reward normalisation and clipping, the sequence KL folded into the reward,
     leave-one-out advantages, advantage normalisation.
+
+    ``raw_scores`` is NaN where no source judged a completion: such a completion has no reward, is left out of
+    its group's baseline and of the normalisation statistics, and gets advantage 0 (as does a judged one with
+    no judged sibling). Reward normalisation uses the judged completions, advantage normalisation the
+    completions that have an advantage; with ``gather`` (e.g. ``accelerator.gather``) those of every process,
+    so that the result does not depend on the number of processes. ``gather=None`` is one process; every
+    process must then call this function, as with any collective.
 
     With ``token_level_kl`` the advantages come from the scores alone: the KL then enters the loss per token
     (:func:`token_level_k3_kl`), and ``rlhf_reward`` only reports the sequence-level view.
@@ -280,14 +349,17 @@ def shape_rewards(
         >>> shaped.advantages
         tensor([-2., -3.,  2.,  3.])
     """
+    judged = ~torch.isnan(raw_scores)
     scores = raw_scores
     if missing_eos_penalty is not None:
         scores = apply_missing_eos_penalty(scores, contains_stop, missing_eos_penalty)
     if normalize_reward:
-        scores = normalize_and_clip_rewards(scores, reward_clip_range)
+        scores = normalize_and_clip_rewards(scores, reward_clip_range, judged, gather)
     kl = sequence_kl(logprobs, ref_logprobs, response_mask)
     rlhf_reward, non_score_reward = rlhf_rewards(scores, kl, kl_coef)
-    advantages = leave_one_out_advantages(scores if token_level_kl else rlhf_reward, k)
+    advantages, has_advantage = judged_leave_one_out_advantages(
+        scores if token_level_kl else rlhf_reward, judged, k
+    )
     if normalize_advantage:
-        advantages = standardize(advantages)
-    return ShapedRewards(scores, kl, non_score_reward, rlhf_reward, advantages)
+        advantages = standardize(advantages, has_advantage, gather)
+    return ShapedRewards(scores, kl, non_score_reward, rlhf_reward, advantages, judged)

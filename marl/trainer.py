@@ -6,7 +6,8 @@ One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
    completions each under the policy, cut after the stop token, their policy and reference log-probs and
    their scores;
 2. rewards and advantages (:func:`marl.rloo.shape_rewards`): missing-EOS penalty, optional normalisation, KL
-   folded into the reward (or the token-level k3 variant), leave-one-out baseline, optional normalisation;
+   folded into the reward (or the token-level k3 variant), leave-one-out baseline, optional normalisation; a
+   completion no reward source judged gets advantage 0, and normalisation statistics span all processes;
 3. update: ``num_ppo_epochs`` × ``num_mini_batches`` optimizer steps, each accumulating micro-batches of
    ``per_device_train_batch_size`` completions, PPO-clip on the sequence ratio, gradient clipping, LR
    schedule, returning an :class:`~marl.metrics.UpdateStats`;
@@ -66,8 +67,9 @@ JUDGED_EVAL_ROWS = 32
 @dataclass
 class TrainerState:
     """What a run has done; saved in every checkpoint. ``update`` counts finished updates, and
-    ``skipped_optimizer_steps`` the steps skipped because a reward, loss or gradient was not finite. Episodes
-    and optimizer steps follow from ``update`` (see :attr:`RLOOTrainer.episode`)."""
+    ``skipped_optimizer_steps`` the steps skipped because no reward source judged any completion of the update
+    or a loss or gradient was not finite. Episodes and optimizer steps follow from ``update`` (see
+    :attr:`RLOOTrainer.episode`)."""
 
     update: int = 0
     skipped_optimizer_steps: int = 0
@@ -308,15 +310,31 @@ class RLOOTrainer:
         return torch.cat([torch.nonzero(rollout.prompt_index == group).flatten() for group in groups])
 
     def _rollout_and_update(self) -> tuple[Rollout, rloo.ShapedRewards, UpdateStats | None]:
-        """One update: the rollout, its shaped rewards, and the optimisation (skipped, and counted, when a
-        reward is not finite)."""
+        """One update: the rollout, its shaped rewards, and the optimisation. Completions no reward source
+        judged get advantage 0; the optimisation is skipped (and counted) only when no completion of any
+        process was judged."""
         config = self.config
         self.model.eval()
         prompts = prompts_for_update(
             self.train_prompts, self.state.update, self.accelerator.process_index, self.sizes, config.seed
         )
         rollout = collect_rollout(self.sampler, prompts, config.rloo_k, self.reward)
-        shaped = rloo.shape_rewards(
+        shaped = self._shaped_rewards(rollout)
+        if distributed.any_process(bool(shaped.judged.any()), self.accelerator):
+            return rollout, shaped, self._update(rollout, shaped.advantages)
+        warnings.warn(
+            f"update {self.state.update + 1}: no reward source judged any of its completions; its optimizer "
+            "steps are skipped",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._skip_update()
+        return rollout, shaped, None
+
+    def _shaped_rewards(self, rollout: Rollout) -> rloo.ShapedRewards:
+        """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
+        config = self.config
+        return rloo.shape_rewards(
             rollout.scores,
             rollout.logprobs,
             rollout.ref_logprobs,
@@ -329,21 +347,8 @@ class RLOOTrainer:
             reward_clip_range=config.reward_clip_range,
             token_level_kl=config.token_level_kl,
             normalize_advantage=config.normalize_advantage,
+            gather=self.accelerator.gather,
         )
-        rewards_finite = bool(
-            torch.isfinite(shaped.rlhf_reward).all() and torch.isfinite(shaped.scores).all()
-        )
-        if not distributed.any_process(not rewards_finite, self.accelerator):
-            return rollout, shaped, self._update(rollout, shaped.advantages)
-        unjudged = int(torch.isnan(rollout.source_scores).all(dim=1).sum())
-        warnings.warn(
-            f"update {self.state.update + 1}: non-finite reward ({unjudged} completion(s) that no reward "
-            "source judged); its optimizer steps are skipped",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        self._skip_update()
-        return rollout, shaped, None
 
     def _optimizer_step(self, loss_finite: bool) -> bool:
         """Average gradients, clip, step; skip (and count) the step if anything is not finite."""
@@ -370,7 +375,7 @@ class RLOOTrainer:
         self.lr_scheduler.step()
 
     def _skip_update(self) -> None:
-        """Count the optimizer steps of an update with non-finite rewards as skipped; the schedule moves."""
+        """Count the steps of an update without a judged completion as skipped; the schedule moves on."""
         for _ in range(self.sizes.optimizer_steps_per_update):
             self._advance_schedule()
             self.state.skipped_optimizer_steps += 1

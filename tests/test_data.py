@@ -146,6 +146,21 @@ def test_check_scores_accepts_arrays_and_tensors_and_rejects_bools():
         check_scores(math.pi, 1, "f")
 
 
+def test_a_nan_as_a_numpy_scalar_or_a_0d_tensor_means_not_judged_like_a_python_nan():
+    import numpy as np
+    import torch
+
+    nans = [np.float32("nan"), np.float64("nan"), np.array(np.nan), torch.tensor(math.nan), float("nan")]
+    assert check_scores([*nans, None], 6, "f", allow_none=True) == [None] * 6
+    # their finite values are numbers like any other, and a NaN is still refused where scores are required
+    assert check_scores([np.float32(1.5), torch.tensor(2.0), np.int64(3)], 3, "f") == [1.5, 2.0, 3.0]
+    for nan in nans:
+        with pytest.raises(DataError, match="position 0; scores must be finite"):
+            check_scores([nan], 1, "f")
+    with pytest.raises(DataError, match="position 0; scores must be real numbers"):
+        check_scores([np.bool_(True)], 1, "f", allow_none=True)
+
+
 def test_default_judge_is_vader_and_custom_judges_are_checked(user_module):
     positive, negative = load_judge(None)(["a wonderful, moving film", "a dull, awful mess"])
     assert positive > 0 > negative

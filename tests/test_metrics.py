@@ -58,3 +58,39 @@ def test_rollout_metrics_are_means_over_completions_and_per_source_over_judged_o
     assert metrics["val/num_eos_tokens"] == 1.0
     assert metrics["rewards/sentiment"] == pytest.approx(2.0)
     assert metrics["rewards/length"] == pytest.approx(5.0)
+
+
+def test_reward_means_are_over_judged_completions_and_unjudged_ones_are_counted():
+    zero = torch.zeros(4, 1)
+    shaped = rloo.shape_rewards(
+        torch.tensor([1.0, math.nan, 3.0, 6.0]),
+        zero,
+        zero - torch.tensor([[1.0], [2.0], [3.0], [4.0]]),  # kl = 1, 2, 3, 4
+        torch.ones(4, 1, dtype=torch.bool),
+        torch.ones(4, dtype=torch.bool),
+        k=2,
+        kl_coef=0.1,
+    )
+    rollout = SimpleNamespace(
+        logprobs=zero,
+        response_mask=torch.ones(4, 1, dtype=torch.bool),
+        contains_eos=torch.ones(4, dtype=torch.bool),
+        source_scores=torch.tensor([[1.0], [math.nan], [3.0], [6.0]]),
+    )
+    metrics = rollout_metrics(
+        sum_over_processes(RolloutStats.of(rollout, shaped), Accelerator(cpu=True)), ["f"]
+    )
+    assert metrics["objective/unjudged"] == 1.0
+    assert metrics["objective/scores"] == pytest.approx(10.0 / 3)
+    assert metrics["objective/kl"] == pytest.approx(2.5)  # every completion has a KL
+    assert metrics["objective/non_score_reward"] == pytest.approx(-0.1 * (1 + 3 + 4) / 3)
+    assert metrics["objective/rlhf_reward"] == pytest.approx(
+        metrics["objective/scores"] + metrics["objective/non_score_reward"]
+    )
+    assert metrics["rewards/f"] == pytest.approx(10.0 / 3)
+
+    nothing = shaped._replace(judged=torch.zeros(4, dtype=torch.bool))
+    empty = rollout_metrics(
+        sum_over_processes(RolloutStats.of(rollout, nothing), Accelerator(cpu=True)), ["f"]
+    )
+    assert math.isnan(empty["objective/scores"]) and empty["objective/unjudged"] == 4.0

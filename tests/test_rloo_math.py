@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -289,3 +290,221 @@ def test_with_token_level_kl_advantages_come_from_the_scores_alone():
     assert torch.equal(advantages(references[0], True), advantages(references[1], True))
     torch.testing.assert_close(advantages(references[0], True), rloo.leave_one_out_advantages(raw, 4))
     assert not torch.allclose(advantages(references[0], False), advantages(references[1], False))
+
+
+# ---------------------------------------------------------------------- completions no source judged
+
+
+def todays_shape_rewards(raw, logprobs, ref_logprobs, mask, stopped, *, k, kl_coef, **flags):
+    """The shaping as it was before unjudged completions and gathered statistics, from the unchanged pure
+    functions and the z-score written out: the oracle for a rollout where every completion is judged."""
+
+    def z_score(values):
+        if values.numel() < 2:
+            return torch.zeros_like(values)
+        return (values - values.mean()) / (values.std() + rloo.STD_EPSILON)
+
+    scores = raw
+    if flags["missing_eos_penalty"] is not None:
+        scores = rloo.apply_missing_eos_penalty(scores, stopped, flags["missing_eos_penalty"])
+    if flags["normalize_reward"]:
+        scores = z_score(scores).clamp(-flags["reward_clip_range"], flags["reward_clip_range"])
+    kl = rloo.sequence_kl(logprobs, ref_logprobs, mask)
+    rlhf_reward, non_score_reward = rloo.rlhf_rewards(scores, kl, kl_coef)
+    advantages = rloo.leave_one_out_advantages(scores if flags["token_level_kl"] else rlhf_reward, k)
+    if flags["normalize_advantage"]:
+        advantages = z_score(advantages)
+    return scores, kl, non_score_reward, rlhf_reward, advantages
+
+
+def random_rollout(seed: int, rows: int, length: int = 3, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    raw = (torch.randn(rows, generator=generator, dtype=torch.float64) * 5).to(dtype)
+    logprobs = -torch.rand(rows, length, generator=generator, dtype=torch.float64).to(dtype)
+    ref_logprobs = -torch.rand(rows, length, generator=generator, dtype=torch.float64).to(dtype)
+    mask = torch.rand(rows, length, generator=generator) < 0.8
+    stopped = torch.rand(rows, generator=generator) < 0.7
+    return raw, logprobs, ref_logprobs, mask, stopped
+
+
+shaping_flags = st.fixed_dictionaries(
+    {
+        "missing_eos_penalty": st.sampled_from([None, 1.5]),
+        "normalize_reward": st.booleans(),
+        "reward_clip_range": st.sampled_from([0.5, 10.0]),
+        "token_level_kl": st.booleans(),
+        "normalize_advantage": st.booleans(),
+    }
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    k=st.integers(2, 5),
+    num_prompts=st.integers(1, 4),
+    seed=st.integers(0, 10_000),
+    flags=shaping_flags,
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_with_every_completion_judged_shaping_is_todays_bit_for_bit(k, num_prompts, seed, flags, dtype):
+    rollout = random_rollout(seed, k * num_prompts, dtype=dtype)
+    shaped = rloo.shape_rewards(*rollout, k=k, kl_coef=0.1, **flags)
+    expected = todays_shape_rewards(*rollout, k=k, kl_coef=0.1, **flags)
+    for got, want in zip(shaped[:5], expected, strict=True):
+        assert torch.equal(got, want)
+    assert shaped.judged.all()
+    # and the judged leave-one-out is the plain one, bit for bit
+    rewards = rollout[0]
+    advantages, has_advantage = rloo.judged_leave_one_out_advantages(
+        rewards, torch.ones_like(rewards).bool(), k
+    )
+    assert torch.equal(advantages, rloo.leave_one_out_advantages(rewards, k)) and has_advantage.all()
+
+
+def judged_loop(rewards: list[float], judged: list[bool], k: int) -> list[float]:
+    """The definition as loops: a judged completion with judged siblings minus their mean reward; else 0."""
+    num_prompts = len(rewards) // k
+    advantages = [0.0] * len(rewards)
+    for prompt in range(num_prompts):
+        rows = [sample * num_prompts + prompt for sample in range(k)]
+        for row in rows:
+            others = [rewards[other] for other in rows if other != row and judged[other]]
+            if judged[row] and others:
+                advantages[row] = rewards[row] - sum(others) / len(others)
+    return advantages
+
+
+@settings(max_examples=100, deadline=None)
+@given(k=st.integers(2, 6), num_prompts=st.integers(1, 5), data=st.data())
+def test_the_baseline_is_the_mean_over_the_judged_others(k, num_prompts, data):
+    rows = k * num_prompts
+    values = data.draw(st.lists(finite_floats, min_size=rows, max_size=rows))
+    judged = data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
+    rewards = torch.tensor(
+        [v if j else math.nan for v, j in zip(values, judged, strict=True)], dtype=torch.float64
+    )
+    advantages, has_advantage = rloo.judged_leave_one_out_advantages(rewards, torch.tensor(judged), k)
+    torch.testing.assert_close(advantages, torch.tensor(judged_loop(values, judged, k), dtype=torch.float64))
+    judged_per_group = torch.tensor(judged).view(k, num_prompts).sum(dim=0)
+    for row in range(rows):
+        alone = judged_per_group[row % num_prompts] < 2
+        assert has_advantage[row] == (judged[row] and not alone)
+        if not judged[row] or alone:  # unjudged, or judged without a judged sibling: no advantage at all
+            assert advantages[row].item() == 0.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(2, 5), num_prompts=st.integers(1, 4), seed=st.integers(0, 10_000), flags=shaping_flags)
+def test_unjudged_completions_get_no_advantage_and_stay_out_of_every_statistic(k, num_prompts, seed, flags):
+    raw, logprobs, ref_logprobs, mask, stopped = random_rollout(seed, k * num_prompts)
+    judged = torch.rand(raw.shape, generator=torch.Generator().manual_seed(seed + 1)) < 0.6
+    holes = torch.where(judged, raw, math.nan)
+    shaped = rloo.shape_rewards(holes, logprobs, ref_logprobs, mask, stopped, k=k, kl_coef=0.1, **flags)
+    assert torch.equal(shaped.judged, judged)
+    assert torch.isnan(shaped.scores[~judged]).all() and torch.isnan(shaped.rlhf_reward[~judged]).all()
+    assert (shaped.advantages[~judged] == 0).all() and torch.isfinite(shaped.advantages).all()
+    assert torch.isfinite(shaped.kl).all()
+    # the non-score reward (the KL penalty) exists for every completion
+    torch.testing.assert_close(shaped.non_score_reward, -0.1 * shaped.kl)
+
+
+def test_normalisation_uses_judged_completions_and_completions_with_an_advantage():
+    nan = math.nan
+    raw = torch.tensor([1.0, 5.0, 3.0, nan, 2.0, 9.0])  # k=3, P=2: prompt 1 is 5, nan, 9
+    zero = torch.zeros(6, 1)
+    shaped = rloo.shape_rewards(
+        raw, zero, zero, zero.bool(), torch.ones(6, dtype=torch.bool), k=3, kl_coef=0.1,
+        normalize_reward=True, normalize_advantage=True,
+    )  # fmt: skip
+    judged = torch.tensor([1.0, 5.0, 3.0, 2.0, 9.0])
+    expected_scores = (judged - judged.mean()) / (judged.std() + rloo.STD_EPSILON)
+    torch.testing.assert_close(shaped.scores[~raw.isnan()], expected_scores)
+    plain, has_advantage = rloo.judged_leave_one_out_advantages(shaped.rlhf_reward, ~raw.isnan(), 3)
+    assert has_advantage.tolist() == [True, True, True, False, True, True]
+    kept = plain[has_advantage]
+    torch.testing.assert_close(
+        shaped.advantages[has_advantage], (kept - kept.mean()) / (kept.std() + rloo.STD_EPSILON)
+    )
+    assert shaped.advantages[3].item() == 0.0
+
+
+def test_a_group_with_one_judged_member_gives_it_advantage_zero_even_after_normalisation():
+    raw = torch.tensor([4.0, 1.0, math.nan, 2.0])  # k=2, P=2: prompt 0 is (4, nan), prompt 1 is (1, 2)
+    zero = torch.zeros(4, 1)
+    stopped = torch.ones(4, dtype=torch.bool)
+    for normalize_advantage in (False, True):
+        shaped = rloo.shape_rewards(
+            raw, zero, zero, zero.bool(), stopped, k=2, kl_coef=0.1, normalize_advantage=normalize_advantage
+        )
+        assert shaped.advantages[0].item() == 0.0 and shaped.advantages[2].item() == 0.0
+        assert shaped.advantages[1].item() < 0 < shaped.advantages[3].item()
+
+
+# ---------------------------------------------------------------------- statistics over processes
+
+
+def shape_in_lockstep(rollouts: list[tuple], **settings) -> list[rloo.ShapedRewards]:
+    """``shape_rewards`` on one rollout per process, the processes run as threads whose ``gather``
+    concatenates what every thread passes, in process order (as ``accelerator.gather`` does)."""
+    world = len(rollouts)
+    barrier, sent, results = threading.Barrier(world), [None] * world, [None] * world
+
+    def run(rank: int) -> None:
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            sent[rank] = tensor
+            barrier.wait()
+            gathered = torch.cat(list(sent))
+            barrier.wait()  # everyone has read before anyone sends the next tensor
+            return gathered
+
+        results[rank] = rloo.shape_rewards(*rollouts[rank], gather=gather, **settings)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    k=st.integers(2, 4),
+    num_prompts=st.integers(1, 3),
+    seed=st.integers(0, 10_000),
+    flags=shaping_flags,
+    abstain=st.booleans(),
+)
+def test_two_processes_shape_like_one_process_on_the_concatenated_rollout(
+    k, num_prompts, seed, flags, abstain
+):
+    """Each process holds whole prompt groups; with gathered statistics the split does not matter."""
+    halves = []
+    for rank in range(2):
+        raw, *rest = random_rollout(seed + 7 * rank, k * num_prompts)
+        if abstain:
+            raw = torch.where(torch.arange(raw.numel()) % 3 == rank, math.nan, raw)
+        halves.append((raw, *rest))
+
+    def interleave(parts: list[torch.Tensor]) -> torch.Tensor:
+        """One k-major rollout of 2P prompts: sample j of prompt i of process r is row j * 2P + r * P + i."""
+        grouped = torch.stack([part.view(k, num_prompts, *part.shape[1:]) for part in parts], dim=1)
+        return grouped.reshape(2 * k * num_prompts, *parts[0].shape[1:])
+
+    whole = [interleave([half[part] for half in halves]) for part in range(5)]
+    one_process = rloo.shape_rewards(*whole, k=k, kl_coef=0.1, **flags)
+    two_processes = shape_in_lockstep(halves, k=k, kl_coef=0.1, **flags)
+    for field in rloo.ShapedRewards._fields:
+        split = interleave([getattr(shaped, field) for shaped in two_processes])
+        torch.testing.assert_close(split, getattr(one_process, field), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_per_process_statistics_differ_from_one_process():
+    """Why the statistics are gathered: each process's own z-score is not the z-score of the whole batch."""
+    halves = [random_rollout(seed, 4) for seed in (0, 1)]
+    halves[1] = (halves[1][0] + 100.0, *halves[1][1:])
+    flags = dict(k=2, kl_coef=0.1, normalize_reward=True)
+    alone = [rloo.shape_rewards(*half, **flags) for half in halves]
+    together = shape_in_lockstep(halves, **flags)
+    assert not torch.allclose(alone[0].scores, together[0].scores, atol=1e-2)
+    assert together[0].scores.max() < 0 < together[1].scores.min()  # process 1's scores are all higher

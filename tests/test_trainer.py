@@ -25,6 +25,7 @@ RLOO_METRICS = {
     "objective/non_score_reward",
     "objective/rlhf_reward",
     "objective/scores",
+    "objective/unjudged",
     "policy/approxkl_avg",
     "policy/clipfrac_avg",
     "loss/policy_avg",
@@ -212,22 +213,47 @@ def test_resume_with_no_checkpoint_yet_starts_from_the_beginning(tiny_llama_dir,
     ).read_bytes()
 
 
-def test_non_finite_reward_skips_the_update_and_continues(tiny_llama_dir, tmp_path):
+def abstain_on_every_fourth(prompts, completions):
+    """Judges 3 completions of 4: the 1st, 5th, ... of each call get ``None`` (no score)."""
+    return [None if index % 4 == 0 else score for index, score in enumerate(count_e(prompts, completions))]
+
+
+@pytest.mark.parametrize("token_level_kl", [False, True])
+def test_a_reward_function_that_abstains_on_some_completions_still_trains(
+    tiny_llama_dir, tmp_path, recwarn, token_level_kl
+):
+    config = tiny_config(tmp_path / "run", token_level_kl=token_level_kl, normalize_advantage=True)
+    trainer = build(tiny_llama_dir, config, reward_fn=abstain_on_every_fourth)
+    before = [parameter.detach().clone() for parameter in trainer.model.policy_parameters()]
+    history = trainer.train()
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert [record["skipped_optimizer_steps"] for record in history] == [0, 0, 0]
+    assert [record["objective/unjudged"] for record in history] == [4, 4, 4]  # 4 of 16 per update
+    for record in history:
+        assert "val/ratio" in record and math.isfinite(record["loss/policy_avg"])
+        assert math.isfinite(record["objective/scores"]) and math.isfinite(record["objective/rlhf_reward"])
+        assert record["objective/rlhf_reward"] == pytest.approx(
+            record["objective/scores"] + record["objective/non_score_reward"], abs=1e-5
+        )
+    after = trainer.model.policy_parameters()
+    assert any(not torch.equal(old, new) for old, new in zip(before, after, strict=True))
+    assert all(torch.isfinite(parameter).all() for parameter in after)
+
+
+def test_an_update_where_nothing_was_judged_is_skipped_and_training_continues(tiny_llama_dir, tmp_path):
     calls = []
 
-    def flaky(prompts, completions):
+    def silent_at_first(prompts, completions):
         calls.append(1)
-        scores = count_e(prompts, completions)
-        if len(calls) == 1:
-            scores[0] = math.nan
-        return scores
+        return [None] * len(completions) if len(calls) == 1 else count_e(prompts, completions)
 
-    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"), reward_fn=flaky)
+    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"), reward_fn=silent_at_first)
     before = [parameter.detach().clone() for parameter in trainer.model.policy_parameters()]
-    with pytest.warns(RuntimeWarning, match="non-finite reward"):
+    with pytest.warns(RuntimeWarning, match="no reward source judged any of its completions"):
         history = trainer.train()
     assert [record["skipped_optimizer_steps"] for record in history] == [4, 4, 4]
-    assert "val/ratio" not in history[0]
+    assert [record["objective/unjudged"] for record in history] == [16, 0, 0]
+    assert math.isnan(history[0]["objective/scores"]) and "val/ratio" not in history[0]
     assert "val/ratio" in history[1]
     assert trainer.global_step == 12
     after = trainer.model.policy_parameters()
