@@ -7,16 +7,22 @@ checks in them:
 - a short 4-bit and 8-bit training run keeps prefix packing on and trains (no skipped step, finite metrics);
 - an fp16 run killed after a checkpoint and resumed ends with the same adapter and the same metrics as an
   uninterrupted one (the loss scaler's state travels with the checkpoint);
-- the family table's exactness tests run on CUDA in bf16 and fp16 (``tests/test_families.py``, parametrized
-  over devices).
+- on every family of the table, in bf16 and fp16 on CUDA, the load-time probe keeps packing on (Falcon-H1
+  aside) and the policy log-probs equal the family's own forward within the dtype's tolerance.
+- a model on ``cuda:0`` trains in a single process (accelerate names that process's device ``cuda``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from families import FAMILIES, FAMILY_SPECS, logprob_tolerance
 from kill_resume import Kill, command, make_world, metrics_without_eps, run_cli
+from test_families import PROMPT_ROWS, TEMPERATURE, family_logits, left_padded, load, move_policy
 from test_trainer import build, tiny_config
+from transformers import AutoTokenizer
+
+from marl.sampling import pad_token_id
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -55,3 +61,25 @@ def test_fp16_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_result(
     assert metrics_without_eps(killed) == metrics_without_eps(reference)
     adapter = "adapter_model.safetensors"
     assert (killed / adapter).read_bytes() == (reference / adapter).read_bytes()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_logprobs_equal_the_family_forward_and_packing_stays_on_on_cuda(family, dtype, family_dir):
+    model = load(family_dir, family, dtype=dtype)
+    assert model.device.type == "cuda"
+    if FAMILY_SPECS[family].model_type == "falcon_h1":
+        assert "carry state" in model.packing_problem
+    else:
+        assert model.packing_problem is None, model.packing_problem
+    move_policy(model)
+    tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
+    ids, mask = (tensor.to(model.device) for tensor in left_padded(PROMPT_ROWS, pad_token_id(tokenizer)))
+    start = 3
+    valid = (mask[:, start:] * mask[:, start - 1 : -1]).bool()
+    with model.policy(), torch.no_grad():
+        ours = model.token_logprobs(ids, mask, response_start=start, temperature=TEMPERATURE)
+        logits = family_logits(model, ids, mask)
+    theirs = torch.log_softmax(logits[:, start - 1 : -1].float() / TEMPERATURE, dim=-1)
+    theirs = theirs.gather(-1, ids[:, start:, None]).squeeze(-1)
+    assert float((ours - theirs)[valid].abs().max()) <= logprob_tolerance(dtype)
