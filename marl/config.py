@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from marl.adapters import REFERENCE_MODES
+from marl.cpu_threads import check_threads, threads_field
 from marl.errors import ConfigError
 from marl.quantization import parse_quantization
 from marl.validation import check_fields, check_seed
@@ -91,6 +92,7 @@ class RLOOConfig:
         metadata={"help": "Folder for metrics.jsonl, samples, checkpoints and the final policy adapter."},
     )
     seed: int = field(default=42, metadata={"help": "Seed of the data order, sampling and initialisation."})
+    threads: int = threads_field()
 
     # --- model: one base, adapters as views (used by RLOOConfig.load_model) ---
     model_name_or_path: str = field(
@@ -272,6 +274,7 @@ class RLOOConfig:
 
         check_fields(self)
         check_seed(self.seed)
+        check_threads(self.threads)
         if self.rloo_k < 2:
             fail(
                 f"rloo_k={self.rloo_k}: leave-one-out needs at least 2 completions per prompt",

@@ -25,12 +25,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from marl.cpu_threads import check_threads, threads_field
 from marl.data import dataset_name_field
 from marl.errors import ConfigError
 from marl.quantization import parse_quantization
 from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PreTrainedTokenizerBase
 
     from marl.model import MultiAdapterModel
@@ -76,6 +79,7 @@ class EvaluateArguments:
         default=None,
         metadata={"help": "Judge 'module:function' called as function(texts) -> numbers; unset: VADER."},
     )
+    threads: int = threads_field()
     output_dir: str | None = field(
         default=None,
         metadata={
@@ -87,6 +91,7 @@ class EvaluateArguments:
         self.quantization = parse_quantization(self.quantization)
         check_fields(self)
         check_seed(self.seed)
+        check_threads(self.threads)
         for name in ("num_prompts", "batch_size", "response_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be a positive integer: fix the flag")
@@ -175,9 +180,11 @@ def generate_and_score(
     progress: bool = True,
     stop_at_eos: bool = True,
     policy: str | None = None,
+    after_batch: Callable[[], Any] | None = None,
 ) -> dict[str, ScoredCompletions]:
     """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of policy ``policy``
-    (default: the model's first policy), keyed ``"policy"``.
+    (default: the model's first policy), keyed ``"policy"``. ``after_batch`` is called after every batch
+    (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`).
 
     Both models see the same prompts in the same batches with the same seed per batch.
 
@@ -237,6 +244,8 @@ def generate_and_score(
             if name == "policy":
                 logprobs, ref_logprobs = sampler.logprobs(samples)
                 record.kls.extend(masked_sum(logprobs - ref_logprobs, samples.response_mask).tolist())
+        if after_batch is not None:
+            after_batch()
     return results
 
 
@@ -334,6 +343,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """
     from rich.console import Console
 
+    from marl.cpu_threads import apply_threads
     from marl.data import load_prompt_dataset
     from marl.loading import load_tokenizer
     from marl.model import MultiAdapterModel
@@ -356,6 +366,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         reference="base",
     )
     tokenizer = load_tokenizer(model.name_or_path)
+    governor = apply_threads(arguments.threads, model.device.type)
     samples = generate_and_score(
         model,
         tokenizer,
@@ -367,6 +378,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         batch_size=arguments.batch_size,
         seed=arguments.seed,
         stop_at_eos=arguments.stop_at_eos,
+        after_batch=governor,
     )
     summary = summarize(samples)
     settings = {**asdict(arguments), "judge": arguments.judge or "vader", "num_prompts": len(prompts)}

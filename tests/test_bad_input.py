@@ -281,6 +281,7 @@ CASES = [
     Case(RLOO, ["--save_total_limit", "0"], r"save_total_limit=0 must be >= 1"),
     Case(RLOO, ["--seed", "-1"], r"--seed=-1 is out of range"),
     Case(RLOO, ["--seed", "5000000000"], r"--seed=5000000000 is out of range"),
+    Case(RLOO, ["--threads", "-1"], r"--threads=-1 must be >= 0 \(0: follow the free cores"),
     Case(RLOO, ["--num_train_epochs", "inf"], r"--num_train_epochs=inf is not a finite number"),
     Case(RLOO, ["--not_a_flag", "3"], r"unknown flags \['--not_a_flag', '3'\].*marl train-rloo --help"),
     # --- train-rloo: --config files
@@ -374,6 +375,7 @@ CASES += [
     Case(REWARD, ["--batch_size", "0"], r"--batch_size must be at least 1"),
     Case(REWARD, ["--max_length", "0"], r"--max_length must be at least 1"),
     Case(REWARD, ["--seed", "-3"], r"--seed=-3 is out of range"),
+    Case(REWARD, ["--threads", "-2"], r"--threads=-2 must be >= 0"),
     Case(REWARD, ["--gradient_checkpointing", "perhaps"], r"--gradient_checkpointing.*got perhaps"),
     Case(REWARD, ["--config", "{files}/bad.yaml"], r"cannot read the config file"),
 ]
@@ -401,6 +403,7 @@ CASES += [
     Case(EVALUATE, ["--temperature", "nan"], r"--temperature=nan is not a finite number"),
     Case(EVALUATE, ["--temperature", "0"], r"--temperature=0.0 must be > 0"),
     Case(EVALUATE, ["--seed", "-1"], r"--seed=-1 is out of range"),
+    Case(EVALUATE, ["--threads", "-1"], r"--threads=-1 must be >= 0"),
     Case(EVALUATE, ["--stop_at_eos", "often"], r"--stop_at_eos.*got often"),
     Case(EVALUATE, ["--judge", "vader"], r"--judge 'vader' must look like 'module:function'"),
     Case(EVALUATE, ["--judge", "no_such_judges:score"], r"--judge .*could not import 'no_such_judges'"),
