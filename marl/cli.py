@@ -47,6 +47,40 @@ COMMANDS: dict[str, str] = {
 }
 
 
+# TRL 1.x names (RLOOConfig / GRPOConfig, and the RLOO trainer before it) of settings marl names otherwise.
+# They are not aliases: a TRL name gets a one-line hint with marl's flag.
+TRL_FLAG_HINTS: dict[str, str] = {
+    "num_generations": "marl's flag is --rloo_k (completions per prompt)",
+    "max_completion_length": "marl's flag is --response_length (maximum new tokens per completion)",
+    "beta": "marl's flag is --kl_coef (weight of the KL penalty)",
+    "num_iterations": "marl's flag is --num_ppo_epochs (passes over each rollout)",
+    "epsilon": "marl's flag is --cliprange (PPO clip range)",
+    "epsilon_high": "marl's clip range is symmetric: --cliprange",
+    "normalize_advantages": "marl's flag is --normalize_advantage",
+    "steps_per_generation": "marl's flag is --num_mini_batches (optimizer steps per rollout and epoch)",
+    "reward_funcs": "marl's flags are --reward_fn module:function and --reward_adapter DIR",
+    "reward_model_path": "marl's flag is --reward_adapter DIR (a reward LoRA + score head)",
+    "sft_model_path": "marl's flags are --model_name_or_path and --policy_adapter DIR",
+    "max_prompt_length": "marl does not cut prompts: a prompt too long for the context with its completion "
+    "is refused",
+}
+
+
+def trl_flag_hints(names: Sequence[str]) -> str:
+    """The hints for the TRL flag names among ``names`` (flags or config keys), one sentence each.
+
+    Example:
+        >>> trl_flag_hints(["--num-generations", "4", "--seed"])
+        '--num_generations is a TRL name: marl\'s flag is --rloo_k (completions per prompt)'
+    """
+    found = [
+        name
+        for word in names
+        if (name := str(word).removeprefix("--").split("=")[0].replace("-", "_")) in TRL_FLAG_HINTS
+    ]
+    return "; ".join(f"--{name} is a TRL name: {TRL_FLAG_HINTS[name]}" for name in found)
+
+
 @dataclass
 class ScriptArguments:
     """Flags of ``train-rloo`` beyond :class:`marl.RLOOConfig`: data, reward function, output folder."""
@@ -224,11 +258,23 @@ def parse_flags(dataclass_types: list[type], prog: str, words: Sequence[str]) ->
     from trl import TrlParser
 
     parser = TrlParser([*dataclass_types, CommonArguments], prog=prog)
+    _describe_negative_flags(parser)
     _check_config_file(words, parser)
     *parsed, _common, unknown = parser.parse_args_and_config(list(words), return_remaining_strings=True)
     if unknown:
-        raise ConfigError(f"unknown flags {unknown}: see `{prog} --help` for the flags")
+        hints = trl_flag_hints([word for word in unknown if word.startswith("--")])
+        raise ConfigError(f"unknown flags {unknown}: {hints or f'see `{prog} --help` for the flags'}")
     return tuple(parsed)
+
+
+def _describe_negative_flags(parser: argparse.ArgumentParser) -> None:
+    """``HfArgumentParser`` gives ``--no_X`` (of a setting that is on by default) the help of ``--X``; say
+    what it does instead."""
+    for action in parser._actions:
+        negative = [option for option in action.option_strings if option.startswith("--no_")]
+        if negative and isinstance(action, argparse._StoreFalseAction):
+            action.help = f"Turn --{action.dest} off (as --{action.dest} false); it is on by default."
+            action.default = argparse.SUPPRESS  # its own default (False) is not the setting's
 
 
 def _check_config_file(words: Sequence[str], parser: argparse.ArgumentParser) -> None:
@@ -251,9 +297,14 @@ def _check_config_file(words: Sequence[str], parser: argparse.ArgumentParser) ->
     known = {action.dest for action in parser._actions} | {"env"}
     unknown = [str(key) for key in settings if key not in known]
     if unknown:
+        hints = trl_flag_hints(unknown)
         raise ConfigError(
-            f"the config file {path} has unknown settings {unknown}: use the flag names of `{parser.prog} "
-            "--help` with underscores (e.g. reward_adapter, not reward-adapter)"
+            f"the config file {path} has unknown settings {unknown}: "
+            + (
+                hints
+                or f"use the flag names of `{parser.prog} --help` with underscores (e.g. reward_adapter, not "
+                "reward-adapter)"
+            )
         )
 
 
@@ -306,7 +357,11 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     eval_dataset = None
     if script.dataset_test_split is not None:
         eval_dataset = load_prompt_dataset(
-            script.dataset_name, script.dataset_test_split, script.prompt_column, seed=config.seed
+            script.dataset_name,
+            script.dataset_test_split,
+            script.prompt_column,
+            seed=config.seed,
+            split_flag="--dataset_test_split",
         )
     resolve_model_path(config.model_name_or_path)
 

@@ -58,7 +58,11 @@ class EvaluateArguments:
         },
     )
     reward_adapter: str | None = field(
-        default=None, metadata={"help": "Reward adapter folder; its mean score is reported when given."}
+        default=None,
+        metadata={
+            "help": "Reward adapter folder, DIR or NAME=DIR (as in train-rloo); its mean score is reported "
+            "when given."
+        },
     )
     quantization: str | None = field(default=None, metadata={"help": "Load the base in '4bit' or '8bit'."})
     dataset_name: str = dataset_name_field("Held-out prompts")
@@ -343,6 +347,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """
     from rich.console import Console
 
+    from marl.config import reward_adapter_folders
     from marl.cpu_threads import apply_threads
     from marl.data import load_prompt_dataset
     from marl.loading import load_tokenizer
@@ -356,12 +361,15 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         arguments.dataset_split,
         arguments.prompt_column,
         max_prompts=arguments.num_prompts,
+        split_flag="--dataset_split",
     )["prompt"]
     start = time.perf_counter()
     model = MultiAdapterModel.from_pretrained(
         arguments.model_name_or_path,
         quantization=arguments.quantization,
-        reward_adapter=arguments.reward_adapter,
+        reward_adapters=reward_adapter_folders(
+            [arguments.reward_adapter] if arguments.reward_adapter else []
+        ),
         policy_adapter=arguments.policy_adapter,
         reference="base",
     )
