@@ -70,8 +70,8 @@ def trl_flag_hints(names: Sequence[str]) -> str:
     """The hints for the TRL flag names among ``names`` (flags or config keys), one sentence each.
 
     Example:
-        >>> trl_flag_hints(["--num-generations", "4", "--seed"])
-        '--num_generations is a TRL name: marl\'s flag is --rloo_k (completions per prompt)'
+        >>> print(trl_flag_hints(["--num-generations", "4", "--seed"]))
+        --num_generations is a TRL name: marl's flag is --rloo_k (completions per prompt)
     """
     found = [
         name
