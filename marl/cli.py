@@ -9,7 +9,8 @@ transformers only when it runs, so ``marl --help`` is fast. ``examples/train_rlo
 Every subcommand runs inside :func:`error_boundary`: input the user can fix (a :class:`marl.errors.MarlError`:
 bad flags, files, data, adapters, models, checkpoints, user functions) ends the program with one line on
 stderr and exit code 2, the code argparse uses for bad flags. ``--debug`` (or ``MARL_DEBUG=1``) shows its
-traceback too. Any other exception is a bug and keeps its traceback.
+traceback too. Ctrl-C ends it with one line saying what was kept and how to go on, and exit code 130. Any
+other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 
 # argparse's exit code for a command line it cannot use; marl uses it for every error in the input.
 INPUT_ERROR_EXIT_CODE = 2
+# What a shell reports for a program stopped by Ctrl-C (128 + SIGINT).
+INTERRUPTED_EXIT_CODE = 130
 DEBUG_FLAG = "--debug"
 DEBUG_ENVIRONMENT_VARIABLE = "MARL_DEBUG"
 
@@ -42,6 +45,40 @@ COMMANDS: dict[str, str] = {
     "evaluate": "compare a policy adapter with its base on held-out prompts",
     "demo": "offline end-to-end demo on the embedded SmolLM2-135M-Instruct and Rotten Tomatoes",
 }
+
+
+# TRL 1.x names (RLOOConfig / GRPOConfig, and the RLOO trainer before it) of settings marl names otherwise.
+# They are not aliases: a TRL name gets a one-line hint with marl's flag.
+TRL_FLAG_HINTS: dict[str, str] = {
+    "num_generations": "marl's flag is --rloo_k (completions per prompt)",
+    "max_completion_length": "marl's flag is --response_length (maximum new tokens per completion)",
+    "beta": "marl's flag is --kl_coef (weight of the KL penalty)",
+    "num_iterations": "marl's flag is --num_ppo_epochs (passes over each rollout)",
+    "epsilon": "marl's flag is --cliprange (PPO clip range)",
+    "epsilon_high": "marl's clip range is symmetric: --cliprange",
+    "normalize_advantages": "marl's flag is --normalize_advantage",
+    "steps_per_generation": "marl's flag is --num_mini_batches (optimizer steps per rollout and epoch)",
+    "reward_funcs": "marl's flags are --reward_fn module:function and --reward_adapter DIR",
+    "reward_model_path": "marl's flag is --reward_adapter DIR (a reward LoRA + score head)",
+    "sft_model_path": "marl's flags are --model_name_or_path and --policy_adapter DIR",
+    "max_prompt_length": "marl does not cut prompts: a prompt too long for the context with its completion "
+    "is refused",
+}
+
+
+def trl_flag_hints(names: Sequence[str]) -> str:
+    """The hints for the TRL flag names among ``names`` (flags or config keys), one sentence each.
+
+    Example:
+        >>> print(trl_flag_hints(["--num-generations", "4", "--seed"]))
+        --num_generations is a TRL name: marl's flag is --rloo_k (completions per prompt)
+    """
+    found = [
+        name
+        for word in names
+        if (name := str(word).removeprefix("--").split("=")[0].replace("-", "_")) in TRL_FLAG_HINTS
+    ]
+    return "; ".join(f"--{name} is a TRL name: {TRL_FLAG_HINTS[name]}" for name in found)
 
 
 @dataclass
@@ -97,10 +134,18 @@ class CommonArguments:
     )
 
 
+def _debugging(words: Sequence[str]) -> bool:
+    return DEBUG_FLAG in words or os.environ.get(DEBUG_ENVIRONMENT_VARIABLE, "") not in ("", "0")
+
+
 @contextlib.contextmanager
-def error_boundary(prog: str, words: Sequence[str]) -> Iterator[None]:
+def error_boundary(
+    prog: str, words: Sequence[str], interrupted: Callable[[], str] | None = None
+) -> Iterator[None]:
     """Turn a :class:`~marl.errors.MarlError` raised inside into ``prog: error: message`` on stderr and exit
-    code 2, unless ``words`` hold ``--debug`` or ``MARL_DEBUG`` is set; any other exception passes through.
+    code 2, and Ctrl-C into ``prog: interrupted ...`` (the line ``interrupted()`` returns: what was kept and
+    how to go on) and exit code 130, unless ``words`` hold ``--debug`` or ``MARL_DEBUG`` is set; any other
+    exception passes through.
 
     Example:
         >>> with error_boundary("marl demo", []):
@@ -112,10 +157,56 @@ def error_boundary(prog: str, words: Sequence[str]) -> Iterator[None]:
     try:
         yield
     except MarlError as error:
-        if DEBUG_FLAG in words or os.environ.get(DEBUG_ENVIRONMENT_VARIABLE, "") not in ("", "0"):
+        if _debugging(words):
             raise
         print(f"{prog}: error: {error}", file=sys.stderr)
         raise SystemExit(INPUT_ERROR_EXIT_CODE) from None
+    except KeyboardInterrupt:
+        if _debugging(words):
+            raise
+        # Under a launcher every process gets the signal; one line is enough.
+        if os.environ.get("RANK", "0") == "0":
+            line = (
+                interrupted()
+                if interrupted is not None
+                else f"nothing was saved. Run the same command again: {command_line(prog, words)}"
+            )
+            print(f"\n{prog}: interrupted: {line}", file=sys.stderr)
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+
+
+def command_line(prog: str, words: Sequence[str]) -> str:
+    """The command a user types to run ``prog`` with ``words`` (a script's ``prog`` is run with python).
+
+    Example:
+        >>> command_line("marl evaluate", ["--policy_adapter", "runs/my run"])
+        "marl evaluate --policy_adapter 'runs/my run'"
+    """
+    program = prog if prog.startswith("marl ") else f"python {shlex.quote(sys.argv[0] or prog)}"
+    return " ".join([program, *([shlex.join(words)] if words else [])])
+
+
+def resume_words(words: Sequence[str]) -> list[str]:
+    """``words`` with ``--resume_from_checkpoint latest`` in place of any resume or overwrite flag.
+
+    Example:
+        >>> resume_words(["--output_dir", "run", "--overwrite-output-dir", "--resume_from_checkpoint=x"])
+        ['--output_dir', 'run', '--resume_from_checkpoint', 'latest']
+    """
+    replaced = ("--resume_from_checkpoint", "--overwrite_output_dir")
+    kept: list[str] = []
+    skipping = False
+    for word in words:
+        name = word.split("=", 1)[0].replace("-", "_") if word.startswith("--") else None
+        if name is not None:
+            skipping = name in [flag.replace("-", "_") for flag in replaced]
+            if skipping:
+                continue
+        elif skipping:  # the value of a replaced flag
+            skipping = False
+            continue
+        kept.append(word)
+    return [*kept, "--resume_from_checkpoint", "latest"]
 
 
 def _words(argv: Sequence[str] | None) -> list[str]:
@@ -167,11 +258,23 @@ def parse_flags(dataclass_types: list[type], prog: str, words: Sequence[str]) ->
     from trl import TrlParser
 
     parser = TrlParser([*dataclass_types, CommonArguments], prog=prog)
+    _describe_negative_flags(parser)
     _check_config_file(words, parser)
     *parsed, _common, unknown = parser.parse_args_and_config(list(words), return_remaining_strings=True)
     if unknown:
-        raise ConfigError(f"unknown flags {unknown}: see `{prog} --help` for the flags")
+        hints = trl_flag_hints([word for word in unknown if word.startswith("--")])
+        raise ConfigError(f"unknown flags {unknown}: {hints or f'see `{prog} --help` for the flags'}")
     return tuple(parsed)
+
+
+def _describe_negative_flags(parser: argparse.ArgumentParser) -> None:
+    """``HfArgumentParser`` gives ``--no_X`` (of a setting that is on by default) the help of ``--X``; say
+    what it does instead."""
+    for action in parser._actions:
+        negative = [option for option in action.option_strings if option.startswith("--no_")]
+        if negative and isinstance(action, argparse._StoreFalseAction):
+            action.help = f"Turn --{action.dest} off (as --{action.dest} false); it is on by default."
+            action.default = argparse.SUPPRESS  # its own default (False) is not the setting's
 
 
 def _check_config_file(words: Sequence[str], parser: argparse.ArgumentParser) -> None:
@@ -194,9 +297,14 @@ def _check_config_file(words: Sequence[str], parser: argparse.ArgumentParser) ->
     known = {action.dest for action in parser._actions} | {"env"}
     unknown = [str(key) for key in settings if key not in known]
     if unknown:
+        hints = trl_flag_hints(unknown)
         raise ConfigError(
-            f"the config file {path} has unknown settings {unknown}: use the flag names of `{parser.prog} "
-            "--help` with underscores (e.g. reward_adapter, not reward-adapter)"
+            f"the config file {path} has unknown settings {unknown}: "
+            + (
+                hints
+                or f"use the flag names of `{parser.prog} --help` with underscores (e.g. reward_adapter, not "
+                "reward-adapter)"
+            )
         )
 
 
@@ -249,7 +357,11 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     eval_dataset = None
     if script.dataset_test_split is not None:
         eval_dataset = load_prompt_dataset(
-            script.dataset_name, script.dataset_test_split, script.prompt_column, seed=config.seed
+            script.dataset_name,
+            script.dataset_test_split,
+            script.prompt_column,
+            seed=config.seed,
+            split_flag="--dataset_test_split",
         )
     resolve_model_path(config.model_name_or_path)
 
@@ -329,7 +441,29 @@ def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-r
         >>> train_rloo_main(["--reward_adapter", "rm", "--output_dir", "runs/a"])  # doctest: +SKIP
     """
     words = _words(argv)
-    with error_boundary(prog, words):
+    script = trainer = None
+
+    def interrupted() -> str:
+        again = f"Run the same command again to start: {command_line(prog, words)}"
+        # With --overwrite_output_dir the earlier run stays until this one's first update is done.
+        if trainer is None or (script.overwrite_output_dir and trainer.state.update == 0):
+            return f"before the first update; the output folder is as it was. {again}"
+        from marl.run_dir import list_checkpoints
+
+        checkpoints = list_checkpoints(trainer.output_dir)
+        every = trainer.config.save_steps
+        saved = (
+            f"last checkpoint {checkpoints[-1]}"
+            if checkpoints
+            else f"no checkpoint saved yet ({f'one every {every} updates' if every else '--save_steps 0'}), "
+            "so resuming starts from the beginning"
+        )
+        return (
+            f"after {trainer.state.update} of {trainer.sizes.num_total_batches} updates; {saved}. Resume "
+            f"with: {command_line(prog, resume_words(words))}"
+        )
+
+    with error_boundary(prog, words, interrupted):
         script, config = parse_train_rloo_args(words, prog)
         trainer = build_rloo_trainer(script, config, command=f"{prog} {shlex.join(words)}")
         trainer.train(**train_arguments(script))
@@ -347,7 +481,11 @@ def evaluate_main(argv: Sequence[str] | None = None, prog: str = "marl evaluate"
         >>> evaluate_main(["--policy_adapter", "runs/a", "--reward_adapter", "rm"])  # doctest: +SKIP
     """
     words = _words(argv)
-    with error_boundary(prog, words):
+
+    def interrupted() -> str:
+        return f"before the results were written. Run the same command again: {command_line(prog, words)}"
+
+    with error_boundary(prog, words, interrupted):
         from marl.evaluate import EvaluateArguments, run_evaluation
 
         (arguments,) = parse_flags([EvaluateArguments], prog, words)
@@ -361,7 +499,14 @@ def train_reward_main(argv: Sequence[str] | None = None, prog: str = "marl train
         >>> train_reward_main(["--output_dir", "rm", "--max_train_pairs", "256"])  # doctest: +SKIP
     """
     words = _words(argv)
-    with error_boundary(prog, words):
+
+    def interrupted() -> str:
+        return (
+            "before the adapter was saved (it is written at the end). Run the same command again: "
+            f"{command_line(prog, words)}"
+        )
+
+    with error_boundary(prog, words, interrupted):
         from marl.reward_training import RewardAdapterArguments, run
 
         (arguments,) = parse_flags([RewardAdapterArguments], prog, words)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from marl.adapters import REFERENCE_MODES
+from marl.cpu_threads import check_threads, threads_field
 from marl.errors import ConfigError
 from marl.quantization import parse_quantization
 from marl.validation import check_fields, check_seed
@@ -74,6 +75,30 @@ class BatchSizes:
     total_optimizer_steps: int
 
 
+def reward_adapter_folders(entries: list[str]) -> dict[str, str]:
+    """The reward adapters of ``--reward_adapter`` entries by name: ``NAME=DIR`` entries keep their name; bare
+    folders are named ``reward``, ``reward_2``, ... in order.
+
+    Example:
+        >>> reward_adapter_folders(["rm", "fluency=adapters/fluency"])
+        {'reward': 'rm', 'fluency': 'adapters/fluency'}
+    """
+    folders: dict[str, str] = {}
+    unnamed = 0
+    for entry in entries:
+        name, separator, folder = entry.partition("=")
+        if not separator:
+            unnamed += 1
+            name, folder = ("reward" if unnamed == 1 else f"reward_{unnamed}"), entry
+        if name in folders:
+            raise ConfigError(
+                f"two reward adapters are named {name!r}; give each one a distinct name with "
+                "--reward_adapter NAME=DIR"
+            )
+        folders[name] = folder
+    return folders
+
+
 @dataclass
 class RLOOConfig:
     """Configuration of :class:`marl.RLOOTrainer` (RLOO fields) and of the shared base model (model fields).
@@ -91,6 +116,7 @@ class RLOOConfig:
         metadata={"help": "Folder for metrics.jsonl, samples, checkpoints and the final policy adapter."},
     )
     seed: int = field(default=42, metadata={"help": "Seed of the data order, sampling and initialisation."})
+    threads: int = threads_field()
 
     # --- model: one base, adapters as views (used by RLOOConfig.load_model) ---
     model_name_or_path: str = field(
@@ -279,6 +305,7 @@ class RLOOConfig:
 
         check_fields(self)
         check_seed(self.seed)
+        check_threads(self.threads)
         if self.rloo_k < 2:
             fail(
                 f"rloo_k={self.rloo_k}: leave-one-out needs at least 2 completions per prompt",
@@ -443,27 +470,13 @@ class RLOOConfig:
         )
 
     def reward_adapter_folders(self) -> dict[str, str]:
-        """The reward adapters by name: ``NAME=DIR`` entries keep their name; bare folders are named
-        ``reward``, ``reward_2``, ... in order.
+        """The reward adapters by name (see :func:`reward_adapter_folders`).
 
         Example:
             >>> RLOOConfig(reward_adapter=["rm", "fluency=adapters/fluency"]).reward_adapter_folders()
             {'reward': 'rm', 'fluency': 'adapters/fluency'}
         """
-        folders: dict[str, str] = {}
-        unnamed = 0
-        for entry in self.reward_adapter or []:
-            name, separator, folder = entry.partition("=")
-            if not separator:
-                unnamed += 1
-                name, folder = ("reward" if unnamed == 1 else f"reward_{unnamed}"), entry
-            if name in folders:
-                raise ConfigError(
-                    f"two reward adapters are named {name!r}; give each one a distinct name with "
-                    "--reward_adapter NAME=DIR"
-                )
-            folders[name] = folder
-        return folders
+        return reward_adapter_folders(self.reward_adapter or [])
 
     def load_model(self, **overrides: Any) -> MultiAdapterModel:
         """Build the :class:`marl.MultiAdapterModel` these model fields describe, after seeding every random

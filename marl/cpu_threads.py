@@ -4,6 +4,9 @@ Torch splits each operation over its threads and waits for the slowest. When ano
 cores, the thread on that core runs only part of the time and every operation waits for it, while the other
 threads spin: on a 2-core machine an update of ``marl demo`` went from about 18 s alone to 74–170 s beside one
 other CPU-bound process. With one thread per free core it runs at the speed of the cores it actually has.
+
+Every command and :class:`marl.RLOOTrainer` take the same ``threads`` setting (:func:`threads_field`): 0, the
+default, follows the free cores on CPU; ``N`` fixes torch's thread count at ``N`` and turns the following off.
 """
 
 from __future__ import annotations
@@ -11,12 +14,42 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from marl.errors import ConfigError
 
 # A process using less than this share of a core (an editor, a shell, a monitor) does not take a thread away.
 IDLE_SHARE = 0.35
 # Shorter windows turn the 10 ms resolution of /proc/stat into noise: the measure waits for a longer one.
 MIN_WINDOW_SECONDS = 0.2
+# The ``threads`` setting that follows the free cores.
+FREE_CORES = 0
+THREADS_HELP = (
+    "CPU threads for torch. 0: on CPU, as many as the cores that other processes leave free, measured again "
+    "after every update or batch (a thread on a core another process takes stalls every operation); N: "
+    "exactly N threads, which turns the measuring off."
+)
+
+
+def threads_field() -> Any:
+    """The ``threads`` field of every settings dataclass, with one default and one help text."""
+    return field(default=FREE_CORES, metadata={"help": THREADS_HELP})
+
+
+def check_threads(threads: int) -> None:
+    """Refuse a negative ``threads`` setting.
+
+    Example:
+        >>> check_threads(-1)
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --threads=-1 must be >= 0 (0: follow the free cores; N: exactly N threads)
+    """
+    if threads < 0:
+        raise ConfigError(
+            f"--threads={threads} must be >= 0 (0: follow the free cores; N: exactly N threads)"
+        )
 
 
 def threads_for_free_cores(cores: int, busy_elsewhere: float) -> int:
@@ -86,7 +119,7 @@ class FreeCoreThreads:
         self.cores = torch.get_num_threads()
         self.busy_elsewhere = 0.0
         self._last = sample_cpu()
-        if self._last is not None:
+        if self._last is not None and self.cores > 1:
             time.sleep(measure_seconds)  # a first measure before any work, so that the start is right too
 
     def __call__(self, *_: object) -> int:
@@ -102,3 +135,25 @@ class FreeCoreThreads:
                 self._last = now
                 torch.set_num_threads(threads_for_free_cores(self.cores, self.busy_elsewhere))
         return torch.get_num_threads()
+
+
+def apply_threads(threads: int, device_type: str) -> FreeCoreThreads | None:
+    """Apply a ``threads`` setting for work on ``device_type``: ``N > 0`` sets torch's thread count to ``N``;
+    0 on CPU sets it to the free cores now and returns the governor to call after every unit of work; 0 on
+    an accelerator leaves torch alone.
+
+    Example:
+        >>> apply_threads(0, "cuda") is None
+        True
+    """
+    import torch
+
+    check_threads(threads)
+    if threads != FREE_CORES:
+        torch.set_num_threads(threads)
+        return None
+    if device_type != "cpu":
+        return None
+    governor = FreeCoreThreads()
+    governor()
+    return governor

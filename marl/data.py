@@ -131,12 +131,15 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
 # Prompt datasets
 
 
-def rotten_tomatoes_prompts(split: str = "train", num_words: int = 4, seed: int = 0) -> datasets.Dataset:
+def rotten_tomatoes_prompts(
+    split: str = "train", num_words: int = 4, seed: int = 0, *, split_flag: str = "--dataset_train_split"
+) -> datasets.Dataset:
     """Bundled "continue the review" prompts: the first ``num_words`` words of Rotten Tomatoes snippets.
 
     ``train`` prompts come from the ``rl`` movies of :func:`marl.assets.split_rotten_tomatoes`; ``test``
     (alias ``eval``/``validation``) prompts come from the held-out ``eval`` movies and never repeat a training
     prompt. The reward-adapter pairs come from a third set of movies, so the three never overlap.
+    ``split_flag`` is the flag an unknown split's error tells the user to fix.
 
     Example:
         >>> train, held_out = rotten_tomatoes_prompts("train"), rotten_tomatoes_prompts("test")
@@ -148,7 +151,7 @@ def rotten_tomatoes_prompts(split: str = "train", num_words: int = 4, seed: int 
     if split not in ROTTEN_TOMATOES_SPLITS:
         raise DataError(
             f"{ROTTEN_TOMATOES!r} has the splits {sorted(ROTTEN_TOMATOES_SPLITS)}, not {split!r}: "
-            "pass one of them with --dataset_train_split"
+            f"pass one of them with {split_flag}"
         )
     parts = assets.split_rotten_tomatoes(seed=seed)
     train = assets.build_rl_prompts(parts["rl"], num_words=num_words, seed=seed)
@@ -165,13 +168,15 @@ def load_prompt_dataset(
     *,
     seed: int = 0,
     max_prompts: int | None = None,
+    split_flag: str = "--dataset_train_split",
 ) -> datasets.Dataset:
     """Load prompts from ``dataset_name`` and return them with the prompt text in a column named ``prompt``.
 
     ``dataset_name`` is ``"rotten-tomatoes"`` (bundled, offline), a local ``.json``/``.jsonl``/``.csv``/
     ``.parquet`` file, a folder of such files (split names come from file names such as ``train.jsonl``),
     or a dataset hub name. Prompts may be plain strings or conversations (lists of ``{"role", "content"}``).
-    ``max_prompts`` keeps the first that many rows.
+    ``max_prompts`` keeps the first that many rows. ``split_flag``: the flag that chose ``split``, named in
+    the error when the split is missing or empty.
 
     Example:
         >>> prompts = load_prompt_dataset("rotten-tomatoes", "test", max_prompts=3)
@@ -179,12 +184,12 @@ def load_prompt_dataset(
         (['prompt'], 3)
     """
     if dataset_name == ROTTEN_TOMATOES:
-        dataset = rotten_tomatoes_prompts(split, seed=seed)
+        dataset = rotten_tomatoes_prompts(split, seed=seed, split_flag=split_flag)
     else:
-        dataset = _load_local_or_hub(dataset_name, split)
+        dataset = _load_local_or_hub(dataset_name, split, split_flag)
     dataset = _select_prompt_column(dataset, prompt_column, dataset_name)
     if len(dataset) == 0:
-        raise DataError(f"split {split!r} of {dataset_name!r} is empty: pick another --dataset_train_split")
+        raise DataError(f"split {split!r} of {dataset_name!r} is empty: pick another {split_flag}")
     if max_prompts is not None:
         dataset = dataset.select(range(min(max_prompts, len(dataset))))
     return dataset
@@ -223,7 +228,7 @@ def describe_prompt_source(source: dict[str, Any]) -> str:
     return f"split {source['split']!r} of {where}"
 
 
-def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:
+def _load_local_or_hub(dataset_name: str, split: str, split_flag: str) -> datasets.Dataset:
     import datasets
 
     path = Path(dataset_name).expanduser()
@@ -246,7 +251,7 @@ def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:
             raise DataError(
                 f"the folder {path} mixes dataset file types ({', '.join(sorted(builders))}): keep one type"
             )
-        return _pick_split(read_dataset_files(path, str(path)), split, dataset_name)
+        return _pick_split(read_dataset_files(path, str(path)), split, dataset_name, split_flag)
     if _looks_like_path(dataset_name):
         raise DataError(f"no such dataset file or folder: {path}")
     try:
@@ -256,7 +261,7 @@ def _load_local_or_hub(dataset_name: str, split: str) -> datasets.Dataset:
             f"could not load the dataset {dataset_name!r} from the hub ({type(error).__name__}: {error}). "
             f"Offline, pass a local file or folder, or {ROTTEN_TOMATOES!r} for the bundled prompts"
         ) from error
-    return _pick_split(loaded, split, dataset_name)
+    return _pick_split(loaded, split, dataset_name, split_flag)
 
 
 def read_dataset_files(path: Path, builder: str, **options: Any) -> datasets.DatasetDict:
@@ -295,11 +300,13 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or Path(name).suffix.lower() in {*FILE_BUILDERS, ".txt", ".tsv"}
 
 
-def _pick_split(loaded: datasets.DatasetDict, split: str, dataset_name: str) -> datasets.Dataset:
+def _pick_split(
+    loaded: datasets.DatasetDict, split: str, dataset_name: str, split_flag: str
+) -> datasets.Dataset:
     if split not in loaded:
         raise DataError(
             f"{dataset_name!r} has no split {split!r}; its splits are {sorted(loaded)}: "
-            "pass one with --dataset_train_split"
+            f"pass one with {split_flag}"
         )
     return loaded[split]
 

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marl.cpu_threads import threads_field
 from marl.errors import ConfigError, MissingPathError
 from marl.validation import check_fields
 
@@ -81,20 +82,12 @@ class DemoArguments:
         default=TARGET_EVAL_PROMPTS, metadata={"help": "Held-out prompts to evaluate."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of data order, sampling and initialisation."})
-    threads: int = field(
-        default=0,
-        metadata={
-            "help": "CPU threads for torch. 0: the cores that other processes leave free, measured again "
-            "after every update (a thread on a core another process takes stalls every operation)."
-        },
-    )
+    threads: int = threads_field()
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
-        if self.threads < 0:
-            raise ConfigError(f"--threads={self.threads} must be >= 0 (0: the free cores)")
         # The RLOO settings are checked where they are checked for train-rloo.
         demo_rloo_config(self, Path("."), self.reward_adapter)
 
@@ -107,6 +100,7 @@ def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter:
     return RLOOConfig(
         output_dir=str(output_dir),
         seed=arguments.seed,
+        threads=arguments.threads,
         model_name_or_path=EMBEDDED_MODEL_ID,
         quantization="4bit",
         reward_adapter=reward_adapter,
@@ -235,7 +229,6 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
-    from marl.cpu_threads import FreeCoreThreads
     from marl.data import rotten_tomatoes_prompts
     from marl.evaluate import generate_and_score, results_table, summarize, write_results
     from marl.loading import load_tokenizer
@@ -246,12 +239,6 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
 
     start = time.perf_counter()
     console = Console()
-    if arguments.threads:
-        torch.set_num_threads(arguments.threads)
-        callbacks, how = [], "--threads"
-    else:
-        callbacks, how = [FreeCoreThreads()], "the free cores, measured again after every update"
-        callbacks[0]()
     output_dir = Path(arguments.output_dir) if arguments.output_dir else _default_output_dir()
     plan_start(output_dir / "policy")
     if not arguments.train_reward and not (Path(arguments.reward_adapter) / "adapter_config.json").is_file():
@@ -261,13 +248,6 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         )
     console.rule(
         "[bold]marl demo[/bold]: RLOO on SmolLM2-135M-Instruct (4-bit) with a reward adapter, offline"
-    )
-    threads = torch.get_num_threads()
-    console.print(
-        f"{threads} torch thread(s) ({how}); expected duration about "
-        f"{expected_seconds(arguments, threads) / 60:.0f} min (measured: "
-        f"{expected_seconds(arguments, 2) / 60:.0f} min on 2 free cores, "
-        f"{expected_seconds(arguments, 1) / 60:.0f} min on 1)"
     )
 
     if arguments.train_reward:
@@ -307,7 +287,14 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         eval_dataset=[{"prompt": prompt} for prompt in eval_prompts],
         reward_funcs=reward,
         judge=load_judge(None),
-        callbacks=callbacks,
+    )
+    threads = torch.get_num_threads()
+    how = "--threads" if arguments.threads else "the free cores, measured again after every update"
+    console.print(
+        f"{threads} torch thread(s) ({how}); expected duration about "
+        f"{expected_seconds(arguments, threads) / 60:.0f} min (measured: "
+        f"{expected_seconds(arguments, 2) / 60:.0f} min on 2 free cores, "
+        f"{expected_seconds(arguments, 1) / 60:.0f} min on 1)"
     )
     trainer.train()
     train_seconds = time.perf_counter() - start

@@ -26,12 +26,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from marl.cpu_threads import check_threads, threads_field
 from marl.data import dataset_name_field
 from marl.errors import ConfigError
 from marl.quantization import parse_quantization
 from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from transformers import PreTrainedTokenizerBase
 
     from marl.model import MultiAdapterModel
@@ -56,7 +59,11 @@ class EvaluateArguments:
         },
     )
     reward_adapter: str | None = field(
-        default=None, metadata={"help": "Reward adapter folder; its mean score is reported when given."}
+        default=None,
+        metadata={
+            "help": "Reward adapter folder, DIR or NAME=DIR (as in train-rloo); its mean score is reported "
+            "when given."
+        },
     )
     quantization: str | None = field(default=None, metadata={"help": "Load the base in '4bit' or '8bit'."})
     dataset_name: str = dataset_name_field("Held-out prompts")
@@ -80,6 +87,7 @@ class EvaluateArguments:
         default=None,
         metadata={"help": "Judge 'module:function' called as function(texts) -> numbers; unset: VADER."},
     )
+    threads: int = threads_field()
     output_dir: str | None = field(
         default=None,
         metadata={
@@ -91,6 +99,7 @@ class EvaluateArguments:
         self.quantization = parse_quantization(self.quantization)
         check_fields(self)
         check_seed(self.seed)
+        check_threads(self.threads)
         for name in ("num_prompts", "batch_size", "response_length"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be a positive integer: fix the flag")
@@ -179,9 +188,11 @@ def generate_and_score(
     progress: bool = True,
     stop_at_eos: bool = True,
     policy: str | None = None,
+    after_batch: Callable[[], Any] | None = None,
 ) -> dict[str, ScoredCompletions]:
     """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of policy ``policy``
-    (default: the model's first policy), keyed ``"policy"``.
+    (default: the model's first policy), keyed ``"policy"``. ``after_batch`` is called after every batch
+    (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`).
 
     Both models see the same prompts in the same batches with the same seed per batch.
 
@@ -241,6 +252,8 @@ def generate_and_score(
             if name == "policy":
                 logprobs, ref_logprobs = sampler.logprobs(samples)
                 record.kls.extend(masked_sum(logprobs - ref_logprobs, samples.response_mask).tolist())
+        if after_batch is not None:
+            after_batch()
     return results
 
 
@@ -375,6 +388,8 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """
     from rich.console import Console
 
+    from marl.config import reward_adapter_folders
+    from marl.cpu_threads import apply_threads
     from marl.data import describe_prompt_source, load_prompt_dataset, prompt_source
     from marl.loading import load_tokenizer
     from marl.model import MultiAdapterModel
@@ -387,6 +402,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         arguments.dataset_split,
         arguments.prompt_column,
         max_prompts=arguments.num_prompts,
+        split_flag="--dataset_split",
     )["prompt"]
     source = prompt_source(arguments.dataset_name, arguments.dataset_split)
     described = describe_prompt_source(source)
@@ -405,11 +421,14 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     model = MultiAdapterModel.from_pretrained(
         arguments.model_name_or_path,
         quantization=arguments.quantization,
-        reward_adapter=arguments.reward_adapter,
+        reward_adapters=reward_adapter_folders(
+            [arguments.reward_adapter] if arguments.reward_adapter else []
+        ),
         policy_adapter=arguments.policy_adapter,
         reference="base",
     )
     tokenizer = load_tokenizer(model.name_or_path)
+    governor = apply_threads(arguments.threads, model.device.type)
     samples = generate_and_score(
         model,
         tokenizer,
@@ -421,6 +440,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         batch_size=arguments.batch_size,
         seed=arguments.seed,
         stop_at_eos=arguments.stop_at_eos,
+        after_batch=governor,
     )
     summary = summarize(samples)
     settings = {

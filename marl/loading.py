@@ -158,8 +158,9 @@ class PolicySource:
             )
             if str(config.get("task_type")) == "SEQ_CLS":
                 raise AdapterError(
-                    f"policy_adapter {directory} is a sequence-classification (reward) adapter; pass it as "
-                    "reward_adapter=..., and give policy_adapter a causal-LM adapter or None for a fresh LoRA"
+                    f"--policy_adapter {directory} is a sequence-classification (reward) adapter: pass "
+                    f"it with --reward_adapter {directory}, and give --policy_adapter a causal-LM adapter, "
+                    "or leave it out for a fresh LoRA"
                 )
             adapters.check_keeps_base_fixed(config, f"policy adapter {directory}")
             return cls(None, directory, state)

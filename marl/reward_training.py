@@ -34,6 +34,7 @@ from marl.adapters import (
     check_target_modules,
     write_reward_reading,
 )
+from marl.cpu_threads import FREE_CORES, apply_threads, check_threads, threads_field
 from marl.data import ROTTEN_TOMATOES, check_preference_pairs, load_preference_data
 from marl.environment import package_versions
 from marl.errors import ConfigError, DataError, ModelError, RunFolderError
@@ -114,11 +115,13 @@ class RewardAdapterArguments:
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute activations in backward: less memory, about 30% slower."}
     )
+    threads: int = threads_field()
 
     def __post_init__(self) -> None:
         self.quantization = parse_quantization(self.quantization)
         check_fields(self)
         check_seed(self.seed)
+        check_threads(self.threads)
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
         for name in ("max_train_pairs", "max_eval_pairs", "lora_last_layers"):
@@ -279,6 +282,7 @@ def train_reward_adapter(
     max_length: int = 64,
     seed: int = 0,
     gradient_checkpointing: bool = False,
+    threads: int = FREE_CORES,
     dtype: torch.dtype | None = None,
     logging_steps: int = 5,
     data_description: str | None = None,
@@ -289,7 +293,8 @@ def train_reward_adapter(
     ``output_dir`` receives ``adapter_config.json`` (``task_type: SEQ_CLS``), ``adapter_model.safetensors``
     (LoRA weights and ``base_model.model.score.weight``), ``training_summary.json`` (the returned metrics) and
     a README. No optimizer state or checkpoints are kept. ``model_name_or_path`` may be the embedded id
-    ``smollm2-135m-instruct``; the adapter records the name as given as its base.
+    ``smollm2-135m-instruct``; the adapter records the name as given as its base. ``threads``: torch's CPU
+    threads (see :mod:`marl.cpu_threads`; 0 follows the free cores, measured again after every step).
 
     Returns a dict with ``eval_accuracy`` (held-out pairwise accuracy after training),
     ``eval_accuracy_before``, pair counts, the final training loss, wall time and the settings used.
@@ -303,6 +308,7 @@ def train_reward_adapter(
     """
     import torch
     from peft import LoraConfig, TaskType
+    from transformers import TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
     from marl.assets import resolve_model_path
@@ -322,6 +328,12 @@ def train_reward_adapter(
     dtype = dtype or default_compute_dtype()
     torch.manual_seed(seed)  # the score head is freshly initialised when the base is loaded
     model, tokenizer = _load_reward_base(resolve_model_path(model_name_or_path), quantization, dtype)
+    governor = apply_threads(threads, model.device.type)
+
+    class FollowFreeCores(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            governor()
+
     peft_config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
         r=lora_r,
@@ -352,6 +364,7 @@ def train_reward_adapter(
             eval_dataset=eval_pairs,
             processing_class=tokenizer,
             peft_config=peft_config,
+            callbacks=[FollowFreeCores()] if governor is not None else None,
         )
         # For quantized bases RewardTrainer casts the trainable weights to bfloat16, expecting bf16 autocast;
         # train them in the compute dtype instead so that they match the activations (float32 on CPU).
@@ -411,6 +424,7 @@ def train_reward_adapter(
             "max_length": max_length,
             "seed": seed,
             "gradient_checkpointing": gradient_checkpointing,
+            "threads": threads,
         },
         "command": command,
         "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -542,6 +556,7 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
         max_length=arguments.max_length,
         seed=arguments.seed,
         gradient_checkpointing=arguments.gradient_checkpointing,
+        threads=arguments.threads,
         data_description=description,
         command=command,
     )

@@ -49,6 +49,7 @@ from transformers import get_scheduler
 
 from marl import checkpoints, distributed, rloo, run_dir
 from marl.config import RLOOConfig
+from marl.cpu_threads import apply_threads
 from marl.data import prompt_text
 from marl.errors import ConfigError
 from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
@@ -95,7 +96,8 @@ class RLOOTrainer:
             ``JUDGED_EVAL_ROWS`` held-out prompts with it and logs ``eval/judge_score`` beside ``eval/score``
             (the reward's mean on them), so that a rise of the reward without a rise of the judge shows.
         callbacks: functions called as ``callback(state, metrics)`` after every update (with the
-            :class:`TrainerState` and that update's metrics), e.g. :class:`marl.cpu_threads.FreeCoreThreads`.
+            :class:`TrainerState` and that update's metrics). On CPU a
+            :class:`marl.cpu_threads.FreeCoreThreads` is added unless ``config.threads`` fixes the count.
         dataset_source: where the prompts came from (e.g. ``dataset_name``, ``dataset_train_split``,
             ``prompt_column``), recorded in ``rloo_config.json`` under ``"dataset"`` with the prompt counts;
             ``marl evaluate`` reads it to tell held-out prompts from training prompts.
@@ -137,7 +139,9 @@ class RLOOTrainer:
         self.judge = (
             judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge")
         )
-        self.callbacks = list(callbacks)
+        # On CPU torch's threads follow the free cores by default (config.threads), after every update.
+        governor = apply_threads(config.threads, model.device.type)
+        self.callbacks = [*callbacks, *([governor] if governor is not None else [])]
         self.dataset_source = dict(dataset_source or {})
         self.config = config
         self.model = model

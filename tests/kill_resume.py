@@ -52,6 +52,7 @@ KILL_HOOK = """
 import os, signal, sys
 
 _spec = os.environ.get("MARL_TEST_KILL_AT")
+_signal = int(os.environ.get("MARL_TEST_KILL_SIGNAL", signal.SIGKILL))
 if _spec:
     _needle, _count = _spec.rsplit(":", 1)
     _left = [int(_count)]
@@ -61,7 +62,7 @@ if _spec:
         if event in _events and any(_needle in str(arg) for arg in args[:2]):
             _left[0] -= 1
             if _left[0] == 0:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), _signal)
 
     sys.addaudithook(_kill_at)
 """
@@ -70,11 +71,12 @@ if _spec:
 @dataclass(frozen=True)
 class Kill:
     """When to kill: at the ``count``-th file operation whose path contains ``needle``, or after ``delay``
-    seconds."""
+    seconds; with ``signal`` (SIGINT is Ctrl-C)."""
 
     needle: str | None = None
     count: int = 1
     delay: float | None = None
+    signal: int = signal.SIGKILL
 
     def __str__(self) -> str:
         return f"at op {self.count} on {self.needle!r}" if self.needle else f"after {self.delay:.2f} s"
@@ -129,6 +131,7 @@ def start_cli(world: dict[str, Path], words: list[str], kill: Kill | None = None
     environment.pop("MARL_TEST_KILL_AT", None)
     if kill is not None and kill.needle is not None:
         environment["MARL_TEST_KILL_AT"] = f"{kill.needle}:{kill.count}"
+        environment["MARL_TEST_KILL_SIGNAL"] = str(int(kill.signal))
     return subprocess.Popen(
         [sys.executable, "-m", "marl.cli", *words],
         env=environment,
@@ -147,7 +150,7 @@ def run_cli(
         try:
             process.wait(timeout=kill.delay)
         except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGKILL)
+            process.send_signal(kill.signal)
     stdout, stderr = process.communicate(timeout=600)
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 

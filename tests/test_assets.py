@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import time
 from pathlib import Path
@@ -51,20 +52,59 @@ def test_embedded_model_is_cached_under_marl_home(marl_home: Path) -> None:
 # --- resolve_model_path: pass-through and errors ------------------------------------------------------------
 
 
+def put_in_hub_cache(cache: Path, repo_id: str) -> None:
+    """The layout the hub client leaves for a downloaded model (the file contents do not matter here)."""
+    repository = cache / f"models--{repo_id.replace('/', '--')}"
+    (repository / "refs").mkdir(parents=True)
+    (repository / "refs" / "main").write_text("0" * 40)
+    (repository / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repository / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+
+
 @pytest.mark.parametrize("name", ["HuggingFaceTB/SmolLM2-135M-Instruct", "gpt2", "./local/model", "/abs/dir"])
 def test_other_names_pass_through_without_touching_packages(
-    name: str, marl_home: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, marl_home: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from huggingface_hub import constants
+
     def no_lookup(*args, **kwargs):
         raise AssertionError("a name other than the embedded id must not look anything up")
 
     monkeypatch.setattr(assets.importlib.util, "find_spec", no_lookup)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     if name.startswith((".", "/")):  # a path that does not exist: refused here, not sent to the hub client
         with pytest.raises(MissingPathError, match=re.escape(f"no such model folder: {name}")):
             assets.resolve_model_path(name)
-    else:  # a hub id: from_pretrained looks it up in the local cache
+    else:  # a hub id: passed to from_pretrained once it is in the local hub cache, refused before
+        with pytest.raises(
+            ModelError, match=rf"hub model '{name}' is not in the local hub cache .*hf download"
+        ):
+            assets.resolve_model_path(name)
+        put_in_hub_cache(tmp_path / "hub", name)
         assert assets.resolve_model_path(name) == name
     assert not marl_home.exists()
+
+
+def test_a_hub_id_not_in_the_cache_fails_at_once_without_the_network(tmp_path: Path) -> None:
+    """Offline, from_pretrained retried the hub for about 45 s (two rounds of 5 retries, 20 lines of
+    warnings) before its error."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "marl.cli", "train-rloo", "--model_name_or_path", "some-owner/no-such-model",
+         "--dataset_name", "rotten-tomatoes", "--reward_fn", "m:f", "--output_dir", str(tmp_path / "run")],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "marl train-rloo: error: the hub model 'some-owner/no-such-model' is not in the local hub cache"
+        )
+    )
+    assert "Retrying" not in result.stderr
 
 
 def test_a_folder_without_config_or_a_file_is_not_a_model(tmp_path: Path) -> None:

@@ -111,6 +111,7 @@ def paths(tiny_llama_dir, tiny_reward_adapter, tmp_path_factory) -> dict[str, st
     (files / "bad.yaml").write_text("rloo_k: [2\n")
     (files / "list.yaml").write_text("- rloo_k\n- 2\n")
     (files / "unknown.yaml").write_text("reward-adapter: rm\n")
+    (files / "trl.yaml").write_text("beta: 0.1\n")
     (files / "nan.yaml").write_text("temperature: .nan\n")
     (files / "list-for-int.yaml").write_text("lora_r: [2, 4]\n")
     return {
@@ -206,7 +207,7 @@ CASES = [
     Case(
         RLOO,
         ["--dataset_name", "rotten-tomatoes", "--prompt_column", "prompt", "--dataset_test_split", "dev"],
-        r"splits .*not 'dev'",
+        r"splits .*not 'dev': pass one of them with --dataset_test_split$",
     ),
     Case(RLOO, ["--response_length", "300"], r"exceed the model's context of 256 tokens"),
     # --- train-rloo: the model and the policy adapter
@@ -218,8 +219,17 @@ CASES = [
     Case(RLOO, ["--model_name_or_path", "{files}/bad-config"], r"cannot load the model .*bad-config"),
     Case(RLOO, ["--model_name_or_path", "{files}/truncated-weights"], r"cannot load the model .*truncated"),
     Case(RLOO, ["--quantization", "3bit"], r"quantization='3bit' is unknown.*4bit, 8bit or none"),
-    Case(RLOO, ["--policy_adapter", "{files}/missing"], r"policy adapter folder .*missing does not exist"),
-    Case(RLOO, ["--policy_adapter", "{reward}"], r"sequence-classification \(reward\) adapter"),
+    Case(
+        RLOO,
+        ["--policy_adapter", "{files}/missing"],
+        r"policy adapter folder .*missing does not exist; pass the folder that `marl train-rloo` wrote",
+    ),
+    Case(RLOO, ["--policy_adapter", "{files}/no-data"], r"no-data is not a PEFT adapter.*`marl train-rloo`"),
+    Case(
+        RLOO,
+        ["--policy_adapter", "{reward}"],
+        r"sequence-classification \(reward\) adapter: pass it with --reward_adapter .*leave it out",
+    ),
     Case(RLOO, ["--policy_adapter_name", "my.policy"], r"'my.policy' is not usable"),
     Case(RLOO, ["--policy_adapter_name", "reference"], r"'reference' is reserved"),
     Case(RLOO, ["--reference", "frozen"], r"reference='frozen' is unknown"),
@@ -281,8 +291,19 @@ CASES = [
     Case(RLOO, ["--save_total_limit", "0"], r"save_total_limit=0 must be >= 1"),
     Case(RLOO, ["--seed", "-1"], r"--seed=-1 is out of range"),
     Case(RLOO, ["--seed", "5000000000"], r"--seed=5000000000 is out of range"),
+    Case(RLOO, ["--threads", "-1"], r"--threads=-1 must be >= 0 \(0: follow the free cores"),
     Case(RLOO, ["--num_train_epochs", "inf"], r"--num_train_epochs=inf is not a finite number"),
     Case(RLOO, ["--not_a_flag", "3"], r"unknown flags \['--not_a_flag', '3'\].*marl train-rloo --help"),
+    # --- train-rloo: TRL's names get a hint with marl's flag (they are not aliases)
+    Case(RLOO, ["--num_generations", "4"], r"--num_generations is a TRL name: marl's flag is --rloo_k"),
+    Case(RLOO, ["--max-completion-length", "9"], r"--max_completion_length .*flag is --response_length"),
+    Case(RLOO, ["--beta", "0.1"], r"--beta is a TRL name: marl's flag is --kl_coef"),
+    Case(RLOO, ["--num_iterations", "2"], r"--num_iterations is a TRL name: marl's flag is --num_ppo_epochs"),
+    Case(RLOO, ["--epsilon", "0.3"], r"--epsilon is a TRL name: marl's flag is --cliprange"),
+    Case(
+        RLOO, ["--max_prompt_length", "64"], r"--max_prompt_length is a TRL name: marl does not cut prompts"
+    ),
+    Case(RLOO, ["--config", "{files}/trl.yaml"], r"unknown settings \['beta'\]: --beta .*--kl_coef"),
     # --- train-rloo: --config files
     Case(RLOO, ["--config", "{files}/missing.yaml"], r"--config .*missing\.yaml: no such file"),
     Case(RLOO, ["--config", "{files}/bad.yaml"], r"cannot read the config file .*bad\.yaml"),
@@ -374,6 +395,7 @@ CASES += [
     Case(REWARD, ["--batch_size", "0"], r"--batch_size must be at least 1"),
     Case(REWARD, ["--max_length", "0"], r"--max_length must be at least 1"),
     Case(REWARD, ["--seed", "-3"], r"--seed=-3 is out of range"),
+    Case(REWARD, ["--threads", "-2"], r"--threads=-2 must be >= 0"),
     Case(REWARD, ["--gradient_checkpointing", "perhaps"], r"--gradient_checkpointing.*got perhaps"),
     Case(REWARD, ["--config", "{files}/bad.yaml"], r"cannot read the config file"),
 ]
@@ -382,18 +404,26 @@ EVALUATE = "evaluate"
 CASES += [
     Case(EVALUATE, [NO_DEFAULTS], r"evaluating the base alone needs --output_dir"),
     Case(
-        EVALUATE, ["--policy_adapter", "{files}/missing"], r"policy adapter folder .*missing does not exist"
+        EVALUATE,
+        ["--policy_adapter", "{files}/missing"],
+        r"policy adapter folder .*missing does not exist; pass the folder that `marl train-rloo` wrote",
     ),
     Case(EVALUATE, ["--policy_adapter", "{reward}"], r"sequence-classification \(reward\) adapter"),
     Case(EVALUATE, ["--reward_adapter", "{files}/reward-truncated"], r"cannot read the adapter weights"),
     Case(
         EVALUATE, ["--reward_adapter", "{files}/missing"], r"reward adapter folder .*missing does not exist"
     ),
+    Case(EVALUATE, ["--reward_adapter", "tone={files}/missing"], r"reward adapter folder .*missing does not"),
+    Case(EVALUATE, ["--reward_adapter", "bad name={reward}"], r"'bad name' is not usable"),
     Case(EVALUATE, ["--model_name_or_path", "{files}/missing"], r"no such model folder"),
     Case(EVALUATE, ["--quantization", "16bit"], r"quantization='16bit' is unknown"),
     Case(EVALUATE, ["--dataset_name", "{files}/missing.jsonl"], r"no such dataset file"),
     Case(EVALUATE, ["--dataset_name", "{files}/malformed.jsonl"], r"cannot read the dataset .*malformed"),
-    Case(EVALUATE, ["--dataset_name", "rotten-tomatoes", "--dataset_split", "dev"], r"splits .*not 'dev'"),
+    Case(
+        EVALUATE,
+        ["--dataset_name", "rotten-tomatoes", "--dataset_split", "dev"],
+        r"splits .*not 'dev': pass one of them with --dataset_split$",
+    ),
     Case(EVALUATE, ["--prompt_column", "title"], r"no column 'title'"),
     Case(EVALUATE, ["--num_prompts", "0"], r"--num_prompts=0 must be a positive integer"),
     Case(EVALUATE, ["--response_length", "0"], r"--response_length=0 must be a positive integer"),
@@ -401,6 +431,7 @@ CASES += [
     Case(EVALUATE, ["--temperature", "nan"], r"--temperature=nan is not a finite number"),
     Case(EVALUATE, ["--temperature", "0"], r"--temperature=0.0 must be > 0"),
     Case(EVALUATE, ["--seed", "-1"], r"--seed=-1 is out of range"),
+    Case(EVALUATE, ["--threads", "-1"], r"--threads=-1 must be >= 0"),
     Case(EVALUATE, ["--stop_at_eos", "often"], r"--stop_at_eos.*got often"),
     Case(EVALUATE, ["--judge", "vader"], r"--judge 'vader' must look like 'module:function'"),
     Case(EVALUATE, ["--judge", "no_such_judges:score"], r"--judge .*could not import 'no_such_judges'"),
@@ -480,6 +511,8 @@ def test_bad_input_is_one_line_with_the_fix_and_nothing_is_touched(case, paths, 
     line = refused(capsys, main, [case.command, *command_words(case, paths, run)])
     assert line.startswith(f"marl {case.command}: error: "), line
     assert re.search(case.expected, line), line
+    # a command's error names flags, not Python keyword arguments
+    assert not re.search(r"(?<![-\w])(reward_adapter|policy_adapter|reward_funcs)=", line), line
     assert snapshot(run) == before
 
 
@@ -510,6 +543,26 @@ def test_the_sweep_covers_every_flag_of_every_subcommand():
         assert not missing, f"{command}: no bad-input case for {sorted(missing)}"
     counts = {command: sum(case.command == command for case in CASES) for command in flags_of}
     assert sum(counts.values()) == len(CASES) > 150, counts
+
+
+def test_evaluate_takes_a_named_reward_adapter_as_train_rloo_does(paths, tmp_path):
+    files = Path(paths["files"])
+    main([
+        "evaluate", "--model_name_or_path", paths["base"], "--policy_adapter", paths["completed"],
+        "--reward_adapter", f"tone={paths['reward']}", "--dataset_name", str(files / "prompts.jsonl"),
+        "--prompt_column", "text", "--num_prompts", "2", "--response_length", "3",
+        "--output_dir", str(tmp_path / "evaluation"),
+    ])  # fmt: skip
+    results = json.loads((tmp_path / "evaluation" / "eval_results.json").read_text())
+    assert results["policy"]["reward_score"] is not None
+
+
+def test_the_negative_form_of_a_setting_has_its_own_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["train-rloo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    negative = text.split("--no_share_prompt_prefix, --no-share-prompt-prefix ")[1]
+    assert negative.startswith("Turn --share_prompt_prefix off (as --share_prompt_prefix false); it is on")
 
 
 # ---------------------------------------------------------------------- --debug, and bugs
