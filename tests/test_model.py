@@ -357,7 +357,7 @@ def test_save_policy_adapter_round_trip(llama_model, tiny_llama_dir, tmp_path):
 
 
 def test_policy_adapter_rejects_reward_adapters(tiny_llama_dir, reward_adapter_factory):
-    with pytest.raises(ValueError, match="pass it as reward_adapter"):
+    with pytest.raises(ValueError, match="pass it with --reward_adapter"):
         MultiAdapterModel.from_pretrained(tiny_llama_dir, policy_adapter=reward_adapter_factory("llama"))
 
 

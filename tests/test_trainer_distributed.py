@@ -54,28 +54,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def run_two_processes(script: str, *arguments: str) -> None:
+    """``script ARGUMENTS`` under ``torchrun --nproc_per_node 2`` on the CPU (gloo), one thread each; fails
+    the test with the output's tail when the launch fails."""
+    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), script, *arguments,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_two_process_cpu_run(tiny_llama_dir, tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     output_dir = tmp_path / "run"
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-        str(script),
-        str(tiny_llama_dir),
-        str(output_dir),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_two_processes(str(script), str(tiny_llama_dir), str(output_dir))
 
     reports = [json.loads((output_dir / f"report_{rank}.json").read_text()) for rank in (0, 1)]
     assert all(report["world"] == 2 for report in reports)
@@ -107,17 +103,12 @@ def test_train_rloo_script_under_torchrun_uses_both_processes(tiny_llama_dir, tm
     prompts_file.write_text("".join(json.dumps({"prompt": f"prompt number {i}"}) + "\n" for i in range(8)))
     output_dir = tmp_path / "run"
     script = os.path.join(os.path.dirname(__file__), "..", "examples", "train_rloo_adapter.py")
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script,
-        "--model_name_or_path", str(tiny_llama_dir), "--reward_fn", f"{reward_file}:count_e",
+    run_two_processes(
+        script, "--model_name_or_path", str(tiny_llama_dir), "--reward_fn", f"{reward_file}:count_e",
         "--dataset_name", str(prompts_file), "--rloo_k", "2", "--per_device_train_batch_size", "4",
         "--num_ppo_epochs", "1", "--total_episodes", "16", "--response_length", "6",
         "--output_dir", str(output_dir),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    )  # fmt: skip
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     # 2 processes × 4 completions per update: the episode count grows by 8, and 16 episodes take 2 updates
     assert [record["episode"] for record in records] == [8.0, 16.0]
@@ -176,13 +167,7 @@ def test_averaged_gradient_equals_one_process_on_the_concatenated_batch(tiny_lla
     script.write_text(GRADIENT_SCRIPT)
     output_dir = tmp_path / "run"
     output_dir.mkdir()
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(script), str(tiny_llama_dir), str(output_dir),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_two_processes(str(script), str(tiny_llama_dir), str(output_dir))
     for rank in (0, 1):
         report = json.loads((output_dir / f"gradients_{rank}.json").read_text())
         assert report["gradient_norm"] > 1e-3
@@ -218,7 +203,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     response_ids = torch.arange(8 * 3).view(8, 3) % 29 + 1
     scores = torch.tensor([0.1, 0.7, 5.0, 9.0, 0.4, 0.2, math.nan, 6.5])
     samples = Samples(
-        prompt_texts=["p"] * 8, completions=["c"] * 8,
+        prompt_texts=["p"] * 8, prompt_messages=[None] * 8, completions=["c"] * 8,
         prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids),
         response_ids=response_ids, response_mask=torch.ones(8, 3, dtype=torch.bool),
         contains_stop=torch.ones(8, dtype=torch.bool), contains_eos=torch.ones(8, dtype=torch.bool),
@@ -280,13 +265,7 @@ def test_normalisation_over_two_processes_equals_one_process_on_the_concatenated
     script.write_text(NORMALISATION_SCRIPT)
     output_dir = tmp_path / "run"
     output_dir.mkdir()
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(script), str(tiny_llama_dir), str(output_dir),
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_two_processes(str(script), str(tiny_llama_dir), str(output_dir))
     for rank in (0, 1):
         report = json.loads((output_dir / f"normalisation_{rank}.json").read_text())
         for flag in ("normalize_reward", "normalize_advantage"):
