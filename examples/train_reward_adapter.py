@@ -10,7 +10,7 @@ A local .json/.jsonl/.csv/.parquet file with "chosen" and "rejected" columns wor
 pairs.jsonl). The same program as ``marl train-reward``; run with --help for every option.
 """
 
-from marl.cli import train_reward_main
+from marl.apps.cli import train_reward_main
 
 if __name__ == "__main__":
     train_reward_main(prog="python examples/train_reward_adapter.py")

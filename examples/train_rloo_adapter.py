@@ -12,7 +12,7 @@ file.yaml`` supplies defaults that flags override. For example, on the embedded 
     accelerate launch examples/train_rloo_adapter.py --config my-run.yaml
 """
 
-from marl.cli import train_rloo_main
+from marl.apps.cli import train_rloo_main
 
 if __name__ == "__main__":
     train_rloo_main(prog="train_rloo_adapter.py")

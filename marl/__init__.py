@@ -10,17 +10,17 @@ __version__ = "0.1.0"
 # Public names resolve lazily so that `import marl` (and the CLI's --help) stays fast: torch and
 # transformers load only when a model or trainer is actually used.
 _PUBLIC = {
-    "MultiAdapterModel": "marl.model",
+    "MultiAdapterModel": "marl.model.multi_adapter",
     "RLOOConfig": "marl.config",
-    "RLOOTrainer": "marl.trainer",
-    "RewardAdapterFunction": "marl.rewards",
+    "RLOOTrainer": "marl.train.trainer",
+    "RewardAdapterFunction": "marl.rewards.sources",
 }
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
-    from marl.model import MultiAdapterModel
-    from marl.rewards import RewardAdapterFunction
-    from marl.trainer import RLOOTrainer
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards.sources import RewardAdapterFunction
+    from marl.train.trainer import RLOOTrainer
 
 __all__ = ["MultiAdapterModel", "RLOOConfig", "RLOOTrainer", "RewardAdapterFunction", "__version__"]
 

@@ -19,16 +19,16 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from marl.adapters import REFERENCE_MODES
 from marl.cpu_threads import check_threads, threads_field
 from marl.errors import ConfigError
-from marl.quantization import parse_quantization
+from marl.model.adapters import REFERENCE_MODES
+from marl.model.quantization import parse_quantization
 from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-    from marl.model import MultiAdapterModel
+    from marl.model.multi_adapter import MultiAdapterModel
 
 # Trackers that accelerate can log to ("none" turns trackers off; metrics.jsonl is always written).
 REPORT_TO_CHOICES = (
@@ -492,9 +492,10 @@ class RLOOConfig:
         import torch
         from accelerate.utils import set_seed
 
-        from marl.model import MultiAdapterModel
+        from marl.model.multi_adapter import MultiAdapterModel
 
-        # The compute dtype follows the mixed-precision flag; without one, the default of marl.quantization.
+        # The compute dtype follows the mixed-precision flag; without one, the default of
+        # marl.model.quantization.
         dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
         arguments: dict[str, Any] = dict(
             quantization=self.quantization,

@@ -206,7 +206,8 @@ def tiny_reward_adapter(tiny_llama_dir, tmp_path_factory) -> Path:
 
 
 def refused(capsys: pytest.CaptureFixture, entry, words: list[str]) -> str:
-    """Run a command's entry point (e.g. ``marl.cli.main``) on input it must refuse: it exits with code 2 and
+    """Run a command's entry point (e.g. ``marl.apps.cli.main``) on input it must refuse: it exits with code
+    2 and
     one ``prog: error: ...`` line on stderr, without a traceback. Returns that line."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:

@@ -5,7 +5,8 @@ command, and compare the result with an uninterrupted run.
 
     OMP_NUM_THREADS=1 python tests/kill_resume.py --trials 40 --seed 0
 
-A trial runs the real ``python -m marl.cli train-rloo`` in a subprocess on a tiny model with a reward function
+A trial runs the real ``python -m marl.apps.cli train-rloo`` in a subprocess on a tiny model with a reward
+function
 from a file and a checkpoint after every update, and kills it either
 
 - at an exact moment: when the process is about to perform the N-th file operation whose path contains a given
@@ -122,7 +123,7 @@ def command(world: dict[str, Path], output_dir: Path) -> list[str]:
 
 
 def start_cli(world: dict[str, Path], words: list[str], kill: Kill | None = None) -> subprocess.Popen:
-    """Start ``python -m marl.cli WORDS`` in a fresh process with one torch thread."""
+    """Start ``python -m marl.apps.cli WORDS`` in a fresh process with one torch thread."""
     environment = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -133,7 +134,7 @@ def start_cli(world: dict[str, Path], words: list[str], kill: Kill | None = None
         environment["MARL_TEST_KILL_AT"] = f"{kill.needle}:{kill.count}"
         environment["MARL_TEST_KILL_SIGNAL"] = str(int(kill.signal))
     return subprocess.Popen(
-        [sys.executable, "-m", "marl.cli", *words],
+        [sys.executable, "-m", "marl.apps.cli", *words],
         env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -144,7 +145,7 @@ def start_cli(world: dict[str, Path], words: list[str], kill: Kill | None = None
 def run_cli(
     world: dict[str, Path], words: list[str], kill: Kill | None = None
 ) -> subprocess.CompletedProcess:
-    """``python -m marl.cli WORDS`` in a fresh process with one torch thread, optionally killed."""
+    """``python -m marl.apps.cli WORDS`` in a fresh process with one torch thread, optionally killed."""
     process = start_cli(world, words, kill)
     if kill is not None and kill.delay is not None:
         try:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from marl import assets
+from marl.data import assets
 from marl.errors import MissingPathError, ModelError
 
 
@@ -92,8 +92,9 @@ def test_a_hub_id_not_in_the_cache_fails_at_once_without_the_network(tmp_path: P
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-m", "marl.cli", "train-rloo", "--model_name_or_path", "some-owner/no-such-model",
-         "--dataset_name", "rotten-tomatoes", "--reward_fn", "m:f", "--output_dir", str(tmp_path / "run")],
+        [sys.executable, "-m", "marl.apps.cli", "train-rloo",
+         "--model_name_or_path", "some-owner/no-such-model", "--dataset_name", "rotten-tomatoes",
+         "--reward_fn", "m:f", "--output_dir", str(tmp_path / "run")],
         capture_output=True, text=True, env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub")},
     )  # fmt: skip
     assert result.returncode == 2, result.stderr

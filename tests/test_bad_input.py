@@ -1,8 +1,10 @@
 """Bad input through every flag of every subcommand: one ``prog: error: ...`` line that names the problem and
 the fix, exit code 2, no traceback, and the output folder untouched.
 
-The sweep runs each command in this process through ``marl.cli.main`` (the console script's function); the
-defects of the issue that introduced it are also checked through ``python -m marl.cli`` in a subprocess, as a
+The sweep runs each command in this process through ``marl.apps.cli.main`` (the console script's function);
+the
+defects of the issue that introduced it are also checked through ``python -m marl.apps.cli`` in a subprocess,
+as a
 user runs it (one input per defect; the sweep has the others).
 """
 
@@ -21,8 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import refused, write_jsonl
 
-from marl.cli import main
-from marl.run_dir import plan_start
+from marl.apps.cli import main
+from marl.train.run_dir import plan_start
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls"]
@@ -519,11 +521,11 @@ def test_bad_input_is_one_line_with_the_fix_and_nothing_is_touched(case, paths, 
 def test_the_sweep_covers_every_flag_of_every_subcommand():
     from dataclasses import fields
 
-    from marl.cli import ScriptArguments
+    from marl.apps.cli import ScriptArguments
+    from marl.apps.demo import DemoArguments
+    from marl.apps.evaluate import EvaluateArguments
     from marl.config import RLOOConfig
-    from marl.demo import DemoArguments
-    from marl.evaluate import EvaluateArguments
-    from marl.reward_training import RewardAdapterArguments
+    from marl.train.reward_training import RewardAdapterArguments
 
     flags_of = {
         RLOO: [ScriptArguments, RLOOConfig],
@@ -579,12 +581,12 @@ def test_debug_shows_the_traceback_of_an_expected_error(capsys, monkeypatch):
 
 
 def test_an_unexpected_error_keeps_its_traceback(monkeypatch, tmp_path):
-    import marl.cli
+    import marl.apps.cli
 
     def broken(*arguments, **options):
         raise RuntimeError("a bug in marl")
 
-    monkeypatch.setattr(marl.cli, "build_rloo_trainer", broken)
+    monkeypatch.setattr(marl.apps.cli, "build_rloo_trainer", broken)
     with pytest.raises(RuntimeError, match="a bug in marl"):
         main(["train-rloo", "--reward_fn", "m:f", "--output_dir", str(tmp_path / "run")])
 
@@ -611,11 +613,11 @@ def test_every_subcommand_and_example_runs_inside_the_error_boundary(capsys):
 
 
 def console(*words: str) -> subprocess.CompletedProcess:
-    """``marl WORDS`` as the console script runs it (``python -m marl.cli``), in a fresh process."""
+    """``marl WORDS`` as the console script runs it (``python -m marl.apps.cli``), in a fresh process."""
     environment = {**os.environ, "PYTHONPATH": str(REPOSITORY), "OMP_NUM_THREADS": "1"}
     environment.pop("MARL_DEBUG", None)
     return subprocess.run(
-        [sys.executable, "-m", "marl.cli", *words], capture_output=True, text=True, env=environment
+        [sys.executable, "-m", "marl.apps.cli", *words], capture_output=True, text=True, env=environment
     )
 
 

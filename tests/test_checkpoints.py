@@ -11,9 +11,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from marl import RLOOConfig, RLOOTrainer, checkpoints
+from marl import RLOOConfig, RLOOTrainer
 from marl.errors import CheckpointError
-from marl.model import MultiAdapterModel
+from marl.model.multi_adapter import MultiAdapterModel
+from marl.train import checkpoints
 
 TRAINER_STATE = {name: 1 for name in checkpoints.TRAINER_STATE_FIELDS}
 DEVICES = [

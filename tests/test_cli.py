@@ -8,9 +8,9 @@ import sys
 import pytest
 from conftest import refused
 
-from marl.cli import main, parse_train_rloo_args, train_rloo_main
+from marl.apps.cli import main, parse_train_rloo_args, train_rloo_main
 from marl.errors import ConfigError, MissingPathError, RunFolderError
-from marl.run_dir import DELETING_DIR, plan_start
+from marl.train.run_dir import DELETING_DIR, plan_start
 
 
 @pytest.mark.parametrize("flag", ["--reward-adapter", "--reward_adapter"])
@@ -51,7 +51,10 @@ def test_every_rloo_config_field_is_a_flag():
     assert config.kl_coef == 0.1 and config.normalize_advantage is True
     assert config.stop_token == "eos" and config.total_episodes == 64
     help_text = subprocess.run(
-        [sys.executable, "-m", "marl.cli", "train-rloo", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "marl.apps.cli", "train-rloo", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     for config_field in fields(RLOOConfig):
         assert f"--{config_field.name}" in help_text

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import refused, save_reward_adapter, write_jsonl
 
-from marl.cli import main, train_rloo_main
+from marl.apps.cli import main, train_rloo_main
 
 PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls"]
 
@@ -58,7 +58,7 @@ def test_two_updates_write_a_loadable_adapter_and_metrics(setup, tmp_path, capsy
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from marl.model import MultiAdapterModel
+    from marl.model.multi_adapter import MultiAdapterModel
 
     output = tmp_path / "run"
     main(["train-rloo", *rloo_flags(setup, output, "--reward-adapter", setup["reward"])])
@@ -256,7 +256,7 @@ def test_reward_adapter_of_another_base_is_refused(setup, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_train_reward_command_writes_an_adapter_that_rloo_loads(setup, tmp_path):
-    from marl.model import MultiAdapterModel
+    from marl.model.multi_adapter import MultiAdapterModel
 
     pairs = tmp_path / "pairs.jsonl"
     rows = [{"chosen": "good good great wonderful", "rejected": "awful bad worse worst"}] * 16

@@ -22,7 +22,7 @@ from test_families import PROMPT_ROWS, TEMPERATURE, family_logits, left_padded, 
 from test_trainer import build, tiny_config
 from transformers import AutoTokenizer
 
-from marl.sampling import pad_token_id
+from marl.model.generation import pad_token_id
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 

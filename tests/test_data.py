@@ -8,9 +8,9 @@ import math
 import pytest
 from conftest import write_jsonl
 
-from marl.data import load_prompt_dataset, rotten_tomatoes_prompts
+from marl.data.prompts import load_prompt_dataset, rotten_tomatoes_prompts
 from marl.errors import DataError
-from marl.rewards import check_scores, load_judge, load_reward_fn
+from marl.rewards.sources import check_scores, load_judge, load_reward_fn
 
 ROWS = [{"question": "Say something kind", "id": 1}, {"question": "Describe a film", "id": 2}]
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from marl.demo import DemoArguments, demo_rloo_config, reward_recipe_flags, verdict_rows
-from marl.plotting import PANELS, logged_panels, plot_training_curves, read_metrics
+from marl.apps.demo import DemoArguments, demo_rloo_config, reward_recipe_flags, verdict_rows
+from marl.train.plotting import PANELS, logged_panels, plot_training_curves, read_metrics
 
 
 def test_training_curves_png_from_metrics(tmp_path):

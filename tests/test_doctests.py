@@ -11,7 +11,7 @@ import pytest
 
 import marl
 
-MODULES = sorted(info.name for info in pkgutil.iter_modules(marl.__path__, prefix="marl."))
+MODULES = sorted(info.name for info in pkgutil.walk_packages(marl.__path__, prefix="marl."))
 
 
 @pytest.mark.parametrize("module_name", MODULES)
@@ -26,7 +26,13 @@ def test_examples_run(module_name):
 
 def test_the_pure_modules_have_examples_that_really_run():
     """A module whose every example is skipped would pass above without checking anything."""
-    for module_name in ("marl.rloo", "marl.logprobs", "marl.metrics", "marl.adapters", "marl.sampling"):
+    for module_name in (
+        "marl.algo.rloo",
+        "marl.model.logprobs",
+        "marl.algo.metrics",
+        "marl.model.adapters",
+        "marl.model.generation",
+    ):
         finder = doctest.DocTestFinder()
         examples = [
             example

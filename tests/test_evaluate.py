@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from marl.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation, win_rate
+from marl.apps.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation, win_rate
 
 PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls", "good good great"]
 
@@ -23,7 +23,7 @@ def test_win_rate_counts_ties_as_half():
 
 def save_policy_adapter(base_dir, directory, scale):
     """A policy adapter whose LoRA B matrices are random times ``scale`` (0 gives the base model exactly)."""
-    from marl.model import MultiAdapterModel
+    from marl.model.multi_adapter import MultiAdapterModel
 
     model = MultiAdapterModel.from_pretrained(str(base_dir))
     torch.manual_seed(2)
@@ -114,8 +114,8 @@ def test_base_alone_needs_an_output_dir():
 def test_reward_scorer_reads_every_text_at_an_appended_eos(eval_setup):
     from transformers import AutoTokenizer
 
-    from marl.model import MultiAdapterModel
-    from marl.rewards import EosTerminatedAdapterReward
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards.sources import EosTerminatedAdapterReward
 
     model = MultiAdapterModel.from_pretrained(eval_setup["base"], reward_adapter=eval_setup["reward"])
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)

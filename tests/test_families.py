@@ -37,10 +37,11 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer, rloo
+from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+from marl.algo import rloo
 from marl.errors import ModelError
-from marl.rollout import collect_rollout
-from marl.sampling import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
+from marl.model.generation import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
+from marl.rollout.sampler import collect_rollout
 
 TEMPERATURE = 0.7
 # Ordinary token ids, away from the special tokens (0-6) and the ids the families suppress (300, 301).

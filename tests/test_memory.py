@@ -11,7 +11,7 @@ from peft import LoraConfig
 from rich.console import Console
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
-from marl.memory import (
+from marl.model.memory import (
     MemoryReport,
     adamw_training_bytes,
     format_bytes,
@@ -22,8 +22,8 @@ from marl.memory import (
     release_freed_memory,
     stored_bytes,
 )
-from marl.model import MultiAdapterModel
-from marl.quantization import release_checkpoint_mapping
+from marl.model.multi_adapter import MultiAdapterModel
+from marl.model.quantization import release_checkpoint_mapping
 
 
 def test_adamw_estimate_matches_a_real_optimizer_step():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from marl import rloo
-from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
+from marl.algo import rloo
+from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 
 
 def policy_loss(new: list[float], old: list[float], advantages: list[float]) -> rloo.PolicyLoss:

@@ -17,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from marl.errors import ConfigError
-from marl.model import MultiAdapterModel, position_ids_from_mask, reward_read_positions
-from marl.sampling import SamplingSettings
+from marl.model.generation import SamplingSettings
+from marl.model.multi_adapter import MultiAdapterModel, position_ids_from_mask, reward_read_positions
 
 QUANTIZATIONS = (None, "8bit", "4bit")
 
@@ -581,7 +581,7 @@ _MEMORY_PROBE = """
 import ctypes, gc, json, sys
 import torch
 from peft import LoraConfig
-from marl.model import MultiAdapterModel
+from marl.model.multi_adapter import MultiAdapterModel
 
 def memory(model_dir):
     gc.collect()
@@ -680,7 +680,7 @@ def test_process_memory_after_load_is_one_base(quantization, medium_llama, tmp_p
 def test_bundled_smollm2_in_4bit_loads_scores_and_switches(tmp_path):
     from transformers import AutoTokenizer
 
-    from marl.assets import EMBEDDED_MODEL_ID, resolve_model_path
+    from marl.data.assets import EMBEDDED_MODEL_ID, resolve_model_path
 
     base_dir = Path(resolve_model_path(EMBEDDED_MODEL_ID))
     reward_dir = train_reward_adapter_with_trl(base_dir, tmp_path / "reward")

@@ -25,8 +25,8 @@ from transformers import (
 )
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
-from marl.packing import pack_rows, probe_tolerance, read_slots
-from marl.rollout import Prompt, Sampler, collect_rollout
+from marl.model.packing import pack_rows, probe_tolerance, read_slots
+from marl.rollout.sampler import Prompt, Sampler, collect_rollout
 
 CLASSIFIER_FAMILIES = [name for name in FAMILIES if FAMILY_SPECS[name].sequence_classification]
 # Prompts of unequal lengths (left padding) and 3 completions each; ordinary token ids (the families keep 0-6

@@ -11,9 +11,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from marl import reward_training
-from marl.cli import train_reward_main
-from marl.reward_training import (
+from marl.apps.cli import train_reward_main
+from marl.train import reward_training
+from marl.train.reward_training import (
     RewardAdapterArguments,
     load_preference_data,
     pairwise_accuracy,
@@ -300,7 +300,7 @@ def test_training_reads_the_score_where_the_rl_model_reads_it(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from marl.model import MultiAdapterModel
+    from marl.model.multi_adapter import MultiAdapterModel
 
     train, held_out = _plain_pairs()
     output = tmp_path / "rm"

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marl import rloo
+from marl.algo import rloo
 
 # k = 4 samples of P = 3 prompts, k-major: row j * P + i is sample j of prompt i.
 SEED_REWARDS = [1.0, 2.0, 3.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]

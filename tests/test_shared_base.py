@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.errors import AdapterError
-from marl.loading import _check_only_policies_train
+from marl.model.build import _check_only_policies_train
 
 MISSING_BASE = "/nonexistent/base-model"  # the adapter checks must fail before this folder is ever opened
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import write_jsonl
 
-from marl.cli import main, train_reward_main
+from marl.apps.cli import main, train_reward_main
 from marl.cpu_threads import FreeCoreThreads
 
 PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls"]
@@ -105,7 +105,7 @@ def test_the_library_trainer_follows_the_free_cores_on_cpu_unless_threads_is_set
     governors, files, tiny_llama_dir, tmp_path
 ):
     from marl import RLOOConfig, RLOOTrainer
-    from marl.loading import load_tokenizer
+    from marl.model.build import load_tokenizer
 
     for threads, expected_governors in ((0, 1), (1, 1)):
         config = RLOOConfig(

@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.errors import ConfigError, DataError
-from marl.rollout import Prompt, collect_rollout
-from marl.trainer import JUDGED_EVAL_ROWS
+from marl.rollout.sampler import Prompt, collect_rollout
+from marl.train.trainer import JUDGED_EVAL_ROWS
 
 PROMPTS = ["the movie", "a film about", "review:", "good", "bad acting", "the plot", "write a", "an honest"]
 

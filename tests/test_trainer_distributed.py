@@ -120,7 +120,7 @@ GRADIENT_SCRIPT = textwrap.dedent(
     import datasets, torch
     from transformers import AutoTokenizer
     from marl import RLOOConfig, RLOOTrainer
-    from marl.distributed import average_gradients
+    from marl.train.parallel import average_gradients
 
     torch.set_num_threads(1)
     model_dir, output_dir = sys.argv[1], sys.argv[2]
@@ -179,9 +179,10 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     import json, math, os, sys
     import datasets, torch
     from transformers import AutoTokenizer
-    from marl import RLOOConfig, RLOOTrainer, rloo
-    from marl.distributed import average_gradients
-    from marl.rollout import Rollout, Samples
+    from marl import RLOOConfig, RLOOTrainer
+    from marl.algo import rloo
+    from marl.train.parallel import average_gradients
+    from marl.rollout.sampler import Rollout, Samples
 
     torch.set_num_threads(1)
     model_dir, output_dir = sys.argv[1], sys.argv[2]

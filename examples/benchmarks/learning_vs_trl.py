@@ -6,8 +6,9 @@ all linear layers), the shipped Rotten Tomatoes reward adapter, the bundled "con
 k completions per prompt of a fixed length, the demo's learning rate, KL coefficient, temperature, batch and
 number of updates, and the same seed.
 
-- marl: :func:`marl.demo.demo_rloo_config` on one base; the reward adapter scores prompt + completion + EOS
-  (:class:`marl.rewards.EosTerminatedAdapterReward`), as it was trained.
+- marl: :func:`marl.apps.demo.demo_rloo_config` on one base; the reward adapter scores prompt + completion +
+EOS
+  (:class:`marl.rewards.sources.EosTerminatedAdapterReward`), as it was trained.
 - TRL 1.16 ``RLOOTrainer``: the policy is the base + ``peft_config`` (reference = adapters disabled); the
   reward is what a TRL user loads, ``AutoModelForSequenceClassification`` + ``PeftModel.from_pretrained``,
   called from a reward function that scores prompt + completion + EOS with the padding id the adapter was
@@ -15,7 +16,7 @@ number of updates, and the same seed.
   Completions are fixed-length through ``min_new_tokens``.
 
 Each training run is its own process; then both policies and the base are evaluated by
-:func:`marl.evaluate.generate_and_score` on the same held-out prompts: VADER win rate over the base, mean
+:func:`marl.apps.evaluate.generate_and_score` on the same held-out prompts: VADER win rate over the base, mean
 VADER score, mean reward-adapter score, KL to the base, wall time. The results go to a dated markdown file
 with the configuration mapping, and a PNG overlays the two systems' training curves.
 
@@ -62,7 +63,7 @@ class Job:
 
 
 def demo_settings(job: Job):
-    from marl.demo import REWARD_ADAPTER_NAME, SHIPPED_ADAPTERS_DIR, DemoArguments, demo_rloo_config
+    from marl.apps.demo import REWARD_ADAPTER_NAME, SHIPPED_ADAPTERS_DIR, DemoArguments, demo_rloo_config
 
     arguments = DemoArguments(seed=job.seed)
     if job.total_episodes is not None:
@@ -80,9 +81,9 @@ def demo_settings(job: Job):
 def train_marl(job: Job) -> dict:
     from transformers import AutoTokenizer
 
-    from marl.data import rotten_tomatoes_prompts
-    from marl.rewards import EosTerminatedAdapterReward
-    from marl.trainer import RLOOTrainer
+    from marl.data.prompts import rotten_tomatoes_prompts
+    from marl.rewards.sources import EosTerminatedAdapterReward
+    from marl.train.trainer import RLOOTrainer
 
     _, config, _ = demo_settings(job)
     model = config.load_model()
@@ -113,10 +114,10 @@ def train_trl(job: Job) -> dict:
     from trl import RLOOConfig as TrlRLOOConfig
     from trl import RLOOTrainer as TrlRLOOTrainer
 
-    from marl.adapters import read_reward_pad_token_id
-    from marl.assets import resolve_model_path
-    from marl.data import rotten_tomatoes_prompts
-    from marl.quantization import bitsandbytes_config
+    from marl.data.assets import resolve_model_path
+    from marl.data.prompts import rotten_tomatoes_prompts
+    from marl.model.adapters import read_reward_pad_token_id
+    from marl.model.quantization import bitsandbytes_config
 
     _, config, reward_adapter = demo_settings(job)
     path = resolve_model_path(config.model_name_or_path)
@@ -192,9 +193,9 @@ def evaluate(job: Job, adapter: str) -> dict:
     from transformers import AutoTokenizer
 
     from marl import MultiAdapterModel
-    from marl.data import rotten_tomatoes_prompts
-    from marl.evaluate import generate_and_score, summarize
-    from marl.rewards import load_judge
+    from marl.apps.evaluate import generate_and_score, summarize
+    from marl.data.prompts import rotten_tomatoes_prompts
+    from marl.rewards.sources import load_judge
 
     arguments, config, reward_adapter = demo_settings(job)
     model = MultiAdapterModel.from_pretrained(
@@ -291,8 +292,8 @@ def report(results: dict[str, list[dict]], settings: dict, command: str) -> str:
         [
             f"# Learning against TRL's RLOOTrainer ({datetime.date.today().isoformat()})",
             "",
-            "Same job for both (the demo's), evaluated by the same code (`marl.evaluate.generate_and_score`) "
-            "on "
+            "Same job for both (the demo's), evaluated by the same code "
+            "(`marl.apps.evaluate.generate_and_score`) on "
             f"{settings['num_eval_prompts']} held-out prompts; medians over seeds with min–max.",
             "",
             f"Command: `{command}`",

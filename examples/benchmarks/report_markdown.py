@@ -270,7 +270,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         *[f"| {f} | " + " | ".join(str(e["config"][f]) for e in setups) + " |" for f in fields],
         "",
         "Quantization: NF4 with double quantisation, compute dtype = dtype, from "
-        "`marl.quantization.bitsandbytes_config` (both systems). Reward normalisation, advantage "
+        "`marl.model.quantization.bitsandbytes_config` (both systems). Reward normalisation, advantage "
         "normalisation: off; missing-EOS penalty: none (both).",
         "",
         "Configuration mapping (marl → TRL 1.16 `RLOOConfig`):",

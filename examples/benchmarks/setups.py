@@ -25,7 +25,7 @@ class BenchConfig:
     """Everything both systems share; written verbatim into the results file."""
 
     setup: str
-    model: str  # a model id for marl.assets.resolve_model_path, RANDOM_QWEN2, or a local folder
+    model: str  # a model id for marl.data.assets.resolve_model_path, RANDOM_QWEN2, or a local folder
     device: str  # "cpu" or "cuda"
     dtype: str  # compute dtype: "float32" or "bfloat16"
     prompts_per_update: int
@@ -129,7 +129,7 @@ def build_context_prompts(snippets: Sequence[str], count: int, min_tokens: int, 
 
 def prepare_model(config: BenchConfig, work_dir: Path) -> str:
     """A local model folder: the bundled model, or a Qwen2-shaped model with random weights."""
-    from marl.assets import EMBEDDED_MODEL_ID, resolve_model_path
+    from marl.data.assets import EMBEDDED_MODEL_ID, resolve_model_path
 
     if config.model != RANDOM_QWEN2:
         return resolve_model_path(config.model)
@@ -188,7 +188,7 @@ def prepare_prompts(config: BenchConfig, model_path: str) -> list[str]:
     """Exactly the prompts the run consumes (prompts per update x updates), the same list for both systems."""
     from transformers import AutoTokenizer
 
-    from marl.assets import build_rl_prompts, split_rotten_tomatoes
+    from marl.data.assets import build_rl_prompts, split_rotten_tomatoes
 
     needed = config.prompts_per_update * config.updates
     snippets = split_rotten_tomatoes(seed=config.seed)["rl"]
@@ -205,14 +205,20 @@ def compute_floor(
 ) -> dict[str, float]:
     """The physical floor of this configuration, from the model's shapes (a meta-device model, no weights).
 
-    Uses the arithmetic of ``marl.memory`` (the same the memory card prints): NF4 with double quantisation
+    Uses the arithmetic of ``marl.model.memory`` (the same the memory card prints): NF4 with double
+    quantisation
     for the Linear layers of a 4-bit base, the compute dtype for everything else (embeddings, norms, lm_head).
     """
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from marl.memory import adamw_training_bytes, kv_cache_bytes, lora_parameter_count, quantized_weight_bytes
+    from marl.model.memory import (
+        adamw_training_bytes,
+        kv_cache_bytes,
+        lora_parameter_count,
+        quantized_weight_bytes,
+    )
 
     dtype = getattr(torch, config.dtype)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()

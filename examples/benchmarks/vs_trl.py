@@ -128,7 +128,7 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
     from trl import RLOOConfig as TRLRLOOConfig
     from trl import RLOOTrainer as TRLRLOOTrainer
 
-    from marl.quantization import bitsandbytes_config
+    from marl.model.quantization import bitsandbytes_config
 
     model_path, dtype = job["model_path"], getattr(torch, config.dtype)
     bnb = bitsandbytes_config(job["quantization"], dtype)
@@ -207,7 +207,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
     import datasets
     from transformers import AutoTokenizer
 
-    import marl.trainer
+    import marl.train.trainer
     from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 
     model_path = job["model_path"]
@@ -274,7 +274,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
         trainer.sampler.sample = sample_and_count
         # The rollout (generation, then the policy/reference log-probs and the reward) and the update.
         labelled = [
-            label_calls(sampler, marl.trainer, "collect_rollout", "scoring"),
+            label_calls(sampler, marl.train.trainer, "collect_rollout", "scoring"),
             label_calls(sampler, trainer.sampler, "sample", "generation"),
             label_calls(sampler, trainer, "_update", "update", mark="after update"),
         ]
@@ -454,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         entry = report["setups"][setup] = {
             "config": dataclasses.asdict(config),
             "prompt_tokens": prompt_token_range(model_path, prompts),
-            "model_note": "bundled GGUF converted by marl.assets"
+            "model_note": "bundled GGUF converted by marl.data.assets"
             if config.model == "smollm2-135m-instruct"
             else "built from a config with random weights",
             "reward_adapter_note": reward_adapter_note(reward_adapter, args.reward_adapter, config),

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marl.adapters import SAFETENSORS_WEIGHTS_NAME
 from marl.errors import CheckpointError, MissingPathError
-from marl.run_dir import TRAINER_STATE_FILE, checkpoint_name, list_checkpoints, remove_files
+from marl.model.adapters import SAFETENSORS_WEIGHTS_NAME
+from marl.train.run_dir import TRAINER_STATE_FILE, checkpoint_name, list_checkpoints, remove_files
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"

@@ -8,7 +8,7 @@ Layout of ``output_dir``::
     samples/update_NNNNNN.jsonl sample tables
     marl-rloo/                  tracker logs (tensorboard, ...), when report_to names trackers
     checkpoint-N/               adapter, optimizer, scheduler, trainer state, RNG state per process
-                                (written and read by :mod:`marl.checkpoints`)
+                                (written and read by :mod:`marl.train.checkpoints`)
     adapter_config.json, adapter_model.safetensors   the final policy adapter
     training_curves.png         score, KL and RLHF reward against the episode, drawn at the end
 
@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marl.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from marl.errors import ConfigError, MissingPathError, RunFolderError
+from marl.model.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
 CONFIG_FILE = "rloo_config.json"
 METRICS_FILE = "metrics.jsonl"

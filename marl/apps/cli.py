@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.data import dataset_name_field
+from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError, MarlError
 from marl.validation import check_fields
 
@@ -335,16 +335,16 @@ def parse_train_rloo_args(
 def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
     """Check everything (output folder, data, reward functions, ONE model with its adapters, the trainer's own
     checks), print the memory card, and return the trainer. Nothing is written: the run writes into its output
-    folder only once it has done its first update (see :mod:`marl.run_dir`).
+    folder only once it has done its first update (see :mod:`marl.train.run_dir`).
 
     Example:
         >>> script, config = parse_train_rloo_args(["--reward_adapter", "rm", "--output_dir", "runs/a"])
         >>> trainer = build_rloo_trainer(script, config)  # doctest: +SKIP
         >>> trainer.train(**train_arguments(script))  # doctest: +SKIP
     """
-    from marl.assets import resolve_model_path
-    from marl.data import load_prompt_dataset
-    from marl.run_dir import plan_start
+    from marl.data.assets import resolve_model_path
+    from marl.data.prompts import load_prompt_dataset
+    from marl.train.run_dir import plan_start
 
     # The checks that need no model come first, and before torch is imported, so that a typo fails at once.
     arguments = train_arguments(script)
@@ -369,9 +369,9 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     from accelerate import PartialState
     from rich.console import Console
 
-    from marl.loading import load_tokenizer
-    from marl.rewards import load_reward_fn
-    from marl.trainer import RLOOTrainer
+    from marl.model.build import load_tokenizer
+    from marl.rewards.sources import load_reward_fn
+    from marl.train.trainer import RLOOTrainer
 
     reward_functions = [load_reward_fn(spec) for spec in script.reward_fn or []]
     # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
@@ -407,7 +407,7 @@ def dataset_record(script: ScriptArguments) -> dict[str, Any]:
         >>> record["dataset_name"], record["train_split"], record["test_split"], record["prompt_column"]
         ('rotten-tomatoes', 'train', 'test', 'prompt')
     """
-    from marl.data import prompt_source
+    from marl.data.prompts import prompt_source
 
     train = prompt_source(script.dataset_name, script.dataset_train_split)
     test_split = script.dataset_test_split
@@ -448,7 +448,7 @@ def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-r
         # With --overwrite_output_dir the earlier run stays until this one's first update is done.
         if trainer is None or (script.overwrite_output_dir and trainer.state.update == 0):
             return f"before the first update; the output folder is as it was. {again}"
-        from marl.run_dir import list_checkpoints
+        from marl.train.run_dir import list_checkpoints
 
         checkpoints = list_checkpoints(trainer.output_dir)
         every = trainer.config.save_steps
@@ -486,7 +486,7 @@ def evaluate_main(argv: Sequence[str] | None = None, prog: str = "marl evaluate"
         return f"before the results were written. Run the same command again: {command_line(prog, words)}"
 
     with error_boundary(prog, words, interrupted):
-        from marl.evaluate import EvaluateArguments, run_evaluation
+        from marl.apps.evaluate import EvaluateArguments, run_evaluation
 
         (arguments,) = parse_flags([EvaluateArguments], prog, words)
         return run_evaluation(arguments)
@@ -507,7 +507,7 @@ def train_reward_main(argv: Sequence[str] | None = None, prog: str = "marl train
         )
 
     with error_boundary(prog, words, interrupted):
-        from marl.reward_training import RewardAdapterArguments, run
+        from marl.train.reward_training import RewardAdapterArguments, run
 
         (arguments,) = parse_flags([RewardAdapterArguments], prog, words)
         summary = run(arguments, command=shlex.join([*prog.split(), *words]))
@@ -523,7 +523,7 @@ def demo_main(argv: Sequence[str] | None = None, prog: str = "marl demo") -> dic
     """Entry point of ``marl demo``."""
     words = _words(argv)
     with error_boundary(prog, words):
-        from marl.demo import DemoArguments, run_demo
+        from marl.apps.demo import DemoArguments, run_demo
 
         (arguments,) = parse_flags([DemoArguments], prog, words)
         return run_demo(arguments)

@@ -1,11 +1,13 @@
-"""Building a :class:`~marl.model.MultiAdapterModel`: one base, loaded once, and its named adapters.
+"""Building a :class:`~marl.model.multi_adapter.MultiAdapterModel`: one base, loaded once, and its named
+adapters.
 
 Every adapter folder is checked before the base is loaded (it is the slow part), and every adapter setting
 that
-would train or rewrite the shared base is refused then (:func:`marl.adapters.check_keeps_base_fixed`). After
+would train or rewrite the shared base is refused then (:func:`marl.model.adapters.check_keeps_base_fixed`).
+After
 each adapter is attached, only the policies' own tensors are trainable, every dropout is off, and (once, after
 loading) probes prove that the chunked log-prob head reproduces the model's forward and that train mode
-computes what eval mode computes (:mod:`marl.families`).
+computes what eval mode computes (:mod:`marl.model.families`).
 
 Adapter names: policies and reward adapters share one namespace on the base. ``reference`` names the view of
 a policy's reference, and the frozen copy of policy ``P``'s starting weights (when it is its reference) is the
@@ -29,11 +31,16 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from marl import adapters
-from marl.adapters import REFERENCE_MODES
 from marl.errors import AdapterError, ConfigError, ModelError
-from marl.families import check_logit_head, check_static_rotary, check_train_matches_eval, disable_dropout
-from marl.quantization import (
+from marl.model import adapters
+from marl.model.adapters import REFERENCE_MODES
+from marl.model.families import (
+    check_logit_head,
+    check_static_rotary,
+    check_train_matches_eval,
+    disable_dropout,
+)
+from marl.model.quantization import (
     bitsandbytes_config,
     default_compute_dtype,
     parse_quantization,
@@ -41,7 +48,7 @@ from marl.quantization import (
 )
 
 if TYPE_CHECKING:
-    from marl.model import MultiAdapterModel
+    from marl.model.multi_adapter import MultiAdapterModel
 
 REFERENCE_VIEW = "reference"
 REFERENCE_SUFFIX = "-reference"
@@ -235,7 +242,7 @@ def load_multi_adapter_model(
         name: RewardFolder.check(directory, allow_pickle) for name, directory in reward_adapters.items()
     }
 
-    from marl.assets import resolve_model_path
+    from marl.data.assets import resolve_model_path
 
     path = resolve_model_path(str(model_name_or_path))
     compute_dtype = dtype or default_compute_dtype()
@@ -417,7 +424,7 @@ def load_tokenizer(path: str) -> Any:
 
 def _tokenizer_pad_token_id(path: str) -> int:
     """The padding id TRL's ``RewardTrainer`` would have used with this base's tokenizer (pad, else EOS)."""
-    from marl.sampling import pad_token_id
+    from marl.model.generation import pad_token_id
 
     try:
         tokenizer = load_tokenizer(path)

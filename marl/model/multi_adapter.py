@@ -11,7 +11,7 @@ and here the other three share ONE set of base weights (optionally 4-bit NF4 or 
 
 Views are switched with nestable context managers that restore the previous active adapter, every parameter's
 ``requires_grad`` and every module's train/eval mode on exit, also when the body raises. Building the model
-(:mod:`marl.loading`) checks every adapter before the base loads and refuses anything that would move the
+(:mod:`marl.model.build`) checks every adapter before the base loads and refuses anything that would move the
 shared base.
 
 Example:
@@ -37,16 +37,17 @@ from peft import LoraConfig, PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from marl import adapters, loading
 from marl.errors import ConfigError
-from marl.families import LogitHead
-from marl.loading import PolicyAdapter, RewardAdapter
-from marl.logprobs import logprobs_from_hidden
-from marl.packing import PackedRows, check_packing, read_slots
-from marl.sampling import SamplingSettings, sample
+from marl.model import adapters
+from marl.model import build as loading
+from marl.model.build import PolicyAdapter, RewardAdapter
+from marl.model.families import LogitHead
+from marl.model.generation import SamplingSettings, sample
+from marl.model.logprobs import logprobs_from_hidden
+from marl.model.packing import PackedRows, check_packing, read_slots
 
 if TYPE_CHECKING:
-    from marl.memory import MemoryReport
+    from marl.model.memory import MemoryReport
 
 
 def reward_read_positions(
@@ -152,15 +153,15 @@ class MultiAdapterModel:
 
         Args:
             model_name_or_path: a local model folder, a hub id already in the local cache, or the embedded
-                model id ``"smollm2-135m-instruct"`` (see ``marl.assets.resolve_model_path``).
+                model id ``"smollm2-135m-instruct"`` (see ``marl.data.assets.resolve_model_path``).
             quantization: ``None`` (compute dtype), ``"4bit"`` (NF4 with double quantization) or ``"8bit"``
-                (LLM.int8), through bitsandbytes (see :mod:`marl.quantization`).
+                (LLM.int8), through bitsandbytes (see :mod:`marl.model.quantization`).
             reward_adapter: a PEFT folder written by TRL's ``RewardTrainer`` with a LoRA ``peft_config``
                 (task ``SEQ_CLS``: LoRA on inner layers + score head), or by ``marl train-reward``; it becomes
                 the reward adapter ``"reward"``. Optional: rewards may come from functions instead.
             reward_adapters: several reward adapters by name, ``{"sentiment": DIR1, "fluency": DIR2}``
                 (instead of ``reward_adapter``).
-            policy_adapter: ``None`` (fresh LoRA, see :func:`marl.loading.default_policy_lora_config`), a
+            policy_adapter: ``None`` (fresh LoRA, see :func:`marl.model.build.default_policy_lora_config`), a
                 ``LoraConfig``, or a PEFT adapter folder to continue training (loaded trainable). A fresh LoRA
                 draws its initial weights from torch's generator: seed it first (``transformers.set_seed``;
                 ``RLOOConfig.load_model`` does) for a run that can be repeated.
@@ -309,7 +310,8 @@ class MultiAdapterModel:
 
     @functools.cached_property
     def packing_problem(self) -> str | None:
-        """Why this model cannot compute a prompt once for its completions (:mod:`marl.packing`), or ``None``
+        """Why this model cannot compute a prompt once for its completions (:mod:`marl.model.packing`), or
+        ``None``
         when it can; probed once."""
         return check_packing(self)
 
@@ -494,7 +496,8 @@ class MultiAdapterModel:
         Pick the view with :meth:`policy` / :meth:`reference`. Logits are divided by ``temperature`` (use the
         sampling temperature). The LM head and the float32 log-softmax run ``chunk_size`` token positions at a
         time (default 1024), so no full ``[B, T, V]`` float32 tensor exists; with gradient checkpointing on,
-        no chunk's logits are kept for the backward pass either (:func:`marl.logprobs.logprobs_from_hidden`).
+        no chunk's logits are kept for the backward pass either
+        (:func:`marl.model.logprobs.logprobs_from_hidden`).
         Gradients flow if grad is enabled. No masking is applied: the caller masks padding. Positions follow
         the attention mask (as ``generate``), so left padding does not shift them.
 
@@ -523,7 +526,7 @@ class MultiAdapterModel:
         chunk_size: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """:meth:`token_logprobs` of every completion of ``packed`` (rows grouped by prompt, see
-        :mod:`marl.packing`): the same numbers up to float rounding, each prompt computed once. Returns
+        :mod:`marl.model.packing`): the same numbers up to float rounding, each prompt computed once. Returns
         ``[R, T]`` in the order the rows were packed in."""
         hidden = self._hidden_states(packed.input_ids, packed.attention_mask, packed.position_ids)
         flat = hidden.reshape(-1, hidden.shape[-1])
@@ -547,7 +550,7 @@ class MultiAdapterModel:
         was trained. Left or right padding: masked positions are padding. Runs in eval mode without grad; the
         active adapter and modes are restored after. The head runs in float32, under autocast too (the
         backbone keeps the caller's mixed precision). ``packed``: the same rows
-        packed by prompt (:mod:`marl.packing`), to compute each prompt once; the scores are the same.
+        packed by prompt (:mod:`marl.model.packing`), to compute each prompt once; the scores are the same.
 
         Example:
             >>> scores = model.compute_reward_score(ids, mask)  # doctest: +SKIP
@@ -576,7 +579,7 @@ class MultiAdapterModel:
     ) -> torch.Tensor:
         """Sample completions from ``softmax(logits / temperature)`` under the ACTIVE view, in eval mode
         without grad; returns ``[batch, settings.max_new_tokens]`` completion ids. The model's own generation
-        config (a repetition penalty, top-k, ...) does not apply: see :func:`marl.sampling.sample`.
+        config (a repetition penalty, top-k, ...) does not apply: see :func:`marl.model.generation.sample`.
 
         Example:
             >>> with model.policy():  # doctest: +SKIP
@@ -602,6 +605,6 @@ class MultiAdapterModel:
         Example:
             >>> print(model.memory_report())  # doctest: +SKIP
         """
-        from marl.memory import build_memory_report
+        from marl.model.memory import build_memory_report
 
         return build_memory_report(self, policy)

@@ -2,10 +2,10 @@
 
 For every prompt both the base (the reference view of the same loaded model: adapters disabled) and the policy
 sample one completion with the same sampling settings and seeds, through the rollout's sampler
-(:class:`marl.rollout.Sampler`), so evaluation samples exactly as training does. Each completion gets
+(:class:`marl.rollout.sampler.Sampler`), so evaluation samples exactly as training does. Each completion gets
 
 - the reward adapter's score of prompt + completion + EOS (see
-  :class:`marl.rewards.EosTerminatedAdapterReward`),
+  :class:`marl.rewards.sources.EosTerminatedAdapterReward`),
 - the judge's score of prompt + completion (VADER by default, independent of every model here; ``--judge
   module:function`` plugs in another),
 - its length in tokens (up to and including the first EOS),
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import check_threads, threads_field
-from marl.data import dataset_name_field
+from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError
-from marl.quantization import parse_quantization
+from marl.model.quantization import parse_quantization
 from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
-    from marl.model import MultiAdapterModel
-    from marl.rewards import CheckedJudge
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards.sources import CheckedJudge
 
 RESULTS_FILE = "eval_results.json"
 COMPLETIONS_FILE = "eval_completions.jsonl"
@@ -197,17 +197,17 @@ def generate_and_score(
     Both models see the same prompts in the same batches with the same seed per batch.
 
     Example:
-        >>> from marl.rewards import load_judge
+        >>> from marl.rewards.sources import load_judge
         >>> samples = generate_and_score(model, tokenizer, ["A film"], load_judge(None))  # doctest: +SKIP
         >>> samples["policy"].means().judge_score  # doctest: +SKIP
     """
     import torch
     from tqdm.auto import tqdm
 
-    from marl.data import prompt_text
-    from marl.rewards import EosTerminatedAdapterReward
-    from marl.rloo import masked_sum
-    from marl.rollout import Sampler, prepare_prompts
+    from marl.algo.rloo import masked_sum
+    from marl.data.prompts import prompt_text
+    from marl.rewards.sources import EosTerminatedAdapterReward
+    from marl.rollout.sampler import Sampler, prepare_prompts
 
     sampler = Sampler(
         model,
@@ -318,7 +318,7 @@ def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out 
 def training_run_dataset(policy_adapter: str | None) -> tuple[Path, dict[str, Any]] | None:
     """``(rloo_config.json, its "dataset" record)`` of the run that wrote ``policy_adapter`` (the run folder,
     or one of its ``checkpoint-N`` folders), or ``None`` when there is no such record."""
-    from marl.run_dir import CONFIG_FILE
+    from marl.train.run_dir import CONFIG_FILE
 
     if policy_adapter is None:
         return None
@@ -334,7 +334,8 @@ def training_run_dataset(policy_adapter: str | None) -> tuple[Path, dict[str, An
 
 
 def are_training_prompts(source: dict[str, Any], run_dataset: dict[str, Any]) -> bool:
-    """Whether prompts read from ``source`` (:func:`marl.data.prompt_source`) are the prompts a run trained
+    """Whether prompts read from ``source`` (:func:`marl.data.prompts.prompt_source`) are the prompts a run
+    trained
     on, as its ``rloo_config.json`` records them: the same dataset and the same split (a whole file is one
     split).
 
@@ -390,10 +391,10 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
 
     from marl.config import reward_adapter_folders
     from marl.cpu_threads import apply_threads
-    from marl.data import describe_prompt_source, load_prompt_dataset, prompt_source
-    from marl.loading import load_tokenizer
-    from marl.model import MultiAdapterModel
-    from marl.rewards import load_judge
+    from marl.data.prompts import describe_prompt_source, load_prompt_dataset, prompt_source
+    from marl.model.build import load_tokenizer
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards.sources import load_judge
 
     console = Console()
     judge = load_judge(arguments.judge)

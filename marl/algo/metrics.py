@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from marl import rloo
+from marl.algo import rloo
 
 Record = TypeVar("Record")
 
@@ -50,7 +50,7 @@ class RolloutStats:
 
     @classmethod
     def of(cls, rollout: Any, shaped: rloo.ShapedRewards) -> RolloutStats:
-        """From a :class:`marl.rollout.Rollout` and its shaped rewards."""
+        """From a :class:`marl.rollout.sampler.Rollout` and its shaped rewards."""
         source_judged = ~torch.isnan(rollout.source_scores)
 
         def judged_sum(values: torch.Tensor) -> torch.Tensor:

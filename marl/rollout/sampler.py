@@ -32,18 +32,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl import rloo
-from marl.data import is_conversation, left_pad, reward_model_ids, tokenize_prompt
+from marl.algo import rloo
+from marl.data.prompts import is_conversation, left_pad, reward_model_ids, tokenize_prompt
 from marl.errors import ConfigError, DataError
-from marl.model import position_ids_from_mask
-from marl.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
-from marl.rewards import ScoringBatch
-from marl.sampling import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
+from marl.model.generation import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
+from marl.model.multi_adapter import position_ids_from_mask
+from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
+from marl.rewards.sources import ScoringBatch
 
 if TYPE_CHECKING:
     from marl.config import BatchSizes
-    from marl.model import MultiAdapterModel
-    from marl.rewards import WeightedRewards
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards.sources import WeightedRewards
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ class Samples:
         return self.response_mask.sum(dim=1)
 
     def pack(self, mask_dtype: torch.dtype) -> PackedRows:
-        """These rows packed by prompt (:mod:`marl.packing`): each prompt once, then its completions."""
+        """These rows packed by prompt (:mod:`marl.model.packing`): each prompt once, then its completions."""
         return pack_rows(
             self.prompt_ids,
             self.prompt_mask,
@@ -227,7 +227,7 @@ class Sampler:
         policy: the policy adapter that samples (default: the model's first policy); its reference is the
             ``"reference"`` view.
         share_prompt_prefix: compute each prompt once for all its completions in the scoring passes
-            (:mod:`marl.packing`); switched off, with a warning, on a model where that is not exact.
+            (:mod:`marl.model.packing`); switched off, with a warning, on a model where that is not exact.
     """
 
     def __init__(
@@ -413,7 +413,8 @@ class Sampler:
         """``samples`` for the reward sources; reward adapters score them in prompt-group chunks, packed.
 
         Plain prompts are read as sampled: the prompt ids followed by the completion ids. Conversations are
-        read as TRL renders them for a reward model (:func:`marl.data.reward_model_text`): the prompt's
+        read as TRL renders them for a reward model (:func:`marl.data.prompts.reward_model_text`): the
+        prompt's
         messages and the completion as the assistant's reply, through the chat template, tokenised whole.
         """
         if all(messages is None for messages in samples.prompt_messages):

@@ -94,7 +94,7 @@ def prepare_quantized_base(model: nn.Module, quantization: str | None) -> nn.Mod
         return model
     from peft import prepare_model_for_kbit_training
 
-    from marl.memory import release_freed_memory
+    from marl.model.memory import release_freed_memory
 
     if quantization == "4bit":
         keep_4bit_layers_differentiable_on_cpu(model)

@@ -175,7 +175,7 @@ def check_packing(model: Any) -> str | None:
     device and attention implementation. Models whose layers carry state between positions (Mamba) or that
     ignore a 4-D mask fail it; differences that rounding in the compute dtype explains do not
     (:func:`probe_tolerance`)."""
-    from marl.sampling import prompt_cache_can_be_shared
+    from marl.model.generation import prompt_cache_can_be_shared
 
     if not prompt_cache_can_be_shared(model.peft_model.get_base_model()):
         return "some of its layers carry state from one position to the next (e.g. Mamba layers)"

@@ -2,17 +2,19 @@
 
 One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
 
-1. rollout (:func:`marl.rollout.collect_rollout`, no grad, eval mode): this process's prompts, ``k`` sampled
+1. rollout (:func:`marl.rollout.sampler.collect_rollout`, no grad, eval mode): this process's prompts, ``k``
+sampled
    completions each under the policy, cut after the stop token, their policy and reference log-probs and
    their scores;
-2. rewards and advantages (:func:`marl.rloo.shape_rewards`): missing-EOS penalty, optional normalisation, KL
+2. rewards and advantages (:func:`marl.algo.rloo.shape_rewards`): missing-EOS penalty, optional
+normalisation, KL
    folded into the reward (or the token-level k3 variant), leave-one-out baseline, optional normalisation; a
    completion no reward source judged gets advantage 0, and normalisation statistics span all processes;
 3. update: ``num_ppo_epochs`` × ``num_mini_batches`` optimizer steps, each accumulating micro-batches of
    ``per_device_train_batch_size`` completions, PPO-clip on the sequence ratio, gradient clipping, LR
-   schedule, returning an :class:`~marl.metrics.UpdateStats`;
-4. metrics (:mod:`marl.metrics`, summed over processes in one collective), sample tables, checkpoints
-   (:mod:`marl.run_dir`, :mod:`marl.checkpoints`).
+   schedule, returning an :class:`~marl.algo.metrics.UpdateStats`;
+4. metrics (:mod:`marl.algo.metrics`, summed over processes in one collective), sample tables, checkpoints
+   (:mod:`marl.train.run_dir`, :mod:`marl.train.checkpoints`).
 
 Leave-one-out groups never span processes: every process samples all ``k`` completions of its own prompts.
 Gradients of the policy adapter are averaged over processes before each optimizer step, in one collective.
@@ -47,16 +49,18 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from marl import checkpoints, distributed, rloo, run_dir
+from marl.algo import rloo
+from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 from marl.config import RLOOConfig
 from marl.cpu_threads import apply_threads
-from marl.data import prompt_text
+from marl.data.prompts import prompt_text
 from marl.errors import ConfigError
-from marl.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
-from marl.model import MultiAdapterModel
-from marl.plotting import plot_training_curves
-from marl.rewards import CheckedJudge, build_rewards
-from marl.rollout import Rollout, Sampler, collect_rollout, prepare_prompts, prompts_for_update
+from marl.model.multi_adapter import MultiAdapterModel
+from marl.rewards.sources import CheckedJudge, build_rewards
+from marl.rollout.sampler import Rollout, Sampler, collect_rollout, prepare_prompts, prompts_for_update
+from marl.train import checkpoints, run_dir
+from marl.train import parallel as distributed
+from marl.train.plotting import plot_training_curves
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
 PROCESS_SEED_STRIDE = 100_003
@@ -89,9 +93,11 @@ class RLOOTrainer:
         eval_dataset: optional prompts in the same format; the periodic sample tables use them when given.
         reward_funcs: ``None`` to score with every reward adapter of the model, or one or a list of: reward
             adapter names, functions ``f(prompts, completions)`` returning one number (or ``None``) per
-            completion, :class:`marl.rewards.RewardSource` objects. They are combined as
-            ``Σ_i w_i · r_i`` with ``config.reward_weights`` (1 each by default); see :mod:`marl.rewards`.
-        judge: optional ``judge(texts) -> scores`` (higher is better, e.g. :func:`marl.rewards.load_judge`)
+            completion, :class:`marl.rewards.sources.RewardSource` objects. They are combined as
+            ``Σ_i w_i · r_i`` with ``config.reward_weights`` (1 each by default); see
+            :mod:`marl.rewards.sources`.
+        judge: optional ``judge(texts) -> scores`` (higher is better, e.g.
+        :func:`marl.rewards.sources.load_judge`)
             that no training signal sees; with ``eval_dataset``, each sample table also scores the first
             ``JUDGED_EVAL_ROWS`` held-out prompts with it and logs ``eval/judge_score`` beside ``eval/score``
             (the reward's mean on them), so that a rise of the reward without a rise of the judge shows.
@@ -543,7 +549,8 @@ class RLOOTrainer:
         ``resume_from_checkpoint``: a ``checkpoint-N`` folder, or ``True`` for the latest in ``output_dir``
         (with none yet, the run starts from the beginning). ``overwrite_output_dir``: replace the run in
         ``output_dir``. Nothing in ``output_dir`` changes before the first update is done (see
-        :mod:`marl.run_dir`). On CPU with a fixed seed a resumed run logs exactly the metrics an uninterrupted
+        :mod:`marl.train.run_dir`). On CPU with a fixed seed a resumed run logs exactly the metrics an
+        uninterrupted
         run logs (except ``eps``, which measures time).
 
         Example:

@@ -5,7 +5,7 @@
   folder of them, or a dataset hub name (the only case that may reach the network, because the user named it).
 - :func:`tokenize_prompt` and :func:`left_pad` prepare prompts the same way for training and evaluation.
 - :func:`import_function` imports ``module:function`` (or ``path/to/file.py:function``) for ``--reward_fn``
-  and ``--judge`` (see :mod:`marl.rewards`, which checks what those functions return).
+  and ``--judge`` (see :mod:`marl.rewards.sources`, which checks what those functions return).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def rotten_tomatoes_prompts(
 ) -> datasets.Dataset:
     """Bundled "continue the review" prompts: the first ``num_words`` words of Rotten Tomatoes snippets.
 
-    ``train`` prompts come from the ``rl`` movies of :func:`marl.assets.split_rotten_tomatoes`; ``test``
+    ``train`` prompts come from the ``rl`` movies of :func:`marl.data.assets.split_rotten_tomatoes`; ``test``
     (alias ``eval``/``validation``) prompts come from the held-out ``eval`` movies and never repeat a training
     prompt. The reward-adapter pairs come from a third set of movies, so the three never overlap.
     ``split_flag`` is the flag an unknown split's error tells the user to fix.
@@ -146,7 +146,7 @@ def rotten_tomatoes_prompts(
         >>> set(train["prompt"]).isdisjoint(held_out["prompt"])
         True
     """
-    from marl import assets
+    from marl.data import assets
 
     if split not in ROTTEN_TOMATOES_SPLITS:
         raise DataError(
@@ -409,7 +409,8 @@ def load_preference_data(
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Training and held-out preference pairs from Rotten Tomatoes or a local file.
 
-    ``"rotten-tomatoes"``: pairs from the ``reward`` part of :func:`marl.assets.split_rotten_tomatoes` for
+    ``"rotten-tomatoes"``: pairs from the ``reward`` part of :func:`marl.data.assets.split_rotten_tomatoes`
+    for
     training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
     prompts. A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows
     is held out. Subsampling keeps a seeded random subset.
@@ -419,7 +420,7 @@ def load_preference_data(
         >>> len(train), train.column_names[:2]
         (256, ['chosen', 'rejected'])
     """
-    from marl import assets
+    from marl.data import assets
 
     if dataset == ROTTEN_TOMATOES:
         parts = assets.split_rotten_tomatoes(seed=seed)

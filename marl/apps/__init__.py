@@ -1,0 +1,1 @@
+"""The programs: the command line, evaluation and the demo."""

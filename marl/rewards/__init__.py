@@ -1,0 +1,1 @@
+"""Where scores come from: reward sources, their weighted sum, judges and TRL interop."""

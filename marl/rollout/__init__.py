@@ -1,0 +1,1 @@
+"""Rollouts: prompts in, sampled and scored completions out (no gradients)."""
