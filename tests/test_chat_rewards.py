@@ -103,7 +103,7 @@ def test_rollout_scores_conversations_as_trl_renders_them(family, family_dir, tm
 
     # Each prompt's k rows were computed with their shared prefix once, where the model allows packing (no
     # layers with state, no sliding window shorter than the packed rows).
-    chunks = list(batch.chunks(64))
+    chunks = list(batch.chunks)
     assert len(chunks) == 1
     packed = chunks[0][3]
     if sampler.share_prompt_prefix and attention_window(model.config) is None:

@@ -38,9 +38,9 @@ from transformers import (
 )
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
-from marl.algo import rloo
 from marl.errors import ModelError
 from marl.model.generation import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
+from marl.rollout import stops
 from marl.rollout.sampler import collect_rollout
 
 TEMPERATURE = 0.7
@@ -145,7 +145,7 @@ def test_rollout_samples_from_the_distribution_it_scores(family, dtype, family_d
         )
         completions = output.sequences[:, prompt_length:]
         steps = completions.shape[1]
-        valid = rloo.response_mask(rloo.response_lengths(completions, stop_ids), steps)
+        valid = stops.response_mask(stops.response_lengths(completions, stop_ids), steps)
         full_mask = torch.cat([mask, valid.long()], dim=1)
         scored = model.token_logprobs(
             output.sequences, full_mask, response_start=prompt_length, temperature=TEMPERATURE

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -35,8 +35,19 @@ from marl.model.generation import pad_token_id
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
+    from marl.model.packing import PackedRows
 
 RewardFunction = Callable[..., Sequence[float | None]]
+
+
+class ScoringChunk(NamedTuple):
+    """Rows of a :class:`ScoringBatch` a reward adapter scores in one pass: whole prompt groups, as ids with
+    their attention mask, and packed (each shared prefix once, :mod:`marl.model.packing`) or ``None``."""
+
+    rows: torch.Tensor
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    packed: PackedRows | None
 
 
 @dataclass(frozen=True)
@@ -45,15 +56,15 @@ class ScoringBatch:
     their attention mask (masked positions are padding): prompt + completion as sampled for plain prompts, a
     conversation rendered with the completion as the assistant's reply
     (:func:`marl.data.prompts.reward_model_text`).
-    ``chunks(rows_per_pass)``, when given, yields ``(rows, input_ids, attention_mask, packed)`` for whole
-    prompt groups, so that a reward adapter computes each shared prefix once (:mod:`marl.model.packing`).
+    ``chunks``, when given, splits the rows into whole prompt groups (:class:`ScoringChunk`), made once by the
+    rollout, so that a reward adapter computes each shared prefix once.
     ``conversations``: each row's prompt messages when it is a conversation (``None`` for a plain prompt)."""
 
     prompts: list[str]
     completions: list[str]
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
-    chunks: Callable[[int], Iterator[tuple]] | None = None
+    chunks: Sequence[ScoringChunk] | None = None
     conversations: list[list[dict[str, Any]] | None] | None = None
 
 
@@ -137,9 +148,9 @@ class AdapterReward:
         ids, mask, step = batch.input_ids, batch.attention_mask, self.rows_per_pass
         if batch.chunks is None:
             spans = [slice(start, start + step) for start in range(0, ids.shape[0], step)]
-            chunks = ((span, ids[span], mask[span], None) for span in spans)
+            chunks = [ScoringChunk(span, ids[span], mask[span], None) for span in spans]
         else:
-            chunks = batch.chunks(step)
+            chunks = batch.chunks
         scores = torch.empty(ids.shape[0], dtype=torch.float32, device=ids.device)
         for rows, chunk_ids, chunk_mask, packed in chunks:
             scores[rows] = self.model.compute_reward_score(chunk_ids, chunk_mask, self.name, packed)

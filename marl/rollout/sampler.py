@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.algo import rloo
 from marl.data.prompts import is_conversation, left_pad, reward_model_ids, tokenize_prompt
 from marl.errors import ConfigError, DataError
 from marl.model.generation import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
 from marl.model.multi_adapter import position_ids_from_mask
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
-from marl.rewards.sources import ScoringBatch
+from marl.rewards.sources import ScoringBatch, ScoringChunk
+from marl.rollout import stops
 
 if TYPE_CHECKING:
     from marl.config import BatchSizes
@@ -281,10 +281,10 @@ class Sampler:
         """``k`` completions of every prompt under ``view`` (``"policy"`` or ``"reference"``), k-major."""
         responses = self._generate(prompts, k, view)
         stop_ids, pad = self.settings.stop_token_ids, self.settings.pad_token_id
-        responses, contains_stop = rloo.truncate_after_stop_token(responses, stop_ids, pad)
-        lengths = rloo.response_lengths(responses, stop_ids)
-        response_mask = rloo.response_mask(lengths, responses.shape[1])
-        contains_eos = (rloo.is_stop_token(responses, self.eos_token_ids) & response_mask).any(dim=1)
+        responses, contains_stop = stops.truncate_after_stop_token(responses, stop_ids, pad)
+        lengths = stops.response_lengths(responses, stop_ids)
+        response_mask = stops.response_mask(lengths, responses.shape[1])
+        contains_eos = (stops.is_stop_token(responses, self.eos_token_ids) & response_mask).any(dim=1)
         completions = self.tokenizer.batch_decode(
             [row[:length].tolist() for row, length in zip(responses, lengths.tolist(), strict=True)],
             skip_special_tokens=True,
@@ -418,11 +418,10 @@ class Sampler:
         messages and the completion as the assistant's reply, through the chat template, tokenised whole.
         """
         if all(messages is None for messages in samples.prompt_messages):
-
-            def chunks(rows_per_pass: int):
-                for rows, chunk, packed in self.chunks(samples, rows_per_pass):
-                    yield rows, chunk.query_responses, chunk.attention_mask, packed
-
+            chunks = [
+                ScoringChunk(rows, chunk.query_responses, chunk.attention_mask, packed)
+                for rows, chunk, packed in self.chunks(samples)
+            ]
             return ScoringBatch(
                 samples.prompt_texts,
                 samples.completions,
@@ -434,14 +433,16 @@ class Sampler:
         rows = self.reward_rows(samples)
         input_ids, attention_mask = left_pad(rows, self.settings.pad_token_id)
 
-        def rendered_chunks(rows_per_pass: int):
-            group_size = int((samples.prompt_index == samples.prompt_index[0]).sum())
-            for chunk_rows in samples.group_rows(max(1, rows_per_pass // group_size)):
-                positions = chunk_rows.tolist()
-                yield (
-                    chunk_rows,
-                    *self.shared_prefix_rows([rows[i] for i in positions], samples.prompt_index[chunk_rows]),
-                )
+        group_size = int((samples.prompt_index == samples.prompt_index[0]).sum())
+        rendered_chunks = [
+            ScoringChunk(
+                chunk_rows,
+                *self.shared_prefix_rows(
+                    [rows[i] for i in chunk_rows.tolist()], samples.prompt_index[chunk_rows]
+                ),
+            )
+            for chunk_rows in samples.group_rows(max(1, self.rows_per_pass // group_size))
+        ]
 
         return ScoringBatch(
             samples.prompt_texts,
