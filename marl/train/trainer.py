@@ -49,6 +49,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from marl.algo.advantages import get_advantage_estimator
 from marl.algo.losses import clipped_policy_loss, token_level_k3_kl
 from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
 from marl.algo.shaping import ShapedRewards, shape_rewards
@@ -358,6 +359,7 @@ class RLOOTrainer:
             token_level_kl=config.token_level_kl,
             normalize_advantage=config.normalize_advantage,
             gather=self.accelerator.gather,
+            estimator=get_advantage_estimator(config.advantage_estimator),
         )
 
     def _optimizer_step(self, loss_finite: bool) -> bool:
