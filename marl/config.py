@@ -190,6 +190,13 @@ class RLOOConfig:
 
     # --- batch arithmetic ---
     rloo_k: int = field(default=2, metadata={"help": "Completions sampled per prompt (k >= 2)."})
+    advantage_estimator: str = field(
+        default="rloo",
+        metadata={
+            "help": "Advantage estimator, by its registered name (marl.algo.advantages): 'rloo' is the "
+            "leave-one-out baseline over the judged other completions of the same prompt."
+        },
+    )
     per_device_train_batch_size: int = field(
         default=8, metadata={"help": "Completions per micro-batch of the update, per process."}
     )

@@ -9,14 +9,13 @@ import pytest
 import torch
 from accelerate import Accelerator
 
-from marl.algo import rloo
+from marl.algo.losses import PolicyLoss, clipped_policy_loss
 from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
+from marl.algo.shaping import shape_rewards
 
 
-def policy_loss(new: list[float], old: list[float], advantages: list[float]) -> rloo.PolicyLoss:
-    return rloo.clipped_policy_loss(
-        torch.tensor(new), torch.tensor(old), torch.tensor(advantages), cliprange=0.2
-    )
+def policy_loss(new: list[float], old: list[float], advantages: list[float]) -> PolicyLoss:
+    return clipped_policy_loss(torch.tensor(new), torch.tensor(old), torch.tensor(advantages), cliprange=0.2)
 
 
 def test_update_stats_count_valid_tokens_only_and_keep_the_first_ratio():
@@ -34,7 +33,7 @@ def test_update_stats_count_valid_tokens_only_and_keep_the_first_ratio():
 
 def test_rollout_metrics_are_means_over_completions_and_per_source_over_judged_ones():
     zero = torch.zeros(2, 2)
-    shaped = rloo.shape_rewards(
+    shaped = shape_rewards(
         torch.tensor([1.0, 3.0]),
         zero - 1.0,
         zero - 2.0,
@@ -62,7 +61,7 @@ def test_rollout_metrics_are_means_over_completions_and_per_source_over_judged_o
 
 def test_reward_means_are_over_judged_completions_and_unjudged_ones_are_counted():
     zero = torch.zeros(4, 1)
-    shaped = rloo.shape_rewards(
+    shaped = shape_rewards(
         torch.tensor([1.0, math.nan, 3.0, 6.0]),
         zero,
         zero - torch.tensor([[1.0], [2.0], [3.0], [4.0]]),  # kl = 1, 2, 3, 4

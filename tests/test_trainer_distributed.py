@@ -180,7 +180,9 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     import datasets, torch
     from transformers import AutoTokenizer
     from marl import RLOOConfig, RLOOTrainer
-    from marl.algo import rloo
+    from marl.algo.losses import clipped_policy_loss
+    from marl.algo.shaping import shape_rewards
+    from marl.algo.tensors import masked_sum
     from marl.train.parallel import average_gradients
     from marl.rollout.sampler import Rollout, Samples
 
@@ -221,8 +223,8 @@ NORMALISATION_SCRIPT = textwrap.dedent(
         trainer.optimizer.zero_grad(set_to_none=True)
         with model.policy():
             new_logprobs = trainer.sampler.completion_logprobs(rollout, None)
-        new = rloo.masked_sum(new_logprobs, rollout.response_mask)
-        rloo.clipped_policy_loss(new, new.detach(), advantages, 0.2).loss.backward()
+        new = masked_sum(new_logprobs, rollout.response_mask)
+        clipped_policy_loss(new, new.detach(), advantages, 0.2).loss.backward()
         return [parameter.grad for parameter in trainer.policy_parameters]
 
     def flat(gradients):
@@ -233,7 +235,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     for flag in ("normalize_reward", "normalize_advantage"):
         config.normalize_reward = flag == "normalize_reward"
         config.normalize_advantage = flag == "normalize_advantage"
-        one_process = rloo.shape_rewards(  # what one process computes on the whole rollout
+        one_process = shape_rewards(  # what one process computes on the whole rollout
             whole.scores, whole.logprobs, whole.ref_logprobs, whole.response_mask, whole.contains_stop,
             k=2, kl_coef=config.kl_coef, normalize_reward=config.normalize_reward,
             normalize_advantage=config.normalize_advantage,

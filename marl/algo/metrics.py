@@ -28,7 +28,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from marl.algo import rloo
+from marl.algo.losses import PolicyLoss
+from marl.algo.shaping import ShapedRewards
+from marl.algo.tensors import masked_sum
 
 Record = TypeVar("Record")
 
@@ -49,7 +51,7 @@ class RolloutStats:
     source_counts: torch.Tensor  # [S] how many completions each source judged
 
     @classmethod
-    def of(cls, rollout: Any, shaped: rloo.ShapedRewards) -> RolloutStats:
+    def of(cls, rollout: Any, shaped: ShapedRewards) -> RolloutStats:
         """From a :class:`marl.rollout.sampler.Rollout` and its shaped rewards."""
         source_judged = ~torch.isnan(rollout.source_scores)
 
@@ -58,7 +60,7 @@ class RolloutStats:
 
         return cls(
             kl=shaped.kl.sum(),
-            entropy=rloo.masked_sum(-rollout.logprobs, rollout.response_mask).sum(),
+            entropy=masked_sum(-rollout.logprobs, rollout.response_mask).sum(),
             non_score_reward=judged_sum(shaped.non_score_reward),
             rlhf_reward=judged_sum(shaped.rlhf_reward),
             scores=judged_sum(shaped.scores),
@@ -87,7 +89,7 @@ class UpdateStats:
     first_completions: float | torch.Tensor = 0.0
     _first_seen: bool = field(default=False, repr=False, compare=False)
 
-    def add(self, policy: rloo.PolicyLoss, entropy: torch.Tensor, mask: torch.Tensor) -> None:
+    def add(self, policy: PolicyLoss, entropy: torch.Tensor, mask: torch.Tensor) -> None:
         """Add one micro-batch: its policy-loss output and per-token entropies with their validity mask."""
         count = policy.ratio.numel()
         self.approxkl += (0.5 * policy.log_ratio**2).sum()

@@ -204,7 +204,7 @@ def generate_and_score(
     import torch
     from tqdm.auto import tqdm
 
-    from marl.algo.rloo import masked_sum
+    from marl.algo.tensors import masked_sum
     from marl.data.prompts import prompt_text
     from marl.rewards.sources import EosTerminatedAdapterReward
     from marl.rollout.sampler import Sampler, prepare_prompts

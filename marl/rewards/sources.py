@@ -9,8 +9,9 @@ sources as ``Σ_i w_i · r_i``, as TRL's ``reward_funcs`` with ``reward_weights`
 ``None`` from a reward function means "this source does not judge this completion" (NaN works the same way,
 as in TRL): the completion's reward is then the weighted sum over the sources that did judge it. A completion
 that no source judged has no reward: it is left out of its prompt's leave-one-out baseline and gets advantage
-0 (:func:`marl.algo.rloo.shape_rewards`); only an update in which no completion was judged is skipped, with a
-warning. Infinite scores from a function, a wrong count or a non-number are errors that name the function.
+0 (:func:`marl.algo.shaping.shape_rewards`); only an update in which no completion was judged is skipped,
+with a warning. Infinite scores from a function, a wrong count or a non-number are errors that name the
+function.
 
 Example:
     >>> length = FunctionReward(lambda prompts, completions: [len(c) for c in completions], "length")

@@ -6,7 +6,7 @@ One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
 sampled
    completions each under the policy, cut after the stop token, their policy and reference log-probs and
    their scores;
-2. rewards and advantages (:func:`marl.algo.rloo.shape_rewards`): missing-EOS penalty, optional
+2. rewards and advantages (:func:`marl.algo.shaping.shape_rewards`): missing-EOS penalty, optional
 normalisation, KL
    folded into the reward (or the token-level k3 variant), leave-one-out baseline, optional normalisation; a
    completion no reward source judged gets advantage 0, and normalisation statistics span all processes;
@@ -49,8 +49,11 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from marl.algo import rloo
+from marl.algo.advantages import get_advantage_estimator
+from marl.algo.losses import clipped_policy_loss, token_level_k3_kl
 from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
+from marl.algo.shaping import ShapedRewards, shape_rewards
+from marl.algo.tensors import masked_sum
 from marl.config import RLOOConfig
 from marl.cpu_threads import apply_threads
 from marl.data.prompts import prompt_text
@@ -264,7 +267,7 @@ class RLOOTrainer:
         """PPO-clip epochs over the rollout; returns this process's sums for the policy metrics."""
         config, sizes = self.config, self.sizes
         reuse_samples = config.num_ppo_epochs > 1 or config.num_mini_batches > 1
-        old_seq_logprob = rloo.masked_sum(rollout.logprobs, rollout.response_mask)
+        old_seq_logprob = masked_sum(rollout.logprobs, rollout.response_mask)
         stats = UpdateStats()
         self.model.train()
         try:
@@ -284,15 +287,13 @@ class RLOOTrainer:
                             new_logprobs, entropy = self.sampler.completion_logprobs(
                                 batch, packed, with_entropy=True
                             )
-                        new_seq_logprob = rloo.masked_sum(new_logprobs, batch.response_mask)
+                        new_seq_logprob = masked_sum(new_logprobs, batch.response_mask)
                         # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
                         old = old_seq_logprob[rows] if reuse_samples else new_seq_logprob.detach()
-                        policy = rloo.clipped_policy_loss(
-                            new_seq_logprob, old, advantages[rows], config.cliprange
-                        )
+                        policy = clipped_policy_loss(new_seq_logprob, old, advantages[rows], config.cliprange)
                         loss = policy.loss
                         if config.token_level_kl:
-                            k3 = rloo.token_level_k3_kl(new_logprobs, batch.ref_logprobs, batch.response_mask)
+                            k3 = token_level_k3_kl(new_logprobs, batch.ref_logprobs, batch.response_mask)
                             loss = loss + config.kl_coef * k3.sum(dim=1).mean()
                         if torch.isfinite(loss):
                             self.accelerator.backward(loss / config.gradient_accumulation_steps)
@@ -319,7 +320,7 @@ class RLOOTrainer:
         groups = torch.randperm(int(rollout.prompt_index.max()) + 1).to(self.accelerator.device)
         return torch.cat([torch.nonzero(rollout.prompt_index == group).flatten() for group in groups])
 
-    def _rollout_and_update(self) -> tuple[Rollout, rloo.ShapedRewards, UpdateStats | None]:
+    def _rollout_and_update(self) -> tuple[Rollout, ShapedRewards, UpdateStats | None]:
         """One update: the rollout, its shaped rewards, and the optimisation. Completions no reward source
         judged get advantage 0; the optimisation is skipped (and counted) only when no completion of any
         process was judged."""
@@ -341,10 +342,10 @@ class RLOOTrainer:
         self._skip_update()
         return rollout, shaped, None
 
-    def _shaped_rewards(self, rollout: Rollout) -> rloo.ShapedRewards:
+    def _shaped_rewards(self, rollout: Rollout) -> ShapedRewards:
         """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
         config = self.config
-        return rloo.shape_rewards(
+        return shape_rewards(
             rollout.scores,
             rollout.logprobs,
             rollout.ref_logprobs,
@@ -358,6 +359,7 @@ class RLOOTrainer:
             token_level_kl=config.token_level_kl,
             normalize_advantage=config.normalize_advantage,
             gather=self.accelerator.gather,
+            estimator=get_advantage_estimator(config.advantage_estimator),
         )
 
     def _optimizer_step(self, loss_finite: bool) -> bool:

@@ -1,0 +1,153 @@
+"""Advantage estimators by name: the leave-one-out baseline of RLOO, and the registry that lets a new
+estimator plug in with one registration and one flag value (``--advantage_estimator NAME``).
+
+Layout: a rollout holds ``k`` completions for each of ``P`` prompts in **k-major** order: row ``j * P + i``
+is sample ``j`` of prompt ``i``, and ``tensor.view(k, P)`` puts the samples of one prompt in one column.
+
+Names follow Ahmadian et al. (2024), "Back to Basics: Revisiting REINFORCE Style Optimization for Learning
+from Human Feedback in LLMs": the whole completion is one action, its reward is the reward-model score minus a
+KL penalty against the reference policy (:mod:`marl.algo.shaping`), and the baseline of a completion is the
+mean reward of the other ``k - 1`` completions of the same prompt (leave-one-out, registered as ``"rloo"``).
+
+A completion no reward source judged (NaN reward) has no reward: it is left out of its group's baseline and
+gets advantage 0, and so does a judged completion without a judged sibling.
+
+Example:
+    >>> import torch
+    >>> rewards = torch.tensor([1.0, 2.0, 3.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0])
+    >>> leave_one_out_advantages(rewards, k=4)[0].item()
+    -4.0
+    >>> get_advantage_estimator("rloo")(rewards, ~rewards.isnan(), 4, None)[0].item()
+    -4.0
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from marl.algo.tensors import Gather
+from marl.errors import ConfigError
+
+
+class AdvantageEstimator(Protocol):
+    """Turns one rollout's rewards into one advantage per completion.
+
+    Called as ``estimator(rewards, judged, k, gather)``: ``rewards`` float ``[B]`` in k-major order (NaN where
+    no source judged the completion), ``judged`` bool ``[B]``, ``k`` completions per prompt, ``gather`` None
+    (one process) or an accelerate-style gather for statistics over every process's rollout (every process
+    then calls the estimator, as with any collective). Returns finite advantages ``[B]``, 0 for unjudged rows.
+    """
+
+    def __call__(
+        self, rewards: torch.Tensor, judged: torch.Tensor, k: int, gather: Gather | None, /
+    ) -> torch.Tensor: ...
+
+
+def _check_groups(count: int, k: int) -> None:
+    if k < 2:
+        raise ValueError(f"leave-one-out needs k >= 2 samples per prompt, got k={k}")
+    if count % k != 0:
+        raise ValueError(f"{count} rewards cannot be split into groups of k={k}")
+
+
+def leave_one_out_advantages(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """RLOO advantage: a completion's reward minus the mean of the other ``k − 1`` samples of its prompt.
+
+    ``rewards`` is k-major, length ``k · P``.
+
+    Example:
+        >>> leave_one_out_advantages(torch.tensor([1.0, 2.0, 3.0, 5.0]), k=2)
+        tensor([-2., -3.,  2.,  3.])
+    """
+    _check_groups(rewards.numel(), k)
+    per_prompt = rewards.view(k, -1)
+    baseline = (per_prompt.sum(dim=0, keepdim=True) - per_prompt) / (k - 1)
+    return (per_prompt - baseline).flatten()
+
+
+def has_judged_sibling(judged: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows that are judged and share their prompt with another judged row: the rows a baseline built from
+    the other samples of a prompt can give an advantage (and the rows advantage normalisation pools).
+
+    Example:
+        >>> has_judged_sibling(torch.tensor([True, True, True, False]), k=2)  # prompt 1: one judged sample
+        tensor([ True, False,  True, False])
+    """
+    judged_per_prompt = judged.view(k, -1)
+    return (judged_per_prompt & (judged_per_prompt.sum(dim=0, keepdim=True) >= 2)).flatten()
+
+
+def judged_leave_one_out_advantages(
+    rewards: torch.Tensor, judged: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out advantages where only ``judged`` completions have a reward: the baseline of a completion
+    is the mean reward of the JUDGED other samples of its prompt. An unjudged completion, and a judged one
+    without a judged sibling, get advantage 0. With every completion judged this equals
+    :func:`leave_one_out_advantages` bit for bit.
+
+    Returns:
+        ``(advantages, has_advantage)``; ``has_advantage[b]``: row ``b`` is judged with a judged sibling.
+
+    Example:
+        >>> rewards = torch.tensor([1.0, 2.0, 3.0, float("nan")])  # k=2: prompt 1 has one judged sample
+        >>> judged_leave_one_out_advantages(rewards, ~rewards.isnan(), k=2)
+        (tensor([-2.,  0.,  2.,  0.]), tensor([ True, False,  True, False]))
+    """
+    _check_groups(rewards.numel(), k)
+    per_prompt, judged_per_prompt = rewards.view(k, -1), judged.view(k, -1)
+    judged_rewards = torch.where(judged_per_prompt, per_prompt, torch.zeros_like(per_prompt))
+    judged_count = judged_per_prompt.sum(dim=0, keepdim=True)
+    baseline = (judged_rewards.sum(dim=0, keepdim=True) - judged_rewards) / (judged_count - 1)
+    has_advantage = has_judged_sibling(judged, k)
+    advantages = torch.where(has_advantage.view(k, -1), per_prompt - baseline, torch.zeros_like(per_prompt))
+    return advantages.flatten(), has_advantage
+
+
+def rloo_advantages(
+    rewards: torch.Tensor, judged: torch.Tensor, k: int, gather: Gather | None = None
+) -> torch.Tensor:
+    """The ``"rloo"`` estimator: :func:`judged_leave_one_out_advantages`. Each prompt's group lies on one
+    process, so ``gather`` is not needed.
+
+    Example:
+        >>> rloo_advantages(torch.tensor([1.0, 2.0, 3.0, float("nan")]), torch.tensor([1, 1, 1, 0]).bool(), 2)
+        tensor([-2.,  0.,  2.,  0.])
+    """
+    return judged_leave_one_out_advantages(rewards, judged, k)[0]
+
+
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"rloo": rloo_advantages}
+
+
+def register_advantage_estimator(name: str, estimator: AdvantageEstimator) -> None:
+    """Make ``estimator`` selectable as ``RLOOConfig(advantage_estimator=name)`` / ``--advantage_estimator
+    name``. A name is registered once: replacing an estimator silently would change what a recorded run's
+    config means.
+
+    Example:
+        >>> register_advantage_estimator("rloo", rloo_advantages)
+        Traceback (most recent call last):
+        ...
+        ValueError: an advantage estimator named 'rloo' is already registered; pick another name
+    """
+    if name in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"an advantage estimator named {name!r} is already registered; pick another name")
+    ADVANTAGE_ESTIMATORS[name] = estimator
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name``; a :class:`ConfigError` naming the flag and the known names else.
+
+    Example:
+        >>> get_advantage_estimator("rloo") is rloo_advantages
+        True
+    """
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ConfigError(
+            f"--advantage_estimator {name!r} is not a registered advantage estimator; pass one of "
+            f"{sorted(ADVANTAGE_ESTIMATORS)} (a new one is registered with "
+            "marl.algo.advantages.register_advantage_estimator)"
+        )
+    return ADVANTAGE_ESTIMATORS[name]

@@ -1,0 +1,135 @@
+"""From the reward sources' scores and the rollout's log-probs to one reward and one advantage per completion.
+
+The order is that of Ahmadian et al. (2024) and TRL's RLOO: missing-stop-token penalty, reward normalisation
+and clipping, the sequence KL against the reference folded into the reward (or, with ``token_level_kl``, left
+to the loss), the advantage estimator (leave-one-out by default, see :mod:`marl.algo.advantages`), advantage
+normalisation. Rows are k-major, as everywhere in :mod:`marl.algo`.
+
+A completion no reward source judged (NaN score) has no reward and is left out of every statistic.
+Normalisation statistics are taken over the completions of every process (``gather`` concatenates a
+per-process tensor over processes), so they do not depend on how the rollout is split over processes.
+
+Example:
+    >>> import torch
+    >>> rlhf_rewards(torch.tensor([1.0]), torch.tensor([2.0]), kl_coef=0.5)[0]
+    tensor([0.])
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from marl.algo.advantages import AdvantageEstimator, has_judged_sibling, rloo_advantages
+from marl.algo.tensors import Gather, sequence_kl, standardize
+
+
+def apply_missing_eos_penalty(
+    scores: torch.Tensor, contains_eos: torch.Tensor, penalty: float
+) -> torch.Tensor:
+    """Subtract ``penalty`` from the score of every completion that does not contain EOS.
+
+    Example:
+        >>> apply_missing_eos_penalty(torch.tensor([1.0, 1.0]), torch.tensor([True, False]), 2.0)
+        tensor([ 1., -1.])
+    """
+    return scores - penalty * (~contains_eos).to(scores.dtype)
+
+
+def normalize_and_clip_rewards(
+    scores: torch.Tensor,
+    clip_range: float,
+    judged: torch.Tensor | None = None,
+    gather: Gather | None = None,
+) -> torch.Tensor:
+    """Z-score the scores over the judged completions of the batch (of every process with ``gather``), then
+    clip them to ``[-clip_range, clip_range]``; unjudged scores stay NaN.
+
+    Example:
+        >>> normalize_and_clip_rewards(torch.tensor([0.0, 0.0, 0.0, 100.0]), clip_range=1.0)
+        tensor([-0.5000, -0.5000, -0.5000,  1.0000])
+    """
+    return standardize(scores, judged, gather).clamp(-clip_range, clip_range)
+
+
+def rlhf_rewards(
+    scores: torch.Tensor, seq_kl: torch.Tensor, kl_coef: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold the sequence-level KL penalty into the reward.
+
+    Returns:
+        ``(rlhf_reward, non_score_reward)`` with ``non_score_reward = −kl_coef · seq_kl`` and
+        ``rlhf_reward = scores + non_score_reward``.
+
+    Example:
+        >>> rlhf_rewards(torch.tensor([1.0]), torch.tensor([2.0]), kl_coef=0.1)
+        (tensor([0.8000]), tensor([-0.2000]))
+    """
+    non_score_reward = -kl_coef * seq_kl
+    return scores + non_score_reward, non_score_reward
+
+
+class ShapedRewards(NamedTuple):
+    """Rewards and advantages of one rollout, one value per completion (k-major). ``scores`` and
+    ``rlhf_reward`` are NaN where no source judged the completion; its advantage is 0."""
+
+    scores: torch.Tensor  # after the missing-EOS penalty and normalisation
+    kl: torch.Tensor  # Σ_t (logp_t − ref_logp_t) over valid tokens
+    non_score_reward: torch.Tensor  # −kl_coef · kl
+    rlhf_reward: torch.Tensor  # scores + non_score_reward
+    advantages: torch.Tensor
+    judged: torch.Tensor  # bool: at least one reward source judged the completion
+
+
+def shape_rewards(
+    raw_scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    contains_stop: torch.Tensor,
+    *,
+    k: int,
+    kl_coef: float,
+    missing_eos_penalty: float | None = None,
+    normalize_reward: bool = False,
+    reward_clip_range: float = 10.0,
+    token_level_kl: bool = False,
+    normalize_advantage: bool = False,
+    gather: Gather | None = None,
+    estimator: AdvantageEstimator = rloo_advantages,
+) -> ShapedRewards:
+    """From the reward source's scores and the rollout's log-probs to advantages, in this order:
+    missing-stop-token penalty, reward normalisation and clipping, the sequence KL folded into the reward,
+    ``estimator`` (the judged leave-one-out of RLOO by default), advantage normalisation.
+
+    ``raw_scores`` is NaN where no source judged a completion: such a completion has no reward, is left out of
+    its group's baseline and of the normalisation statistics, and gets advantage 0 (as does a judged one with
+    no judged sibling). Reward normalisation uses the judged completions, advantage normalisation the judged
+    completions with a judged sibling (the others keep the estimator's advantage, 0 for RLOO); with ``gather``
+    (e.g. ``accelerator.gather``) those of every process, so that the result does not depend on the number of
+    processes. ``gather=None`` is one process; every process must then call this function, as with any
+    collective. ``gather`` is also handed to the estimator.
+
+    With ``token_level_kl`` the advantages come from the scores alone: the KL then enters the loss per token
+    (:func:`marl.algo.losses.token_level_k3_kl`), and ``rlhf_reward`` only reports the sequence-level view.
+
+    Example:
+        >>> zero = torch.zeros(4, 1)
+        >>> shaped = shape_rewards(torch.tensor([1.0, 2.0, 3.0, 5.0]), zero, zero, zero.bool(),
+        ...                        torch.ones(4, dtype=torch.bool), k=2, kl_coef=0.1)
+        >>> shaped.advantages
+        tensor([-2., -3.,  2.,  3.])
+    """
+    judged = ~torch.isnan(raw_scores)
+    scores = raw_scores
+    if missing_eos_penalty is not None:
+        scores = apply_missing_eos_penalty(scores, contains_stop, missing_eos_penalty)
+    if normalize_reward:
+        scores = normalize_and_clip_rewards(scores, reward_clip_range, judged, gather)
+    kl = sequence_kl(logprobs, ref_logprobs, response_mask)
+    rlhf_reward, non_score_reward = rlhf_rewards(scores, kl, kl_coef)
+    advantages = estimator(scores if token_level_kl else rlhf_reward, judged, k, gather)
+    if normalize_advantage:
+        advantages = standardize(advantages, has_judged_sibling(judged, k), gather)
+    return ShapedRewards(scores, kl, non_score_reward, rlhf_reward, advantages, judged)
