@@ -2,8 +2,8 @@
 ``reward_funcs`` with ``reward_weights`` combine them.
 
 A completion that no source judged has no reward: it is left out of its prompt's leave-one-out baseline and
-gets advantage 0 (:func:`marl.algo.shaping.shape_rewards`); only an update in which no completion was judged is
-skipped, with a warning.
+gets advantage 0 (:func:`marl.algo.shaping.shape_rewards`); only an update in which no completion was judged
+is skipped, with a warning.
 
 Example:
     >>> length = FunctionReward(lambda prompts, completions: [len(c) for c in completions], "length")
