@@ -25,7 +25,7 @@ from marl.apps.demo import REWARD_ADAPTER_NAME, SHIPPED_ADAPTERS_DIR, DemoArgume
 from marl.apps.evaluate import generate_and_score, summarize
 from marl.data.assets import EMBEDDED_MODEL_ID
 from marl.data.prompts import rotten_tomatoes_prompts
-from marl.rewards.sources import EosTerminatedAdapterReward, load_judge
+from marl.rewards import EosTerminatedAdapterReward, load_judge
 
 POLICIES = {"positive": 1.0, "negative": -1.0}
 
@@ -66,7 +66,7 @@ def main() -> None:
     )
     demo = DemoArguments(seed=options.seed, total_episodes=options.total_episodes)
     # The sentiment adapter scores text + EOS, as it was trained (see
-    # marl.rewards.sources.EosTerminatedAdapterReward).
+    # marl.rewards.EosTerminatedAdapterReward).
     sentiment = EosTerminatedAdapterReward(model, tokenizer, "sentiment", rows_per_pass=64)
 
     results = {"settings": {**vars(options), "demo": dataclasses.asdict(demo)}, "policies": {}}

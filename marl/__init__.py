@@ -13,13 +13,13 @@ _PUBLIC = {
     "MultiAdapterModel": "marl.model.multi_adapter",
     "RLOOConfig": "marl.config",
     "RLOOTrainer": "marl.train.trainer",
-    "RewardAdapterFunction": "marl.rewards.sources",
+    "RewardAdapterFunction": "marl.rewards.interop",
 }
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rewards.sources import RewardAdapterFunction
+    from marl.rewards.interop import RewardAdapterFunction
     from marl.train.trainer import RLOOTrainer
 
 __all__ = ["MultiAdapterModel", "RLOOConfig", "RLOOTrainer", "RewardAdapterFunction", "__version__"]

@@ -22,7 +22,7 @@ from trl.data_utils import apply_chat_template, is_conversational
 from marl import MultiAdapterModel, RewardAdapterFunction
 from marl.model.generation import pad_token_id
 from marl.model.packing import attention_window
-from marl.rewards.sources import AdapterReward, EosTerminatedAdapterReward
+from marl.rewards import AdapterReward, EosTerminatedAdapterReward
 from marl.rollout.sampler import Sampler, prepare_prompts
 
 CLASSIFIER_FAMILIES = [name for name in FAMILIES if FAMILY_SPECS[name].sequence_classification]

@@ -10,7 +10,8 @@ from conftest import write_jsonl
 
 from marl.data.prompts import load_prompt_dataset, rotten_tomatoes_prompts
 from marl.errors import DataError
-from marl.rewards.sources import check_scores, load_judge, load_reward_fn
+from marl.rewards import load_judge, load_reward_fn
+from marl.rewards.functions import check_scores
 
 ROWS = [{"question": "Say something kind", "id": 1}, {"question": "Describe a film", "id": 2}]
 

@@ -115,7 +115,7 @@ def test_reward_scorer_reads_every_text_at_an_appended_eos(eval_setup):
     from transformers import AutoTokenizer
 
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rewards.sources import EosTerminatedAdapterReward
+    from marl.rewards import EosTerminatedAdapterReward
 
     model = MultiAdapterModel.from_pretrained(eval_setup["base"], reward_adapter=eval_setup["reward"])
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)

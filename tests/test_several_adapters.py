@@ -15,7 +15,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from marl import MultiAdapterModel, RewardAdapterFunction, RLOOConfig, RLOOTrainer
 from marl.errors import AdapterError, ConfigError
-from marl.rewards.sources import AdapterReward, FunctionReward, ScoringBatch, WeightedRewards
+from marl.rewards import AdapterReward, FunctionReward, ScoringBatch, WeightedRewards
 
 PROMPTS = ["the movie", "a film about", "review:", "good", "bad acting", "the plot", "write a", "an honest"]
 

@@ -8,7 +8,7 @@ number of updates, and the same seed.
 
 - marl: :func:`marl.apps.demo.demo_rloo_config` on one base; the reward adapter scores prompt + completion +
 EOS
-  (:class:`marl.rewards.sources.EosTerminatedAdapterReward`), as it was trained.
+  (:class:`marl.rewards.EosTerminatedAdapterReward`), as it was trained.
 - TRL 1.16 ``RLOOTrainer``: the policy is the base + ``peft_config`` (reference = adapters disabled); the
   reward is what a TRL user loads, ``AutoModelForSequenceClassification`` + ``PeftModel.from_pretrained``,
   called from a reward function that scores prompt + completion + EOS with the padding id the adapter was
@@ -82,7 +82,7 @@ def train_marl(job: Job) -> dict:
     from transformers import AutoTokenizer
 
     from marl.data.prompts import rotten_tomatoes_prompts
-    from marl.rewards.sources import EosTerminatedAdapterReward
+    from marl.rewards import EosTerminatedAdapterReward
     from marl.train.trainer import RLOOTrainer
 
     _, config, _ = demo_settings(job)
@@ -195,7 +195,7 @@ def evaluate(job: Job, adapter: str) -> dict:
     from marl import MultiAdapterModel
     from marl.apps.evaluate import generate_and_score, summarize
     from marl.data.prompts import rotten_tomatoes_prompts
-    from marl.rewards.sources import load_judge
+    from marl.rewards import load_judge
 
     arguments, config, reward_adapter = demo_settings(job)
     model = MultiAdapterModel.from_pretrained(

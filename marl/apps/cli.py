@@ -370,10 +370,17 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     from rich.console import Console
 
     from marl.model.build import load_tokenizer
-    from marl.rewards.sources import load_reward_fn
+    from marl.rewards import RewardParts, RewardSetting, plan_rewards
     from marl.train.trainer import RLOOTrainer
 
-    reward_functions = [load_reward_fn(spec) for spec in script.reward_fn or []]
+    # The reward adapters first, then the functions: the order of --reward_weights. Planned before the model
+    # loads, so that a --reward_fn typo fails at once.
+    rewards = plan_rewards(
+        [
+            *(RewardSetting("adapter", name) for name in config.reward_adapter_folders()),
+            *(RewardSetting("function", spec) for spec in script.reward_fn or []),
+        ]
+    )
     # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
     # state would set itself up as a single process and the trainer would refuse the mismatch).
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -384,15 +391,13 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         if command:
             console.print(f"[bold]{command}[/bold]")
         console.print(model.memory_report())
-    # The reward adapters first, then the functions: the order of --reward_weights.
-    reward_funcs = [*model.rewards, *reward_functions]
     return RLOOTrainer(
         config,
         model,
         tokenizer,
         train_dataset,
         eval_dataset,
-        reward_funcs=reward_funcs,
+        reward_funcs=rewards.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size)),
         dataset_source=dataset_record(script),
     )
 

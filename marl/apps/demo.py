@@ -232,7 +232,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from marl.apps.evaluate import generate_and_score, results_table, summarize, write_results
     from marl.data.prompts import rotten_tomatoes_prompts
     from marl.model.build import load_tokenizer
-    from marl.rewards.sources import EosTerminatedAdapterReward, load_judge
+    from marl.rewards import RewardParts, RewardSetting, load_judge, plan_rewards
     from marl.train.plotting import plot_training_curves
     from marl.train.run_dir import CURVES_FILE, METRICS_FILE, plan_start
     from marl.train.trainer import RLOOTrainer
@@ -276,9 +276,8 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     )
     # The reward adapter scores every completion as it was trained, text + EOS: read at the last word of a
     # completion cut off by the length limit, it rewards stopping early over what the text says.
-    reward = EosTerminatedAdapterReward(
-        model, tokenizer, rows_per_pass=config.local_rollout_forward_batch_size
-    )
+    rewards = plan_rewards(RewardSetting("eos_adapter", name) for name in config.reward_adapter_folders())
+    reward = rewards.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size))
     trainer = RLOOTrainer(
         config,
         model,

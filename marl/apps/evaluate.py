@@ -4,8 +4,8 @@ For every prompt both the base (the reference view of the same loaded model: ada
 sample one completion with the same sampling settings and seeds, through the rollout's sampler
 (:class:`marl.rollout.sampler.Sampler`), so evaluation samples exactly as training does. Each completion gets
 
-- the reward adapter's score of prompt + completion + EOS (see
-  :class:`marl.rewards.sources.EosTerminatedAdapterReward`),
+- the reward adapter's score of prompt + completion + EOS (the ``eos_adapter`` reward kind, see
+  :class:`marl.rewards.adapter.EosTerminatedAdapterReward`),
 - the judge's score of prompt + completion (VADER by default, independent of every model here; ``--judge
   module:function`` plugs in another),
 - its length in tokens (up to and including the first EOS),
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rewards.sources import CheckedJudge
+    from marl.rewards import CheckedJudge
 
 RESULTS_FILE = "eval_results.json"
 COMPLETIONS_FILE = "eval_completions.jsonl"
@@ -197,7 +197,7 @@ def generate_and_score(
     Both models see the same prompts in the same batches with the same seed per batch.
 
     Example:
-        >>> from marl.rewards.sources import load_judge
+        >>> from marl.rewards import load_judge
         >>> samples = generate_and_score(model, tokenizer, ["A film"], load_judge(None))  # doctest: +SKIP
         >>> samples["policy"].means().judge_score  # doctest: +SKIP
     """
@@ -206,7 +206,7 @@ def generate_and_score(
 
     from marl.algo.tensors import masked_sum
     from marl.data.prompts import prompt_text
-    from marl.rewards.sources import EosTerminatedAdapterReward
+    from marl.rewards import RewardParts, RewardSetting, plan_rewards
     from marl.rollout.sampler import Sampler, prepare_prompts
 
     sampler = Sampler(
@@ -226,11 +226,10 @@ def generate_and_score(
         context_length=getattr(model.config, "max_position_embeddings", None),
         response_length=response_length,
     )
-    reward = (
-        EosTerminatedAdapterReward(model, tokenizer, rows_per_pass=batch_size)
-        if model.has_reward_adapter
-        else None
-    )
+    # The model's first reward adapter (if any) reads each text ending in EOS, as the shipped one was trained.
+    first_reward = list(model.rewards)[:1]
+    settings = [RewardSetting("eos_adapter", name) for name in first_reward]
+    rewards = plan_rewards(settings).build(RewardParts(model, tokenizer, batch_size))
     views = {"base": "reference", "policy": "policy"} if with_policy else {"base": "reference"}
     results = {name: ScoredCompletions() for name in views}
     starts = range(0, len(prompts), batch_size)
@@ -247,8 +246,8 @@ def generate_and_score(
                 judge([prompt_text(p) + c for p, c in zip(raw_prompts, samples.completions, strict=True)])
             )
             record.lengths.extend(int(n) for n in samples.lengths.tolist())
-            if reward is not None:
-                record.reward_scores.extend(reward.score_texts(raw_prompts, samples.completions).tolist())
+            for reward in rewards:
+                record.reward_scores.extend(reward.score(sampler.scoring_batch(samples)).tolist())
             if name == "policy":
                 logprobs, ref_logprobs = sampler.logprobs(samples)
                 record.kls.extend(masked_sum(logprobs - ref_logprobs, samples.response_mask).tolist())
@@ -394,7 +393,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     from marl.data.prompts import describe_prompt_source, load_prompt_dataset, prompt_source
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rewards.sources import load_judge
+    from marl.rewards import load_judge
 
     console = Console()
     judge = load_judge(arguments.judge)

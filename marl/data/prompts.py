@@ -1,19 +1,14 @@
-"""Prompts: datasets, tokenisation, padding, and importing the user's own functions.
+"""Prompts: datasets, tokenisation and padding.
 
 - :func:`load_prompt_dataset` turns ``--dataset_name`` into a ``datasets.Dataset`` with a ``prompt``
   column: the bundled Rotten Tomatoes prompts, a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file or a
   folder of them, or a dataset hub name (the only case that may reach the network, because the user named it).
 - :func:`tokenize_prompt` and :func:`left_pad` prepare prompts the same way for training and evaluation.
-- :func:`import_function` imports ``module:function`` (or ``path/to/file.py:function``) for ``--reward_fn``
-  and ``--judge`` (see :mod:`marl.rewards.sources`, which checks what those functions return).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -340,49 +335,6 @@ def _is_prompt(value: Any) -> bool:
         and bool(value)
         and all(isinstance(message, dict) and {"role", "content"} <= message.keys() for message in value)
     )
-
-
-# ----------------------------------------------------------------------------------------------------
-# User functions: reward functions and judges
-
-
-def import_function(spec: str, flag: str) -> Callable[..., Any]:
-    """Import ``module:function`` or ``path/to/file.py:function``; ``flag`` names the option in errors.
-
-    Example:
-        >>> import_function("math:fsum", "--reward_fn")([1.0, 2.0])
-        3.0
-    """
-    module_name, separator, function_name = spec.rpartition(":")
-    if not separator or not module_name or not function_name:
-        raise DataError(f"{flag} {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            module = _import_file(Path(module_name).expanduser())
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as error:
-        raise DataError(
-            f"{flag} {spec!r}: could not import {module_name!r} ({type(error).__name__}: {error}). "
-            "Check the name, that the module is on PYTHONPATH (or pass a .py file path), and that it imports"
-        ) from error
-    function = getattr(module, function_name, None)
-    if function is None:
-        raise DataError(f"{flag} {spec!r}: module {module_name!r} has no attribute {function_name!r}")
-    if not callable(function):
-        raise DataError(f"{flag} {spec!r}: {function_name!r} is a {type(function).__name__}, not a function")
-    return function
-
-
-def _import_file(path: Path):
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file: {path}")
-    module_name = f"marl_user_{path.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def prompt_text(prompt: Any) -> str:

@@ -37,13 +37,13 @@ from marl.errors import ConfigError, DataError
 from marl.model.generation import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
 from marl.model.multi_adapter import position_ids_from_mask
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
-from marl.rewards.sources import ScoringBatch, ScoringChunk
+from marl.rewards import ScoringBatch, ScoringChunk
 from marl.rollout import stops
 
 if TYPE_CHECKING:
     from marl.config import BatchSizes
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rewards.sources import WeightedRewards
+    from marl.rewards import WeightedRewards
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from marl.cpu_threads import apply_threads
 from marl.data.prompts import prompt_text
 from marl.errors import ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
-from marl.rewards.sources import CheckedJudge, build_rewards
+from marl.rewards import CheckedJudge, build_rewards
 from marl.rollout.sampler import Rollout, Sampler, collect_rollout, prepare_prompts, prompts_for_update
 from marl.train import checkpoints, run_dir
 from marl.train import parallel as distributed
@@ -96,11 +96,11 @@ class RLOOTrainer:
         eval_dataset: optional prompts in the same format; the periodic sample tables use them when given.
         reward_funcs: ``None`` to score with every reward adapter of the model, or one or a list of: reward
             adapter names, functions ``f(prompts, completions)`` returning one number (or ``None``) per
-            completion, :class:`marl.rewards.sources.RewardSource` objects. They are combined as
+            completion, :class:`marl.rewards.RewardSource` objects. They are combined as
             ``Σ_i w_i · r_i`` with ``config.reward_weights`` (1 each by default); see
-            :mod:`marl.rewards.sources`.
+            :mod:`marl.rewards.weighted`.
         judge: optional ``judge(texts) -> scores`` (higher is better, e.g.
-        :func:`marl.rewards.sources.load_judge`)
+        :func:`marl.rewards.load_judge`)
             that no training signal sees; with ``eval_dataset``, each sample table also scores the first
             ``JUDGED_EVAL_ROWS`` held-out prompts with it and logs ``eval/judge_score`` beside ``eval/score``
             (the reward's mean on them), so that a rise of the reward without a rise of the judge shows.

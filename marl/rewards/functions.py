@@ -1,0 +1,184 @@
+"""Functions the user wrote: reward functions ``f(prompts, completions)`` and judges ``f(texts)``, imported
+from ``module:function`` (or ``path/to/file.py:function``) and checked on every call.
+
+``None`` from a reward function means "this source does not judge this completion" (NaN works the same way,
+as in TRL). Infinite scores, a wrong count or a non-number are errors that name the function, and so is an
+exception raised inside it: the user fixes their own code, so the command ends with one line, not a
+traceback into marl.
+
+Example:
+    >>> length = FunctionReward(lambda prompts, completions: [len(c) for c in completions], "length")
+    >>> length(["Say"], [" hi!"])
+    [4.0]
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from marl.errors import ConfigError, DataError
+from marl.rewards.batch import RewardBuilder, RewardParts, ScoringBatch
+
+RewardFunction = Callable[..., Sequence[float | None]]
+
+
+def import_function(spec: str, flag: str) -> Callable[..., Any]:
+    """Import ``module:function`` or ``path/to/file.py:function``; ``flag`` names the option in errors.
+
+    Example:
+        >>> import_function("math:fsum", "--reward_fn")([1.0, 2.0])
+        3.0
+    """
+    module_name, separator, function_name = spec.rpartition(":")
+    if not separator or not module_name or not function_name:
+        raise DataError(f"{flag} {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name).expanduser())
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as error:
+        raise DataError(
+            f"{flag} {spec!r}: could not import {module_name!r} ({type(error).__name__}: {error}). "
+            "Check the name, that the module is on PYTHONPATH (or pass a .py file path), and that it imports"
+        ) from error
+    function = getattr(module, function_name, None)
+    if function is None:
+        raise DataError(f"{flag} {spec!r}: module {module_name!r} has no attribute {function_name!r}")
+    if not callable(function):
+        raise DataError(f"{flag} {spec!r}: {function_name!r} is a {type(function).__name__}, not a function")
+    return function
+
+
+def _import_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file: {path}")
+    module_name = f"marl_user_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_scores(scores: Any, expected: int, name: str, *, allow_none: bool = False) -> list[float | None]:
+    """``scores`` as a list of floats; raise, naming ``name``, unless it is ``expected`` finite real numbers.
+    With ``allow_none``, ``None`` (and NaN) stand for "not judged" and come back as ``None``.
+
+    Accepts lists, tuples, numpy arrays and 1-D torch tensors; items may be numpy scalars or 0-d tensors.
+
+    Example:
+        >>> check_scores([1, 0.5], 2, "my_reward")
+        [1.0, 0.5]
+        >>> check_scores([None, float("nan"), torch.tensor(float("nan")), 2], 4, "my_reward", allow_none=True)
+        [None, None, None, 2.0]
+    """
+    if hasattr(scores, "tolist") and not isinstance(scores, list | tuple):
+        scores = scores.tolist()
+    if not isinstance(scores, list | tuple):
+        raise DataError(
+            f"{name} returned a {type(scores).__name__}; it must return a list of {expected} numbers, one "
+            "per completion"
+        )
+    if len(scores) != expected:
+        raise DataError(
+            f"{name} returned {len(scores)} scores for {expected} completions; it must return one per "
+            "completion, in order"
+        )
+    values: list[float | None] = []
+    for index, score in enumerate(scores):
+        if getattr(score, "ndim", None) == 0 and hasattr(score, "item"):  # a numpy scalar or a 0-d tensor
+            score = score.item()
+        if allow_none and (score is None or (isinstance(score, float) and math.isnan(score))):
+            values.append(None)
+            continue
+        if isinstance(score, bool) or not isinstance(score, numbers.Real):
+            raise DataError(f"{name} returned {score!r} at position {index}; scores must be real numbers")
+        if not math.isfinite(score):
+            raise DataError(f"{name} returned {score!r} at position {index}; scores must be finite numbers")
+        values.append(float(score))
+    return values
+
+
+def call_user_function(function: Callable[..., Any], where: str, *arguments: Any) -> Any:
+    """Call a function the user wrote (a reward function, a judge). An exception it raises is the user's to
+    fix in their own code, so it ends the command with one line naming the function; ``--debug`` shows the
+    traceback into it.
+
+    Example:
+        >>> call_user_function(lambda texts: 1 / 0, "judge 'mine:score'", ["a"])
+        Traceback (most recent call last):
+        ...
+        marl.errors.DataError: judge 'mine:score' raised ZeroDivisionError: division by zero. Fix that ...
+    """
+    try:
+        return function(*arguments)
+    except Exception as error:
+        raise DataError(
+            f"{where} raised {type(error).__name__}: {error}. Fix that function (--debug shows the traceback)"
+        ) from error
+
+
+class FunctionReward:
+    """A user function ``function(prompts, completions) -> one number (or None) per completion``, its output
+    checked on every call. Calling it returns the checked list.
+
+    Example:
+        >>> reward = FunctionReward(lambda prompts, texts: [len(t) for t in texts], "length")
+        >>> reward(["Say hi"], ["hi!"])
+        [3.0]
+    """
+
+    def __init__(self, function: RewardFunction, name: str | None = None) -> None:
+        if not callable(function):
+            raise ConfigError(
+                f"a reward function must be callable(prompts, completions), got {type(function).__name__}"
+            )
+        self.function = function
+        self.name = name or getattr(function, "__name__", type(function).__name__)
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[str]) -> list[float | None]:
+        where = f"reward function {self.name!r}"
+        output = call_user_function(self.function, where, list(prompts), list(completions))
+        return check_scores(output, len(completions), where, allow_none=True)
+
+    def score(self, batch: ScoringBatch) -> torch.Tensor:
+        values = [math.nan if value is None else value for value in self(batch.prompts, batch.completions)]
+        return torch.tensor(values, dtype=torch.float32, device=batch.input_ids.device)
+
+
+def load_reward_fn(spec: str) -> FunctionReward:
+    """Import ``--reward_fn module:function`` (or ``path/to/file.py:function``), called as
+    ``function(prompts, completions)``; the spec names it in errors and in the ``rewards/<spec>`` metric.
+
+    Example:
+        >>> load_reward_fn("math:fsum").name
+        'math:fsum'
+    """
+    return FunctionReward(import_function(spec, "--reward_fn"), spec)
+
+
+def function_kind(spec: str) -> RewardBuilder:
+    """The ``"function"`` reward kind (``--reward_fn module:function``): the function is imported at once,
+    before any model loads, so that a typo fails before the wait; it reads no model part.
+
+    Example:
+        >>> function_kind("math:fsum")(None).name
+        'math:fsum'
+    """
+    reward = load_reward_fn(spec)
+
+    def build(parts: RewardParts) -> FunctionReward:
+        return reward
+
+    return build
