@@ -24,14 +24,11 @@ from marl.errors import AdapterError, MissingPathError
 
 if TYPE_CHECKING:
     import torch
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
-# How a policy's reference is built: the base with adapters disabled, a frozen copy of the policy's starting
-# weights, or "auto" (the base for a fresh LoRA, the starting copy for a loaded adapter).
-REFERENCE_MODES = ("auto", "base", "initial-policy")
 # Where a reward adapter made by marl records the padding id its training used, i.e. where its score is read.
 REWARD_READING_FILE = "marl_reward.json"
 
@@ -125,6 +122,50 @@ def load_adapter_state(weights_file: Path) -> dict[str, torch.Tensor]:
         ) from error
 
 
+@dataclass(frozen=True)
+class AdapterFolder:
+    """An adapter folder read once, before the base loads: its configuration, its tensors and (for a reward
+    adapter made by ``marl train-reward``) the padding id its score is read after. Everything that attaching
+    the adapter needs comes from here, so the folder is never opened a second time."""
+
+    directory: Path
+    role: str
+    config: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    pad_token_id: int | None = None
+
+    def lora_config(self) -> LoraConfig:
+        """The folder's ``adapter_config.json`` as a ``peft.LoraConfig`` (what ``LoraConfig.from_pretrained``
+        builds, from the configuration already read)."""
+        from peft import LoraConfig
+
+        settings = {key: value for key, value in self.config.items() if key != "runtime_config"}
+        try:
+            return LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**settings))
+        except Exception as error:
+            raise AdapterError(
+                f"{self.role} adapter {self.directory}: {ADAPTER_CONFIG_NAME} is not a LoRA configuration "
+                f"this peft version reads ({type(error).__name__}: {error})"
+            ) from error
+
+
+def read_adapter_folder(directory: str | os.PathLike, *, allow_pickle: bool, role: str) -> AdapterFolder:
+    """Read an adapter folder of ``role`` (``"policy"`` or ``"reward"``) once: its configuration, its weights
+    and, for a reward adapter, its reading record (:data:`REWARD_READING_FILE`).
+
+    Example:
+        >>> read_adapter_folder("/nonexistent", allow_pickle=False, role="policy")
+        Traceback (most recent call last):
+        ...
+        marl.errors.MissingPathError: policy adapter folder /nonexistent does not exist; ...
+    """
+    directory = Path(directory)
+    config = read_adapter_config(directory, role=role)
+    state = load_adapter_state(adapter_weights_file(directory, allow_pickle=allow_pickle, role=role))
+    pad_token_id = read_reward_pad_token_id(directory) if role == "reward" else None
+    return AdapterFolder(directory, role, config, state, pad_token_id)
+
+
 def check_keeps_base_fixed(config: dict[str, Any], role: str) -> None:
     """Refuse adapter settings that would train or rewrite the base that every view shares.
 
@@ -182,8 +223,9 @@ class RewardHead:
         return self.bias is not None
 
 
-def read_reward_head(state: dict[str, torch.Tensor], directory: Path, hidden_size: int) -> RewardHead:
+def read_reward_head(folder: AdapterFolder, hidden_size: int) -> RewardHead:
     """Find and check the score head among a reward adapter's tensors."""
+    state, directory = folder.state, folder.directory
     head_tensors: dict[str, torch.Tensor] = {}
     head_keys: list[str] = []
     for key, tensor in state.items():
@@ -229,7 +271,7 @@ def read_reward_head(state: dict[str, torch.Tensor], directory: Path, hidden_siz
         bias=bias,
         key=head_keys[0],
         num_labels=num_labels,
-        pad_token_id=read_reward_pad_token_id(directory),
+        pad_token_id=folder.pad_token_id,
     )
 
 

@@ -96,6 +96,20 @@ class LogitHead:
         return logits if self.transform is None else self.transform(logits)
 
 
+def backbone(causal_lm: nn.Module) -> nn.Module:
+    """The transformer body of a causal LM: its final hidden states, without the LM head (which
+    :class:`LogitHead` applies chunk by chunk).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...                      num_attention_heads=2, vocab_size=32)
+        >>> type(backbone(LlamaForCausalLM(config))).__name__
+        'LlamaModel'
+    """
+    return getattr(causal_lm, causal_lm.base_model_prefix)
+
+
 def _probe_ids(causal_lm: nn.Module) -> torch.Tensor:
     vocab = causal_lm.get_output_embeddings().weight.shape[0]
     device = causal_lm.get_input_embeddings().weight.device
