@@ -25,6 +25,7 @@ from marl.errors import ConfigError
 from marl.model_settings import (
     DEFAULT_LORA_ALPHA,
     DEFAULT_LORA_R,
+    DEFAULT_POLICY,
     DEFAULT_TARGET_MODULES,
     check_reference_mode,
     parse_quantization,
@@ -102,7 +103,7 @@ class RLOOConfig:
         },
     )
     policy_adapter_name: str = field(
-        default="policy",
+        default=DEFAULT_POLICY,
         metadata={"help": "Name of the policy adapter that trains (a model may hold several policies)."},
     )
     reference: str = field(

@@ -27,6 +27,8 @@ _NO_QUANTIZATION = (None, "", "none", "None", "null", "no")
 # How a policy's reference is built: the base with adapters disabled, a frozen copy of the policy's starting
 # weights, or "auto" (the base for a fresh LoRA, the starting copy for a loaded adapter).
 REFERENCE_MODES = ("auto", "base", "initial-policy")
+# The name of a model's first policy adapter unless one is given.
+DEFAULT_POLICY = "policy"
 
 
 def parse_quantization(value: str | None) -> str | None:

@@ -93,16 +93,13 @@ def adapter_weights_file(directory: Path, *, allow_pickle: bool, role: str) -> P
         if not allow_pickle:
             raise AdapterError(
                 f"{role} adapter {directory} only has pickled weights ({PICKLE_WEIGHTS_NAME}); loading a "
-                "pickle "
-                "can run arbitrary code. Re-save it as safetensors, or pass allow_pickle=True if you trust "
-                "its "
-                "source"
+                "pickle can run arbitrary code. Re-save it as safetensors, or pass allow_pickle=True if you "
+                "trust its source"
             )
         return pickle_file
     raise AdapterError(
         f"{role} adapter {directory} has {ADAPTER_CONFIG_NAME} but no weights ({SAFETENSORS_WEIGHTS_NAME}); "
-        "the "
-        "save did not finish or the folder was copied partially"
+        "the save did not finish or the folder was copied partially"
     )
 
 
@@ -190,10 +187,8 @@ def check_keeps_base_fixed(config: dict[str, Any], role: str) -> None:
     if isinstance(init, str) and init.startswith(_BASE_REWRITING_INITS):
         raise AdapterError(
             f"{role} has init_lora_weights={init!r}, an initialisation that rewrites the base weights, which "
-            "the "
-            "reward and the reference share. Use the default initialisation, or convert the adapter to a "
-            "plain "
-            "LoRA first (PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))"
+            "the reward and the reference share. Use the default initialisation, or convert the adapter to "
+            "a plain LoRA first (PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))"
         )
     if config.get("layer_replication"):
         raise AdapterError(
@@ -241,24 +236,20 @@ def read_reward_head(folder: AdapterFolder, hidden_size: int) -> RewardHead:
         raise AdapterError(
             f"reward adapter {directory} has no score head (no key like 'base_model.model.score.weight'). A "
             "reward adapter must be trained as a sequence classifier: LoraConfig(task_type='SEQ_CLS') saves "
-            "the "
-            "head through modules_to_save"
+            "the head through modules_to_save"
         )
     weight = head_tensors["weight"].float()
     if weight.dim() != 2 or weight.shape[1] != hidden_size:
         raise AdapterError(
             f"reward adapter {directory}: score head has shape {tuple(weight.shape)} but this base has "
-            "hidden "
-            f"size {hidden_size}; the adapter was trained on a different base model. Load it with the base "
-            "it "
-            "was trained on"
+            f"hidden size {hidden_size}; the adapter was trained on a different base model. Load it with the "
+            "base it was trained on"
         )
     num_labels = weight.shape[0]
     if num_labels not in (1, 2):
         raise AdapterError(
             f"reward adapter {directory}: score head has {num_labels} labels; a reward model has 1 (or 2, "
-            "read "
-            "as the log-odds of the second label over the first)"
+            "read as the log-odds of the second label over the first)"
         )
     bias = head_tensors.get("bias")
     bias = None if bias is None else bias.float().reshape(-1)
@@ -331,8 +322,7 @@ def check_lora_targets(base: Any, lora_state: dict[str, torch.Tensor], directory
         raise AdapterError(
             f"{role} adapter {directory} targets modules that do not exist in this base: "
             f"{sorted(set(missing))[:5]}; it was trained on a different architecture. Load it with the base "
-            "it "
-            "was trained on"
+            "it was trained on"
         )
 
 

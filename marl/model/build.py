@@ -9,7 +9,7 @@ log-prob head reproduces the model's forward and that train mode computes what e
 (:mod:`marl.model.families`).
 
 This module knows nothing of :class:`~marl.model.multi_adapter.MultiAdapterModel`: it returns what it loaded
-(:class:`LoadedModel`, and the records of :mod:`marl.model.records`) and the model stores it.
+(the records of :mod:`marl.model.records`) and the model stores it.
 """
 
 from __future__ import annotations
@@ -38,28 +38,16 @@ from marl.model.families import (
     disable_dropout,
 )
 from marl.model.quantization import bitsandbytes_config, default_compute_dtype, prepare_quantized_base
-from marl.model.records import PolicyAdapter, RewardAdapter, check_adapter_name, reference_adapter_name
-from marl.model_settings import (
-    check_reference_mode,
-    parse_quantization,
-    policy_lora_config,
+from marl.model.records import (
+    LoadedModel,
+    PolicyAdapter,
+    RewardAdapter,
+    check_adapter_name,
+    reference_adapter_name,
 )
+from marl.model_settings import check_reference_mode, parse_quantization, policy_lora_config
 
 PolicySpec = LoraConfig | str | os.PathLike | None
-
-
-@dataclass
-class LoadedModel:
-    """What :func:`load` returns: the PEFT model with every adapter attached and settled, and the records the
-    model keeps (policies first-added first: the first is the default)."""
-
-    peft_model: PeftModel
-    name_or_path: str
-    quantization: str | None
-    dtype: torch.dtype
-    logit_head: LogitHead
-    policies: dict[str, PolicyAdapter]
-    rewards: dict[str, RewardAdapter]
 
 
 @dataclass
@@ -403,6 +391,5 @@ def _check_only_policies_train(peft_model: PeftModel, trainable: set[int]) -> No
         raise AdapterError(
             f"the policy adapter would train {len(foreign)} tensor(s) outside its LoRA weights, e.g. "
             f"{foreign[:3]}; the shared base (and so the reward and the reference) would move with them. "
-            "Train "
-            "only adapter weights (LoraConfig with bias='none' and no trainable base modules)"
+            "Train only adapter weights (LoraConfig with bias='none' and no trainable base modules)"
         )

@@ -138,13 +138,11 @@ def check_logit_head(causal_lm: nn.Module, backbone: nn.Module, head: LogitHead)
     if ours.shape != theirs.shape or difference > PROBE_TOLERANCE:
         raise ModelError(
             f"{type(causal_lm).__name__} (model_type {causal_lm.config.model_type!r}) computes its logits in "
-            "a way "
-            f"marl does not reproduce: marl's head ({head.description}) differs from the model's forward by "
-            f"{difference:.2e} on a probe input. Training it would score completions under another "
-            "distribution "
-            "than the one it samples, so it is refused. Supported logit transforms: soft-capping "
-            "(final_logit_softcapping), Granite's logits_scaling, Cohere's logit_scale, Falcon-H1's "
-            "lm_head_multiplier"
+            f"a way marl does not reproduce: marl's head ({head.description}) differs from the model's "
+            f"forward by {difference:.2e} on a probe input. Training it would score completions under "
+            "another distribution than the one it samples, so it is refused. Supported logit transforms: "
+            "soft-capping (final_logit_softcapping), Granite's logits_scaling, Cohere's logit_scale, "
+            "Falcon-H1's lm_head_multiplier"
         )
 
 
@@ -256,11 +254,9 @@ def check_train_matches_eval(causal_lm: nn.Module) -> None:
     if difference > PROBE_TOLERANCE:
         raise ModelError(
             f"{type(causal_lm).__name__} computes differently in train mode than in eval mode even with "
-            "every "
-            f"dropout rate set to 0 (difference {difference:.2e} on a probe input), e.g. through router "
-            "noise. "
-            "The RLOO update would optimise another function than the one the rollout scored, so this model "
-            "is refused"
+            f"every dropout rate set to 0 (difference {difference:.2e} on a probe input), e.g. through "
+            "router noise. The RLOO update would optimise another function than the one the rollout scored, "
+            "so this model is refused"
         )
 
 

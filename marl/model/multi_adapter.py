@@ -33,11 +33,10 @@ import torch
 from peft import LoraConfig
 
 from marl.model import adapters, build, records
-from marl.model.build import LoadedModel
 from marl.model.forward import ForwardPasses, position_ids_from_mask, reward_read_positions, without_autocast
 from marl.model.memory import MemoryReport, build_memory_report
 from marl.model.packing import check_packing
-from marl.model.records import PolicyAdapter, RewardAdapter
+from marl.model.records import LoadedModel, PolicyAdapter, RewardAdapter
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig

@@ -19,16 +19,34 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from marl.errors import ConfigError
 from marl.model import adapters
-from marl.model_settings import name_reward_adapters
+from marl.model_settings import DEFAULT_POLICY, name_reward_adapters
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+
+    from marl.model.families import LogitHead
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "REFERENCE_SUFFIX",
+    "REFERENCE_VIEW",
+    "LoadedModel",
+    "PolicyAdapter",
+    "RewardAdapter",
+    "check_adapter_name",
+    "named_reward_adapters",
+    "reference_adapter_name",
+]
 
 REFERENCE_VIEW = "reference"
 REFERENCE_SUFFIX = "-reference"
-DEFAULT_POLICY = "policy"
 # PEFT stores adapters in module dictionaries (no dots) and uses "__base__" for "no adapter".
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
 
@@ -66,6 +84,20 @@ class RewardAdapter:
     head: nn.Linear
     info: adapters.RewardHead
     pad_token_id: int
+
+
+@dataclass
+class LoadedModel:
+    """What :func:`marl.model.build.load` returns: the PEFT model with every adapter attached and settled,
+    and the records the model keeps (policies first-added first: the first is the default)."""
+
+    peft_model: PeftModel
+    name_or_path: str
+    quantization: str | None
+    dtype: torch.dtype
+    logit_head: LogitHead
+    policies: dict[str, PolicyAdapter]
+    rewards: dict[str, RewardAdapter]
 
 
 def check_adapter_name(name: str, taken: list[str], role: str) -> None:
