@@ -14,15 +14,24 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from marl.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
 from marl.cpu_threads import check_threads, threads_field
 from marl.errors import ConfigError
-from marl.model.adapters import REFERENCE_MODES
-from marl.model.quantization import parse_quantization
+from marl.model_settings import (
+    DEFAULT_LORA_ALPHA,
+    DEFAULT_LORA_R,
+    DEFAULT_POLICY,
+    DEFAULT_TARGET_MODULES,
+    check_reference_mode,
+    parse_quantization,
+    policy_lora_config,
+    reward_adapter_folders,
+)
 from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
@@ -32,71 +41,13 @@ if TYPE_CHECKING:
 
 # Trackers that accelerate can log to ("none" turns trackers off; metrics.jsonl is always written).
 REPORT_TO_CHOICES = (
-    "none",
-    "all",
-    "tensorboard",
-    "wandb",
-    "trackio",
-    "aim",
-    "comet_ml",
-    "mlflow",
-    "clearml",
-    "dvclive",
+    "none", "all", "tensorboard", "wandb", "trackio", "aim", "comet_ml", "mlflow", "clearml", "dvclive",
     "swanlab",
-)
+)  # fmt: skip
 SCHEDULER_CHOICES = (
-    "linear",
-    "cosine",
-    "cosine_with_restarts",
-    "polynomial",
-    "constant",
-    "constant_with_warmup",
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt",
-)
-
-
-@dataclass(frozen=True)
-class BatchSizes:
-    """Batch arithmetic of a run; one *update* is one rollout plus its optimisation.
-
-    ``local_batch_size`` counts completions per process per update; ``batch_size`` counts them over all
-    processes.
-    """
-
-    local_batch_size: int
-    batch_size: int
-    prompts_per_process: int
-    prompts_per_update: int
-    local_mini_batch_size: int
-    mini_batch_size: int
-    total_episodes: int
-    num_total_batches: int
-    optimizer_steps_per_update: int
-    total_optimizer_steps: int
-
-
-def reward_adapter_folders(entries: list[str]) -> dict[str, str]:
-    """The reward adapters of ``--reward_adapter`` entries by name: ``NAME=DIR`` entries keep their name; bare
-    folders are named ``reward``, ``reward_2``, ... in order.
-
-    Example:
-        >>> reward_adapter_folders(["rm", "fluency=adapters/fluency"])
-        {'reward': 'rm', 'fluency': 'adapters/fluency'}
-    """
-    folders: dict[str, str] = {}
-    unnamed = 0
-    for entry in entries:
-        name, separator, folder = entry.partition("=")
-        if not separator:
-            unnamed += 1
-            name, folder = ("reward" if unnamed == 1 else f"reward_{unnamed}"), entry
-        if name in folders:
-            raise ConfigError(
-                f"two reward adapters are named {name!r}; give each one a distinct name with "
-                "--reward_adapter NAME=DIR"
-            )
-        folders[name] = folder
-    return folders
+)  # fmt: skip
 
 
 @dataclass
@@ -118,7 +69,7 @@ class RLOOConfig:
     seed: int = field(default=42, metadata={"help": "Seed of the data order, sampling and initialisation."})
     threads: int = threads_field()
 
-    # --- model: one base, adapters as views (used by RLOOConfig.load_model) ---
+    # --- model: one base, adapters as views (read by MultiAdapterModel.from_config) ---
     model_name_or_path: str = field(
         default="smollm2-135m-instruct",
         metadata={
@@ -152,7 +103,7 @@ class RLOOConfig:
         },
     )
     policy_adapter_name: str = field(
-        default="policy",
+        default=DEFAULT_POLICY,
         metadata={"help": "Name of the policy adapter that trains (a model may hold several policies)."},
     )
     reference: str = field(
@@ -162,10 +113,12 @@ class RLOOConfig:
             "policy adapter), or 'auto' (initial-policy when --policy_adapter is given, else base)."
         },
     )
-    lora_r: int = field(default=16, metadata={"help": "Rank of a new policy LoRA."})
-    lora_alpha: int = field(default=32, metadata={"help": "Scaling alpha of a new policy LoRA."})
+    lora_r: int = field(default=DEFAULT_LORA_R, metadata={"help": "Rank of a new policy LoRA."})
+    lora_alpha: int = field(
+        default=DEFAULT_LORA_ALPHA, metadata={"help": "Scaling alpha of a new policy LoRA."}
+    )
     lora_target_modules: list[str] = field(
-        default_factory=lambda: ["all-linear"],
+        default_factory=lambda: [DEFAULT_TARGET_MODULES],
         metadata={
             "help": "Modules of a new policy LoRA: 'all-linear' or module names such as q_proj v_proj."
         },
@@ -313,16 +266,8 @@ class RLOOConfig:
         check_fields(self)
         check_seed(self.seed)
         check_threads(self.threads)
-        if self.rloo_k < 2:
-            fail(
-                f"rloo_k={self.rloo_k}: leave-one-out needs at least 2 completions per prompt",
-                "Set --rloo_k 2 or more",
-            )
+        check_batch_settings(self)
         for name in (
-            "per_device_train_batch_size",
-            "gradient_accumulation_steps",
-            "num_mini_batches",
-            "num_ppo_epochs",
             "local_rollout_forward_batch_size",
             "response_length",
             "logging_steps",
@@ -331,26 +276,6 @@ class RLOOConfig:
         ):
             if getattr(self, name) < 1:
                 fail(f"{name}={getattr(self, name)} must be a positive integer", f"Set --{name} to 1 or more")
-        local_batch_size = (
-            self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
-        )
-        if local_batch_size % self.rloo_k != 0:
-            fail(
-                "per_device_train_batch_size × gradient_accumulation_steps × num_mini_batches = "
-                f"{local_batch_size} completions per update is not a multiple of rloo_k={self.rloo_k}, so "
-                "completions cannot be grouped by prompt",
-                f"Make {local_batch_size} a multiple of {self.rloo_k} (e.g. --per_device_train_batch_size "
-                f"{self.rloo_k * max(1, self.per_device_train_batch_size // self.rloo_k)})",
-            )
-        if self.total_episodes is not None and self.total_episodes < 1:
-            fail(
-                f"total_episodes={self.total_episodes} must be positive",
-                "Set it to 1 or more, or leave it unset",
-            )
-        if self.total_episodes is None and self.num_train_epochs <= 0:
-            fail(
-                f"num_train_epochs={self.num_train_epochs} must be positive", "Set --num_train_epochs above 0"
-            )
         if self.learning_rate < 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             fail(
                 "learning_rate, weight_decay and max_grad_norm must be non-negative", "Fix the negative value"
@@ -386,8 +311,7 @@ class RLOOConfig:
             )
         if self.normalize_reward and self.reward_clip_range <= 0:
             fail(f"reward_clip_range={self.reward_clip_range} must be > 0", "Use e.g. --reward_clip_range 10")
-        if self.reference not in REFERENCE_MODES:
-            fail(f"reference={self.reference!r} is unknown", f"Use one of {REFERENCE_MODES}")
+        check_reference_mode(self.reference)
         if self.reference == "initial-policy" and self.policy_adapter is None:
             fail(
                 "reference='initial-policy' needs a starting policy adapter",
@@ -429,33 +353,7 @@ class RLOOConfig:
             >>> sizes.prompts_per_update, sizes.num_total_batches, sizes.total_optimizer_steps
             (8, 7, 56)
         """
-        if world_size < 1:
-            raise ConfigError(f"world_size={world_size} must be >= 1")
-        if dataset_length < 1:
-            raise ConfigError("the training dataset is empty. Pass a dataset with at least one prompt")
-        local_batch_size = (
-            self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
-        )
-        batch_size = local_batch_size * world_size
-        total_episodes = (
-            self.total_episodes
-            if self.total_episodes is not None
-            else max(1, int(self.num_train_epochs * dataset_length))
-        )
-        num_total_batches = math.ceil(total_episodes / batch_size)
-        optimizer_steps_per_update = self.num_ppo_epochs * self.num_mini_batches
-        return BatchSizes(
-            local_batch_size=local_batch_size,
-            batch_size=batch_size,
-            prompts_per_process=local_batch_size // self.rloo_k,
-            prompts_per_update=batch_size // self.rloo_k,
-            local_mini_batch_size=local_batch_size // self.num_mini_batches,
-            mini_batch_size=batch_size // self.num_mini_batches,
-            total_episodes=total_episodes,
-            num_total_batches=num_total_batches,
-            optimizer_steps_per_update=optimizer_steps_per_update,
-            total_optimizer_steps=num_total_batches * optimizer_steps_per_update,
-        )
+        return batch_sizes(self, world_size, dataset_length)
 
     def policy_lora_config(self) -> LoraConfig:
         """The ``peft.LoraConfig`` of a new policy adapter built from the ``lora_*`` fields.
@@ -464,20 +362,15 @@ class RLOOConfig:
             >>> RLOOConfig(lora_r=8).policy_lora_config().r
             8
         """
-        from peft import LoraConfig
-
-        target: str | list[str] = (
-            "all-linear" if self.lora_target_modules == ["all-linear"] else list(self.lora_target_modules)
-        )
-        return LoraConfig(
-            r=self.lora_r,
-            lora_alpha=self.lora_alpha,
-            target_modules=target,
-            task_type="CAUSAL_LM",
+        targets = self.lora_target_modules
+        return policy_lora_config(
+            self.lora_r,
+            self.lora_alpha,
+            DEFAULT_TARGET_MODULES if targets == [DEFAULT_TARGET_MODULES] else list(targets),
         )
 
     def reward_adapter_folders(self) -> dict[str, str]:
-        """The reward adapters by name (see :func:`reward_adapter_folders`).
+        """The reward adapters by name (see :func:`marl.model_settings.reward_adapter_folders`).
 
         Example:
             >>> RLOOConfig(reward_adapter=["rm", "fluency=adapters/fluency"]).reward_adapter_folders()
@@ -486,34 +379,19 @@ class RLOOConfig:
         return reward_adapter_folders(self.reward_adapter or [])
 
     def load_model(self, **overrides: Any) -> MultiAdapterModel:
-        """Build the :class:`marl.MultiAdapterModel` these model fields describe, after seeding every random
-        generator with ``seed``: a fresh policy LoRA draws its initial weights from them, so the same config
-        builds the same policy (a run started again from the beginning starts from the same weights).
-
-        ``overrides`` go to ``MultiAdapterModel.from_pretrained`` (e.g. ``device_map=...``).
+        """Deprecated: use ``MultiAdapterModel.from_config(config, **overrides)``, which builds the same
+        model.
 
         Example:
-            >>> config = RLOOConfig(model_name_or_path="path/to/base", quantization="4bit")
-            >>> model = config.load_model()  # doctest: +SKIP
+            >>> model = RLOOConfig(model_name_or_path="path/to/base").load_model()  # doctest: +SKIP
         """
-        import torch
-        from accelerate.utils import set_seed
-
+        warnings.warn(
+            "RLOOConfig.load_model is deprecated: use "
+            "marl.MultiAdapterModel.from_config(config, **overrides), which builds the same model",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        # The one allowed upward import (config -> model): this deprecated shim keeps the old API working.
         from marl.model.multi_adapter import MultiAdapterModel
 
-        # The compute dtype follows the mixed-precision flag; without one, the default of
-        # marl.model.quantization.
-        dtype = torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else None
-        arguments: dict[str, Any] = dict(
-            quantization=self.quantization,
-            reward_adapters=self.reward_adapter_folders(),
-            policy_adapter=self.policy_adapter
-            if self.policy_adapter is not None
-            else self.policy_lora_config(),
-            policy_name=self.policy_adapter_name,
-            reference=self.reference,
-            dtype=dtype,
-        )
-        arguments.update(overrides)
-        set_seed(self.seed)
-        return MultiAdapterModel.from_pretrained(self.model_name_or_path, **arguments)
+        return MultiAdapterModel.from_config(self, **overrides)

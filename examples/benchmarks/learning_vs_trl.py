@@ -82,11 +82,12 @@ def train_marl(job: Job) -> dict:
     from transformers import AutoTokenizer
 
     from marl.data.prompts import rotten_tomatoes_prompts
+    from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import EosTerminatedAdapterReward
     from marl.train.trainer import RLOOTrainer
 
     _, config, _ = demo_settings(job)
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     reward = EosTerminatedAdapterReward(
         model, tokenizer, rows_per_pass=config.local_rollout_forward_batch_size

@@ -370,6 +370,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     from rich.console import Console
 
     from marl.model.build import load_tokenizer
+    from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import RewardParts, RewardSetting, plan_rewards
     from marl.train.trainer import RLOOTrainer
 
@@ -384,7 +385,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
     # state would set itself up as a single process and the trainer would refuse the mismatch).
     state = PartialState(cpu=not torch.cuda.is_available())
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
     if state.is_main_process:
         console = Console()

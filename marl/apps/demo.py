@@ -232,6 +232,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from marl.apps.evaluate import generate_and_score, results_table, summarize, write_results
     from marl.data.prompts import rotten_tomatoes_prompts
     from marl.model.build import load_tokenizer
+    from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import RewardParts, RewardSetting, load_judge, plan_rewards
     from marl.train.plotting import plot_training_curves
     from marl.train.run_dir import CURVES_FILE, METRICS_FILE, plan_start
@@ -265,7 +266,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     ]
     config = demo_rloo_config(arguments, output_dir / "policy", reward_adapter)
     console.print("[bold]2/4[/bold] loading the base in 4-bit with the policy and reward adapters")
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
     console.print(model.memory_report())
 

@@ -24,14 +24,11 @@ from marl.errors import AdapterError, MissingPathError
 
 if TYPE_CHECKING:
     import torch
-    from peft import PeftModel
+    from peft import LoraConfig, PeftModel
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_WEIGHTS_NAME = "adapter_model.safetensors"
 PICKLE_WEIGHTS_NAME = "adapter_model.bin"
-# How a policy's reference is built: the base with adapters disabled, a frozen copy of the policy's starting
-# weights, or "auto" (the base for a fresh LoRA, the starting copy for a loaded adapter).
-REFERENCE_MODES = ("auto", "base", "initial-policy")
 # Where a reward adapter made by marl records the padding id its training used, i.e. where its score is read.
 REWARD_READING_FILE = "marl_reward.json"
 
@@ -96,16 +93,13 @@ def adapter_weights_file(directory: Path, *, allow_pickle: bool, role: str) -> P
         if not allow_pickle:
             raise AdapterError(
                 f"{role} adapter {directory} only has pickled weights ({PICKLE_WEIGHTS_NAME}); loading a "
-                "pickle "
-                "can run arbitrary code. Re-save it as safetensors, or pass allow_pickle=True if you trust "
-                "its "
-                "source"
+                "pickle can run arbitrary code. Re-save it as safetensors, or pass allow_pickle=True if you "
+                "trust its source"
             )
         return pickle_file
     raise AdapterError(
         f"{role} adapter {directory} has {ADAPTER_CONFIG_NAME} but no weights ({SAFETENSORS_WEIGHTS_NAME}); "
-        "the "
-        "save did not finish or the folder was copied partially"
+        "the save did not finish or the folder was copied partially"
     )
 
 
@@ -123,6 +117,50 @@ def load_adapter_state(weights_file: Path) -> dict[str, torch.Tensor]:
             f"cannot read the adapter weights {weights_file} ({type(error).__name__}: {error}); the file is "
             "damaged or incomplete: save the adapter again"
         ) from error
+
+
+@dataclass(frozen=True)
+class AdapterFolder:
+    """An adapter folder read once, before the base loads: its configuration, its tensors and (for a reward
+    adapter made by ``marl train-reward``) the padding id its score is read after. Everything that attaching
+    the adapter needs comes from here, so the folder is never opened a second time."""
+
+    directory: Path
+    role: str
+    config: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    pad_token_id: int | None = None
+
+    def lora_config(self) -> LoraConfig:
+        """The folder's ``adapter_config.json`` as a ``peft.LoraConfig`` (what ``LoraConfig.from_pretrained``
+        builds, from the configuration already read)."""
+        from peft import LoraConfig
+
+        settings = {key: value for key, value in self.config.items() if key != "runtime_config"}
+        try:
+            return LoraConfig.from_peft_type(**LoraConfig.check_kwargs(**settings))
+        except Exception as error:
+            raise AdapterError(
+                f"{self.role} adapter {self.directory}: {ADAPTER_CONFIG_NAME} is not a LoRA configuration "
+                f"this peft version reads ({type(error).__name__}: {error})"
+            ) from error
+
+
+def read_adapter_folder(directory: str | os.PathLike, *, allow_pickle: bool, role: str) -> AdapterFolder:
+    """Read an adapter folder of ``role`` (``"policy"`` or ``"reward"``) once: its configuration, its weights
+    and, for a reward adapter, its reading record (:data:`REWARD_READING_FILE`).
+
+    Example:
+        >>> read_adapter_folder("/nonexistent", allow_pickle=False, role="policy")
+        Traceback (most recent call last):
+        ...
+        marl.errors.MissingPathError: policy adapter folder /nonexistent does not exist; ...
+    """
+    directory = Path(directory)
+    config = read_adapter_config(directory, role=role)
+    state = load_adapter_state(adapter_weights_file(directory, allow_pickle=allow_pickle, role=role))
+    pad_token_id = read_reward_pad_token_id(directory) if role == "reward" else None
+    return AdapterFolder(directory, role, config, state, pad_token_id)
 
 
 def check_keeps_base_fixed(config: dict[str, Any], role: str) -> None:
@@ -149,10 +187,8 @@ def check_keeps_base_fixed(config: dict[str, Any], role: str) -> None:
     if isinstance(init, str) and init.startswith(_BASE_REWRITING_INITS):
         raise AdapterError(
             f"{role} has init_lora_weights={init!r}, an initialisation that rewrites the base weights, which "
-            "the "
-            "reward and the reference share. Use the default initialisation, or convert the adapter to a "
-            "plain "
-            "LoRA first (PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))"
+            "the reward and the reference share. Use the default initialisation, or convert the adapter to "
+            "a plain LoRA first (PEFT's save_pretrained(..., path_initial_model_for_weight_conversion=...))"
         )
     if config.get("layer_replication"):
         raise AdapterError(
@@ -182,8 +218,9 @@ class RewardHead:
         return self.bias is not None
 
 
-def read_reward_head(state: dict[str, torch.Tensor], directory: Path, hidden_size: int) -> RewardHead:
+def read_reward_head(folder: AdapterFolder, hidden_size: int) -> RewardHead:
     """Find and check the score head among a reward adapter's tensors."""
+    state, directory = folder.state, folder.directory
     head_tensors: dict[str, torch.Tensor] = {}
     head_keys: list[str] = []
     for key, tensor in state.items():
@@ -199,24 +236,20 @@ def read_reward_head(state: dict[str, torch.Tensor], directory: Path, hidden_siz
         raise AdapterError(
             f"reward adapter {directory} has no score head (no key like 'base_model.model.score.weight'). A "
             "reward adapter must be trained as a sequence classifier: LoraConfig(task_type='SEQ_CLS') saves "
-            "the "
-            "head through modules_to_save"
+            "the head through modules_to_save"
         )
     weight = head_tensors["weight"].float()
     if weight.dim() != 2 or weight.shape[1] != hidden_size:
         raise AdapterError(
             f"reward adapter {directory}: score head has shape {tuple(weight.shape)} but this base has "
-            "hidden "
-            f"size {hidden_size}; the adapter was trained on a different base model. Load it with the base "
-            "it "
-            "was trained on"
+            f"hidden size {hidden_size}; the adapter was trained on a different base model. Load it with the "
+            "base it was trained on"
         )
     num_labels = weight.shape[0]
     if num_labels not in (1, 2):
         raise AdapterError(
             f"reward adapter {directory}: score head has {num_labels} labels; a reward model has 1 (or 2, "
-            "read "
-            "as the log-odds of the second label over the first)"
+            "read as the log-odds of the second label over the first)"
         )
     bias = head_tensors.get("bias")
     bias = None if bias is None else bias.float().reshape(-1)
@@ -229,7 +262,7 @@ def read_reward_head(state: dict[str, torch.Tensor], directory: Path, hidden_siz
         bias=bias,
         key=head_keys[0],
         num_labels=num_labels,
-        pad_token_id=read_reward_pad_token_id(directory),
+        pad_token_id=folder.pad_token_id,
     )
 
 
@@ -289,8 +322,7 @@ def check_lora_targets(base: Any, lora_state: dict[str, torch.Tensor], directory
         raise AdapterError(
             f"{role} adapter {directory} targets modules that do not exist in this base: "
             f"{sorted(set(missing))[:5]}; it was trained on a different architecture. Load it with the base "
-            "it "
-            "was trained on"
+            "it was trained on"
         )
 
 

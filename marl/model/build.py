@@ -1,29 +1,25 @@
-"""Building a :class:`~marl.model.multi_adapter.MultiAdapterModel`: one base, loaded once, and its named
-adapters.
+"""The one base loader: a base model, loaded once, and its named adapters, returned as plain records.
 
-Every adapter folder is checked before the base is loaded (it is the slow part), and every adapter setting
-that
-would train or rewrite the shared base is refused then (:func:`marl.model.adapters.check_keeps_base_fixed`).
-After
-each adapter is attached, only the policies' own tensors are trainable, every dropout is off, and (once, after
-loading) probes prove that the chunked log-prob head reproduces the model's forward and that train mode
-computes what eval mode computes (:mod:`marl.model.families`).
+Every base marl uses is loaded here (:func:`load_base`): the RLOO model's causal LM (:func:`load`) and the
+sequence classifier that reward training puts a LoRA on. Every adapter folder is read once, before the base is
+loaded (it is the slow part), and every adapter setting that would train or rewrite the shared base is refused
+then (:func:`marl.model.adapters.check_keeps_base_fixed`). After each adapter is attached, only the policies'
+own tensors are trainable, every dropout is off, and (once, after loading) probes prove that the chunked
+log-prob head reproduces the model's forward and that train mode computes what eval mode computes
+(:mod:`marl.model.families`).
 
-Adapter names: policies and reward adapters share one namespace on the base. ``reference`` names the view of
-a policy's reference, and the frozen copy of policy ``P``'s starting weights (when it is its reference) is the
-adapter ``P-reference``; neither can be used as a name.
+This module knows nothing of :class:`~marl.model.multi_adapter.MultiAdapterModel`: it returns what it loaded
+(the records of :mod:`marl.model.records`) and the model stores it.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -31,115 +27,27 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from marl.errors import AdapterError, ConfigError, ModelError
+from marl.errors import AdapterError, ModelError
 from marl.model import adapters
-from marl.model.adapters import REFERENCE_MODES
 from marl.model.families import (
+    LogitHead,
+    backbone,
     check_logit_head,
     check_static_rotary,
     check_train_matches_eval,
     disable_dropout,
 )
-from marl.model.quantization import (
-    bitsandbytes_config,
-    default_compute_dtype,
-    parse_quantization,
-    prepare_quantized_base,
+from marl.model.quantization import bitsandbytes_config, default_compute_dtype, prepare_quantized_base
+from marl.model.records import (
+    LoadedModel,
+    PolicyAdapter,
+    RewardAdapter,
+    check_adapter_name,
+    reference_adapter_name,
 )
-
-if TYPE_CHECKING:
-    from marl.model.multi_adapter import MultiAdapterModel
-
-REFERENCE_VIEW = "reference"
-REFERENCE_SUFFIX = "-reference"
-DEFAULT_POLICY = "policy"
-DEFAULT_REWARD = "reward"
-# PEFT stores adapters in module dictionaries (no dots) and uses "__base__" for "no adapter".
-_ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
+from marl.model_settings import check_reference_mode, parse_quantization, policy_lora_config
 
 PolicySpec = LoraConfig | str | os.PathLike | None
-
-
-def reference_adapter_name(policy: str) -> str:
-    """The adapter that holds policy ``policy``'s starting weights when they are its reference.
-
-    Example:
-        >>> reference_adapter_name("policy")
-        'policy-reference'
-    """
-    return f"{policy}{REFERENCE_SUFFIX}"
-
-
-# Default policy LoRA. r=16 with alpha=32 (scale 2) on every linear layer of the blocks: RL fine-tuning
-# moves far fewer bits than SFT (one scalar reward per completion), and low ranks are known to match full
-# fine-tuning for policy-gradient RL, so r=16 leaves ample headroom while keeping the trainable state at
-# ~0.5 % of a 7B model. alpha = 2r is the common QLoRA setting and keeps the learning rate transferable
-# when r changes by small factors. Dropout is 0: RL training switches every dropout off anyway (the rollout
-# and the update must compute the same function).
-DEFAULT_LORA_R = 16
-DEFAULT_LORA_ALPHA = 32
-DEFAULT_LORA_DROPOUT = 0.0
-DEFAULT_TARGET_MODULES = "all-linear"
-
-
-def default_policy_lora_config() -> LoraConfig:
-    """The LoRA used when ``policy_adapter=None``: r=16, alpha=32, no dropout, all linear layers of the
-    blocks.
-
-    Example:
-        >>> default_policy_lora_config().r
-        16
-    """
-    return LoraConfig(
-        r=DEFAULT_LORA_R,
-        lora_alpha=DEFAULT_LORA_ALPHA,
-        lora_dropout=DEFAULT_LORA_DROPOUT,
-        target_modules=DEFAULT_TARGET_MODULES,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-
-
-@dataclass
-class PolicyAdapter:
-    """A trainable policy on the base: its LoRA tensors and how its reference is built (``"base"``: adapters
-    disabled; ``"initial-policy"``: the frozen copy of its starting weights)."""
-
-    name: str
-    parameters: list[nn.Parameter]
-    reference_mode: str
-
-    @property
-    def reference_adapter(self) -> str | None:
-        return reference_adapter_name(self.name) if self.reference_mode == "initial-policy" else None
-
-
-@dataclass
-class RewardAdapter:
-    """A frozen reward on the base: its LoRA (the adapter ``name``), its float32 score head, what was read
-    from the head, and the padding id that decides where its score is read."""
-
-    name: str
-    head: nn.Linear
-    info: adapters.RewardHead
-    pad_token_id: int
-
-
-def check_adapter_name(name: str, taken: list[str], role: str) -> None:
-    """Refuse a name that is not a plain identifier, is reserved, or is already used on this base."""
-    if not isinstance(name, str) or not _ADAPTER_NAME.match(name) or name == "__base__":
-        raise ConfigError(
-            f"{role} name {name!r} is not usable: use letters, digits, '_' and '-' (no dots or spaces)"
-        )
-    if name == REFERENCE_VIEW or name.endswith(REFERENCE_SUFFIX):
-        raise ConfigError(
-            f"{role} name {name!r} is reserved: 'reference' names a policy's reference view and '<policy>"
-            f"{REFERENCE_SUFFIX}' its frozen starting copy. Choose another name"
-        )
-    if name in taken:
-        raise ConfigError(
-            f"{role} name {name!r} is already used on this base (adapters: {taken}); choose another"
-        )
 
 
 @dataclass
@@ -147,8 +55,7 @@ class PolicySource:
     """A checked policy adapter to attach: a fresh ``LoraConfig`` or a saved adapter folder."""
 
     lora_config: LoraConfig | None
-    directory: Path | None
-    state: dict[str, torch.Tensor]
+    folder: adapters.AdapterFolder | None
 
     @classmethod
     def check(cls, adapter: PolicySpec, allow_pickle: bool) -> PolicySource:
@@ -158,24 +65,20 @@ class PolicySource:
                 f"{type(adapter).__name__}"
             )
         if isinstance(adapter, (str, os.PathLike)):
-            directory = Path(adapter)
-            config = adapters.read_adapter_config(directory, role="policy")
-            state = adapters.load_adapter_state(
-                adapters.adapter_weights_file(directory, allow_pickle=allow_pickle, role="policy")
-            )
-            if str(config.get("task_type")) == "SEQ_CLS":
+            folder = adapters.read_adapter_folder(adapter, allow_pickle=allow_pickle, role="policy")
+            if str(folder.config.get("task_type")) == "SEQ_CLS":
                 raise AdapterError(
-                    f"--policy_adapter {directory} is a sequence-classification (reward) adapter: pass "
-                    f"it with --reward_adapter {directory}, and give --policy_adapter a causal-LM adapter, "
-                    "or leave it out for a fresh LoRA"
+                    f"--policy_adapter {folder.directory} is a sequence-classification (reward) adapter: "
+                    f"pass it with --reward_adapter {folder.directory}, and give --policy_adapter a "
+                    "causal-LM adapter, or leave it out for a fresh LoRA"
                 )
-            adapters.check_keeps_base_fixed(config, f"policy adapter {directory}")
-            return cls(None, directory, state)
-        lora_config = copy.deepcopy(adapter) if adapter is not None else default_policy_lora_config()
+            adapters.check_keeps_base_fixed(folder.config, f"policy adapter {folder.directory}")
+            return cls(None, folder)
+        lora_config = copy.deepcopy(adapter) if adapter is not None else policy_lora_config()
         adapters.check_keeps_base_fixed(lora_config.to_dict(), "policy LoraConfig")
         lora_config.task_type = lora_config.task_type or "CAUSAL_LM"
         lora_config.inference_mode = False
-        return cls(lora_config, None, {})
+        return cls(lora_config, None)
 
     @property
     def starts_as_identity(self) -> bool:
@@ -183,38 +86,40 @@ class PolicySource:
         return self.lora_config is not None and self.lora_config.init_lora_weights in (True, "gaussian")
 
 
-@dataclass
-class RewardFolder:
-    """A checked reward adapter folder: its configuration and tensors, read before the base loads."""
-
-    directory: Path
-    config: dict[str, Any]
-    state: dict[str, torch.Tensor]
-
-    @classmethod
-    def check(cls, directory: str | os.PathLike, allow_pickle: bool) -> RewardFolder:
-        directory = Path(directory)
-        config = adapters.read_adapter_config(directory, role="reward")
-        adapters.check_keeps_base_fixed(config, f"reward adapter {directory}")
-        state = adapters.load_adapter_state(
-            adapters.adapter_weights_file(directory, allow_pickle=allow_pickle, role="reward")
-        )
-        return cls(directory, config, state)
+def read_reward_folder(directory: str | os.PathLike, allow_pickle: bool) -> adapters.AdapterFolder:
+    """Read a reward adapter folder (once) and refuse settings that would move the shared base."""
+    folder = adapters.read_adapter_folder(directory, allow_pickle=allow_pickle, role="reward")
+    adapters.check_keeps_base_fixed(folder.config, f"reward adapter {folder.directory}")
+    return folder
 
 
-def named_reward_adapters(
-    reward_adapter: str | os.PathLike | None, reward_adapters: Mapping[str, str | os.PathLike] | None
-) -> dict[str, str | os.PathLike]:
-    """``reward_adapter=DIR`` is ``reward_adapters={"reward": DIR}``; giving both is an error."""
-    if reward_adapter is not None and reward_adapters:
-        raise ConfigError("pass either reward_adapter=DIR or reward_adapters={name: DIR, ...}, not both")
-    if reward_adapter is not None:
-        return {DEFAULT_REWARD: reward_adapter}
-    return dict(reward_adapters or {})
+def load_base(
+    auto_class: Any,
+    path: str,
+    *,
+    quantization: str | None,
+    dtype: torch.dtype,
+    device_map: Any = None,
+    **options: Any,
+) -> nn.Module:
+    """Load the base at ``path`` with ``auto_class`` (a causal LM, or a sequence classifier for reward
+    training), quantized through bitsandbytes or not, frozen, on ``device_map`` (default: the current CUDA
+    device if there is one, else CPU). ``options`` go to ``from_pretrained`` (e.g. ``num_labels=1``)."""
+    quantization = parse_quantization(quantization)
+    if device_map is None and torch.cuda.is_available():
+        device_map = {"": torch.cuda.current_device()}
+    base = load_pretrained(
+        auto_class,
+        path,
+        dtype=dtype,
+        quantization_config=bitsandbytes_config(quantization, dtype),
+        **({"device_map": device_map} if device_map is not None else {}),
+        **options,
+    )
+    return prepare_quantized_base(base, quantization)
 
 
-def load_multi_adapter_model(
-    cls: type[MultiAdapterModel],
+def load(
     model_name_or_path: str | os.PathLike,
     *,
     quantization: str | None,
@@ -227,112 +132,151 @@ def load_multi_adapter_model(
     gradient_checkpointing: bool,
     allow_pickle: bool,
     trust_remote_code: bool,
-) -> MultiAdapterModel:
-    """The body of :meth:`MultiAdapterModel.from_pretrained` (see there for the arguments)."""
+) -> LoadedModel:
+    """Load a causal LM once with its first policy and its reward adapters (the arguments of
+    :meth:`MultiAdapterModel.from_pretrained`)."""
     quantization = parse_quantization(quantization)
-    if reference not in REFERENCE_MODES:
-        raise ConfigError(f"reference must be one of {REFERENCE_MODES}, got {reference!r}")
+    check_reference_mode(reference)
     names: list[str] = []
     for name, role in [(policy_name, "policy"), *((name, "reward adapter") for name in reward_adapters)]:
         check_adapter_name(name, names, role)
         names.append(name)
-    # Every adapter is checked before the (possibly slow) base load.
+    # Every adapter folder is read and checked before the (possibly slow) base load, and only then.
     policy = PolicySource.check(policy_adapter, allow_pickle)
-    rewards = {
-        name: RewardFolder.check(directory, allow_pickle) for name, directory in reward_adapters.items()
+    folders = {
+        name: read_reward_folder(directory, allow_pickle) for name, directory in reward_adapters.items()
     }
 
     from marl.data.assets import resolve_model_path
 
     path = resolve_model_path(str(model_name_or_path))
     compute_dtype = dtype or default_compute_dtype()
-    if device_map is None and torch.cuda.is_available():
-        device_map = {"": torch.cuda.current_device()}
-    base = load_pretrained(
+    base = load_base(
         AutoModelForCausalLM,
         path,
+        quantization=quantization,
         dtype=compute_dtype,
+        device_map=device_map,
         trust_remote_code=trust_remote_code,
-        quantization_config=bitsandbytes_config(quantization, compute_dtype),
-        **({"device_map": device_map} if device_map is not None else {}),
     )
     check_static_rotary(base)
-    base = prepare_quantized_base(base, quantization)
     # The first policy wraps the base in a PeftModel; every later adapter is added to it.
-    if policy.directory is not None:
-        adapters.check_lora_targets(base, policy.state, policy.directory, role="policy")
+    if policy.folder is not None:
+        directory = policy.folder.directory
+        adapters.check_lora_targets(base, policy.folder.state, directory, role="policy")
         peft_model = PeftModel.from_pretrained(
-            base, str(policy.directory), adapter_name=policy_name, is_trainable=True
+            base, str(directory), adapter_name=policy_name, is_trainable=True
         )
     else:
         adapters.check_target_modules(base, policy.lora_config.target_modules, "--lora_target_modules")
         peft_model = get_peft_model(base, policy.lora_config, adapter_name=policy_name)
-    model = cls(peft_model, name_or_path=path, quantization=quantization, dtype=compute_dtype)
-    register_policy(model, policy_name, policy, reference)
-    for name, folder in rewards.items():
-        attach_reward_adapter(model, name, folder)
+    policies = {policy_name: _register_policy(peft_model, policy_name, policy, reference, {})}
+    rewards: dict[str, RewardAdapter] = {}
+    for name, folder in folders.items():
+        rewards[name] = _attach_reward(
+            peft_model, name, folder, base_name_or_path=path, dtype=compute_dtype, policies=policies
+        )
     if gradient_checkpointing:
-        model.enable_gradient_checkpointing()
-    check_logit_head(base, model._backbone(), model.logit_head)
+        enable_gradient_checkpointing(base)
+    logit_head = LogitHead.of(base)
+    check_logit_head(base, backbone(base), logit_head)
     check_train_matches_eval(base)
-    return model
+    return LoadedModel(peft_model, path, quantization, compute_dtype, logit_head, policies, rewards)
+
+
+def enable_gradient_checkpointing(causal_lm: nn.Module) -> None:
+    """Recompute activations in the backward pass (non-reentrant, so no input-gradient hook is needed for
+    quantized and plain bases alike); active in train mode."""
+    if not causal_lm.is_activation_checkpointing:
+        causal_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def attach_policy(
-    model: MultiAdapterModel, name: str, adapter: PolicySpec, reference: str, allow_pickle: bool
-) -> None:
-    """Add policy ``name`` to a loaded model (see :meth:`MultiAdapterModel.add_policy`)."""
-    if reference not in REFERENCE_MODES:
-        raise ConfigError(f"reference must be one of {REFERENCE_MODES}, got {reference!r}")
-    check_adapter_name(name, model.adapter_names, "policy")
+    peft_model: PeftModel,
+    name: str,
+    adapter: PolicySpec,
+    *,
+    reference: str,
+    allow_pickle: bool,
+    policies: Mapping[str, PolicyAdapter],
+) -> PolicyAdapter:
+    """Add policy ``name`` to a loaded model beside ``policies`` (:meth:`MultiAdapterModel.add_policy`)."""
+    check_reference_mode(reference)
+    check_adapter_name(name, list(peft_model.peft_config), "policy")
     policy = PolicySource.check(adapter, allow_pickle)
-    if policy.directory is not None:
-        base = model.peft_model.get_base_model()
-        adapters.check_lora_targets(base, policy.state, policy.directory, role="policy")
-        model.peft_model.load_adapter(str(policy.directory), adapter_name=name, is_trainable=True)
+    if policy.folder is not None:
+        base = peft_model.get_base_model()
+        adapters.check_lora_targets(base, policy.folder.state, policy.folder.directory, role="policy")
+        peft_model.load_adapter(str(policy.folder.directory), adapter_name=name, is_trainable=True)
     else:
-        model.peft_model.add_adapter(name, policy.lora_config)
-    register_policy(model, name, policy, reference)
+        peft_model.add_adapter(name, policy.lora_config)
+    return _register_policy(peft_model, name, policy, reference, policies)
 
 
-def register_policy(model: MultiAdapterModel, name: str, policy: PolicySource, reference: str) -> None:
-    """Record the just-attached policy ``name``, add its reference copy if needed, and settle the flags."""
-    parameters = [p for n, p in model.peft_model.named_parameters() if f".{name}." in n and "lora_" in n]
+def _register_policy(
+    peft_model: PeftModel,
+    name: str,
+    policy: PolicySource,
+    reference: str,
+    policies: Mapping[str, PolicyAdapter],
+) -> PolicyAdapter:
+    """The record of the just-attached policy ``name``; adds its reference copy if needed, settles flags."""
+    parameters = [p for n, p in peft_model.named_parameters() if f".{name}." in n and "lora_" in n]
     if not parameters:
         raise AdapterError(f"policy adapter {name!r} has no LoRA parameters; check its target_modules")
     mode = reference
     if reference == "auto":
         mode = "base" if policy.starts_as_identity else "initial-policy"
     if mode == "initial-policy":
-        _add_frozen_copy(model.peft_model, name, reference_adapter_name(name))
-    model.policies[name] = PolicyAdapter(name, parameters, mode)
-    _settle(model)
+        _add_frozen_copy(peft_model, name, reference_adapter_name(name))
+    record = PolicyAdapter(name, parameters, mode)
+    _settle(peft_model, [*policies.values(), record])
+    return record
 
 
-def attach_reward_adapter(model: MultiAdapterModel, name: str, folder: RewardFolder) -> None:
-    """Load a checked SEQ_CLS reward adapter's LoRA into the model (frozen, compute dtype) and its score head
+def attach_reward_adapter(
+    peft_model: PeftModel,
+    name: str,
+    directory: str | os.PathLike,
+    *,
+    allow_pickle: bool,
+    base_name_or_path: str,
+    dtype: torch.dtype,
+    policies: Mapping[str, PolicyAdapter],
+) -> RewardAdapter:
+    """Add reward adapter ``name`` from ``directory`` to a loaded model (see
+    :meth:`MultiAdapterModel.add_reward_adapter`)."""
+    check_adapter_name(name, list(peft_model.peft_config), "reward adapter")
+    folder = read_reward_folder(directory, allow_pickle)
+    return _attach_reward(
+        peft_model, name, folder, base_name_or_path=base_name_or_path, dtype=dtype, policies=policies
+    )
+
+
+def _attach_reward(
+    peft_model: PeftModel,
+    name: str,
+    folder: adapters.AdapterFolder,
+    *,
+    base_name_or_path: str,
+    dtype: torch.dtype,
+    policies: Mapping[str, PolicyAdapter],
+) -> RewardAdapter:
+    """Load a read SEQ_CLS reward adapter's LoRA into the model (frozen, compute dtype) and its score head
     into a frozen float32 Linear; record where its score is read."""
-    peft_model = model.peft_model
     base = peft_model.get_base_model()
     hidden_size = base.get_output_embeddings().weight.shape[1]
-    head = adapters.read_reward_head(folder.state, folder.directory, hidden_size)
+    head = adapters.read_reward_head(folder, hidden_size)
     recorded_base = folder.config.get("base_model_name_or_path")
-    if recorded_base and not adapters.same_model(recorded_base, model.name_or_path):
+    if recorded_base and not adapters.same_model(recorded_base, base_name_or_path):
         warnings.warn(
             f"reward adapter {folder.directory} was trained on {recorded_base!r} but is loaded on "
-            f"{model.name_or_path!r}; its scores are only meaningful on the base it was trained on",
-            stacklevel=3,
+            f"{base_name_or_path!r}; its scores are only meaningful on the base it was trained on",
+            stacklevel=4,  # the caller of from_pretrained / add_reward_adapter
         )
     lora_state = adapters.lora_tensors(folder.state)
     adapters.check_lora_targets(base, lora_state, folder.directory, role="reward")
-    try:
-        config = LoraConfig.from_pretrained(str(folder.directory))
-    except Exception as error:
-        raise AdapterError(
-            f"reward adapter {folder.directory}: {adapters.ADAPTER_CONFIG_NAME} is not a LoRA configuration "
-            "this "
-            f"peft version reads ({type(error).__name__}: {error})"
-        ) from error
+    config = folder.lora_config()
     config.task_type = "CAUSAL_LM"
     config.modules_to_save = None
     config.inference_mode = True
@@ -351,7 +295,7 @@ def attach_reward_adapter(model: MultiAdapterModel, name: str, folder: RewardFol
         )
     for parameter_name, parameter in peft_model.named_parameters():
         if f".{name}." in parameter_name:
-            parameter.data = parameter.data.to(model.dtype)
+            parameter.data = parameter.data.to(dtype)
 
     device = base.get_output_embeddings().weight.device
     # float32: bf16 would round scores to about three digits before the leave-one-out differences.
@@ -364,23 +308,23 @@ def attach_reward_adapter(model: MultiAdapterModel, name: str, folder: RewardFol
     score_head.eval()
     pad_token_id = head.pad_token_id
     if pad_token_id is None:
-        pad_token_id = _tokenizer_pad_token_id(model.name_or_path)
-    model.rewards[name] = RewardAdapter(name, score_head, head, pad_token_id)
-    _settle(model)
+        pad_token_id = _tokenizer_pad_token_id(base_name_or_path)
+    _settle(peft_model, list(policies.values()))
+    return RewardAdapter(name, score_head, head, pad_token_id)
 
 
-def _settle(model: MultiAdapterModel) -> None:
+def _settle(peft_model: PeftModel, policies: list[PolicyAdapter]) -> None:
     """After adding an adapter: only policy tensors train, no dropout anywhere, the first policy active."""
-    trainable = {id(p) for policy in model.policies.values() for p in policy.parameters}
-    _check_only_policies_train(model.peft_model, trainable)
-    for parameter in model.peft_model.parameters():
+    trainable = {id(p) for policy in policies for p in policy.parameters}
+    _check_only_policies_train(peft_model, trainable)
+    for parameter in peft_model.parameters():
         parameter.requires_grad_(id(parameter) in trainable)
-    model.peft_model.set_adapter(model.default_policy)
+    peft_model.set_adapter(policies[0].name)
     # set_adapter marks the active adapter trainable: restore the policies-only rule.
-    for parameter in model.peft_model.parameters():
+    for parameter in peft_model.parameters():
         parameter.requires_grad_(id(parameter) in trainable)
-    disable_dropout(model.peft_model)
-    model.peft_model.eval()
+    disable_dropout(peft_model)
+    peft_model.eval()
 
 
 def _add_frozen_copy(peft_model: PeftModel, source: str, target: str) -> None:
@@ -447,6 +391,5 @@ def _check_only_policies_train(peft_model: PeftModel, trainable: set[int]) -> No
         raise AdapterError(
             f"the policy adapter would train {len(foreign)} tensor(s) outside its LoRA weights, e.g. "
             f"{foreign[:3]}; the shared base (and so the reward and the reference) would move with them. "
-            "Train "
-            "only adapter weights (LoraConfig with bias='none' and no trainable base modules)"
+            "Train only adapter weights (LoraConfig with bias='none' and no trainable base modules)"
         )

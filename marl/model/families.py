@@ -96,6 +96,20 @@ class LogitHead:
         return logits if self.transform is None else self.transform(logits)
 
 
+def backbone(causal_lm: nn.Module) -> nn.Module:
+    """The transformer body of a causal LM: its final hidden states, without the LM head (which
+    :class:`LogitHead` applies chunk by chunk).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        ...                      num_attention_heads=2, vocab_size=32)
+        >>> type(backbone(LlamaForCausalLM(config))).__name__
+        'LlamaModel'
+    """
+    return getattr(causal_lm, causal_lm.base_model_prefix)
+
+
 def _probe_ids(causal_lm: nn.Module) -> torch.Tensor:
     vocab = causal_lm.get_output_embeddings().weight.shape[0]
     device = causal_lm.get_input_embeddings().weight.device
@@ -124,13 +138,11 @@ def check_logit_head(causal_lm: nn.Module, backbone: nn.Module, head: LogitHead)
     if ours.shape != theirs.shape or difference > PROBE_TOLERANCE:
         raise ModelError(
             f"{type(causal_lm).__name__} (model_type {causal_lm.config.model_type!r}) computes its logits in "
-            "a way "
-            f"marl does not reproduce: marl's head ({head.description}) differs from the model's forward by "
-            f"{difference:.2e} on a probe input. Training it would score completions under another "
-            "distribution "
-            "than the one it samples, so it is refused. Supported logit transforms: soft-capping "
-            "(final_logit_softcapping), Granite's logits_scaling, Cohere's logit_scale, Falcon-H1's "
-            "lm_head_multiplier"
+            f"a way marl does not reproduce: marl's head ({head.description}) differs from the model's "
+            f"forward by {difference:.2e} on a probe input. Training it would score completions under "
+            "another distribution than the one it samples, so it is refused. Supported logit transforms: "
+            "soft-capping (final_logit_softcapping), Granite's logits_scaling, Cohere's logit_scale, "
+            "Falcon-H1's lm_head_multiplier"
         )
 
 
@@ -242,11 +254,9 @@ def check_train_matches_eval(causal_lm: nn.Module) -> None:
     if difference > PROBE_TOLERANCE:
         raise ModelError(
             f"{type(causal_lm).__name__} computes differently in train mode than in eval mode even with "
-            "every "
-            f"dropout rate set to 0 (difference {difference:.2e} on a probe input), e.g. through router "
-            "noise. "
-            "The RLOO update would optimise another function than the one the rollout scored, so this model "
-            "is refused"
+            f"every dropout rate set to 0 (difference {difference:.2e} on a probe input), e.g. through "
+            "router noise. The RLOO update would optimise another function than the one the rollout scored, "
+            "so this model is refused"
         )
 
 

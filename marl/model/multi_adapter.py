@@ -9,10 +9,9 @@ and here the other three share ONE set of base weights (optionally 4-bit NF4 or 
 * a reward    = base + a frozen LoRA adapter (``"reward"`` by default; any number of named ones) + its frozen
   float32 score head ``Linear(hidden, 1)``
 
-Views are switched with nestable context managers that restore the previous active adapter, every parameter's
-``requires_grad`` and every module's train/eval mode on exit, also when the body raises. Building the model
-(:mod:`marl.model.build`) checks every adapter before the base loads and refuses anything that would move the
-shared base.
+Views are switched with nestable context managers (:mod:`marl.model.views`); log-probs, reward scores and
+sampling run under the active view (:mod:`marl.model.forward`). Building the model (:mod:`marl.model.build`)
+reads and checks every adapter before the base loads and refuses anything that would move the shared base.
 
 Example:
     >>> model = MultiAdapterModel.from_pretrained(  # doctest: +SKIP
@@ -24,90 +23,32 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import LoraConfig, PeftModel
-from peft.tuners.tuners_utils import BaseTunerLayer
-from torch import nn
+from peft import LoraConfig
 
-from marl.errors import ConfigError
-from marl.model import adapters
-from marl.model import build as loading
-from marl.model.build import PolicyAdapter, RewardAdapter
-from marl.model.families import LogitHead
-from marl.model.generation import SamplingSettings, sample
-from marl.model.logprobs import logprobs_from_hidden
-from marl.model.packing import PackedRows, check_packing, read_slots
+from marl.model import adapters, build, records
+from marl.model.forward import ForwardPasses, position_ids_from_mask, reward_read_positions, without_autocast
+from marl.model.memory import MemoryReport, build_memory_report
+from marl.model.packing import check_packing
+from marl.model.records import LoadedModel, PolicyAdapter, RewardAdapter
 
 if TYPE_CHECKING:
-    from marl.model.memory import MemoryReport
+    from marl.config import RLOOConfig
+
+__all__ = ["MultiAdapterModel", "position_ids_from_mask", "reward_read_positions", "without_autocast"]
 
 
-def reward_read_positions(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int
-) -> torch.Tensor:
-    """Where a sequence classifier reads each row's score: the last token that is not ``pad_token_id``, once
-    every masked position holds that id. This is the rule of transformers' ``*ForSequenceClassification``
-    (and so of TRL's ``RewardTrainer``): when pad == eos, a final EOS counts as padding and the score is read
-    at the token before it.
-
-    Example:
-        >>> ids = torch.tensor([[0, 5, 6, 2], [5, 6, 7, 8]])
-        >>> mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
-        >>> reward_read_positions(ids, mask, pad_token_id=2)  # pad == eos == 2: row 0 is read before its EOS
-        tensor([2, 3])
-    """
-    ids = input_ids.masked_fill(attention_mask == 0, pad_token_id)
-    positions = torch.arange(ids.shape[1], device=ids.device)
-    return (positions * (ids != pad_token_id).long()).argmax(dim=1)
-
-
-def without_autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """A region where float32 math stays float32 on ``device``: mixed precision (``accelerator.autocast()``)
-    would otherwise run an ``nn.Linear`` in bf16/fp16 whatever its weights' and inputs' dtype.
-
-    Example:
-        >>> with torch.autocast("cpu", dtype=torch.bfloat16), without_autocast(torch.device("cpu")):
-        ...     torch.nn.Linear(2, 1)(torch.ones(1, 2)).dtype
-        torch.float32
-    """
-    if torch.amp.is_autocast_available(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()  # no autocast exists for this device type, so none can be active
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only, as ``generate`` does, so a left-padded row sees the same
-    positions as the unpadded one (padding gets position 0; it is masked anyway).
-
-    Example:
-        >>> position_ids_from_mask(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]))
-        tensor([[0, 0, 0, 1],
-                [0, 1, 2, 3]])
-    """
-    return (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
-@dataclass
-class _ViewState:
-    active_adapter: str
-    adapters_disabled: bool
-    requires_grad: list[tuple[nn.Parameter, bool]]
-    training: list[tuple[nn.Module, bool]]
-
-
-class MultiAdapterModel:
+class MultiAdapterModel(ForwardPasses):
     """Policies, their references and rewards as adapter views of ONE base causal LM.
 
-    Build it with :meth:`from_pretrained`; add more adapters with :meth:`add_policy` and
-    :meth:`add_reward_adapter`. The underlying ``peft.PeftModel`` is :attr:`peft_model`; an optimizer gets
+    Build it with :meth:`from_pretrained` (or :meth:`from_config`); add more adapters with :meth:`add_policy`
+    and :meth:`add_reward_adapter`. The underlying ``peft.PeftModel`` is :attr:`peft_model`; an optimizer gets
     :meth:`policy_parameters`. The model starts in eval mode; call ``model.train()`` before an update so that
     gradient checkpointing (if enabled) is active. Every dropout is off: the rollout and the update must
     compute the same function. Every policy's tensors are trainable, always (a view never flips a flag); an
@@ -119,16 +60,14 @@ class MultiAdapterModel:
         ...     ...
     """
 
-    def __init__(
-        self, peft_model: PeftModel, *, name_or_path: str, quantization: str | None, dtype: torch.dtype
-    ):
-        self.peft_model = peft_model
-        self.name_or_path = name_or_path
-        self.quantization = quantization
-        self.dtype = dtype
-        self.policies: dict[str, PolicyAdapter] = {}
-        self.rewards: dict[str, RewardAdapter] = {}
-        self.logit_head = LogitHead.of(peft_model.get_base_model())
+    def __init__(self, loaded: LoadedModel):
+        self.peft_model = loaded.peft_model
+        self.name_or_path = loaded.name_or_path
+        self.quantization = loaded.quantization
+        self.dtype = loaded.dtype
+        self.logit_head = loaded.logit_head
+        self.policies: dict[str, PolicyAdapter] = dict(loaded.policies)
+        self.rewards: dict[str, RewardAdapter] = dict(loaded.rewards)
 
     # ------------------------------------------------------------------ building
 
@@ -141,7 +80,7 @@ class MultiAdapterModel:
         reward_adapter: str | os.PathLike | None = None,
         reward_adapters: Mapping[str, str | os.PathLike] | None = None,
         policy_adapter: LoraConfig | str | os.PathLike | None = None,
-        policy_name: str = loading.DEFAULT_POLICY,
+        policy_name: str = records.DEFAULT_POLICY,
         reference: str = "auto",
         dtype: torch.dtype | None = None,
         device_map: str | dict[str, Any] | torch.device | None = None,
@@ -161,10 +100,10 @@ class MultiAdapterModel:
                 the reward adapter ``"reward"``. Optional: rewards may come from functions instead.
             reward_adapters: several reward adapters by name, ``{"sentiment": DIR1, "fluency": DIR2}``
                 (instead of ``reward_adapter``).
-            policy_adapter: ``None`` (fresh LoRA, see :func:`marl.model.build.default_policy_lora_config`), a
+            policy_adapter: ``None`` (fresh LoRA, see :func:`marl.model_settings.policy_lora_config`), a
                 ``LoraConfig``, or a PEFT adapter folder to continue training (loaded trainable). A fresh LoRA
                 draws its initial weights from torch's generator: seed it first (``transformers.set_seed``;
-                ``RLOOConfig.load_model`` does) for a run that can be repeated.
+                :meth:`from_config` does) for a run that can be repeated.
             policy_name: the name of that policy (more can be added with :meth:`add_policy`).
             reference: ``"base"`` (adapters disabled), ``"initial-policy"`` (frozen copy of the policy
                 adapter's starting weights) or ``"auto"``: base when the policy starts as the identity
@@ -190,20 +129,50 @@ class MultiAdapterModel:
             >>> model.reference_mode  # doctest: +SKIP
             'base'
         """
-        return loading.load_multi_adapter_model(
-            cls,
+        loaded = build.load(
             model_name_or_path,
             quantization=quantization,
             policy_adapter=policy_adapter,
             policy_name=policy_name,
             reference=reference,
-            reward_adapters=loading.named_reward_adapters(reward_adapter, reward_adapters),
+            reward_adapters=records.named_reward_adapters(reward_adapter, reward_adapters),
             dtype=dtype,
             device_map=device_map,
             gradient_checkpointing=gradient_checkpointing,
             allow_pickle=allow_pickle,
             trust_remote_code=trust_remote_code,
         )
+        return cls(loaded)
+
+    @classmethod
+    def from_config(cls, config: RLOOConfig, **overrides: Any) -> MultiAdapterModel:
+        """The model that ``config``'s model fields describe, built after seeding every random generator with
+        ``config.seed``: a fresh policy LoRA draws its initial weights from them, so the same config builds
+        the same policy (a run started again from the beginning starts from the same weights). The compute
+        dtype follows the mixed-precision flag (without one, the default of :mod:`marl.model.quantization`).
+
+        ``overrides`` go to :meth:`from_pretrained` (e.g. ``device_map=...``).
+
+        Example:
+            >>> config = RLOOConfig(model_name_or_path="path/to/base", quantization="4bit")  # doctest: +SKIP
+            >>> model = MultiAdapterModel.from_config(config)  # doctest: +SKIP
+        """
+        from accelerate.utils import set_seed
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.mixed_precision)
+        arguments: dict[str, Any] = dict(
+            quantization=config.quantization,
+            reward_adapters=config.reward_adapter_folders(),
+            policy_adapter=config.policy_adapter
+            if config.policy_adapter is not None
+            else config.policy_lora_config(),
+            policy_name=config.policy_adapter_name,
+            reference=config.reference,
+            dtype=dtype,
+        )
+        arguments.update(overrides)
+        set_seed(config.seed)
+        return cls.from_pretrained(config.model_name_or_path, **arguments)
 
     def add_policy(
         self,
@@ -221,8 +190,16 @@ class MultiAdapterModel:
             >>> with model.policy("negative"):  # doctest: +SKIP
             ...     ...
         """
-        loading.attach_policy(self, name, adapter, reference, allow_pickle)
-        return self.policies[name]
+        policy = build.attach_policy(
+            self.peft_model,
+            name,
+            adapter,
+            reference=reference,
+            allow_pickle=allow_pickle,
+            policies=self.policies,
+        )
+        self.policies[name] = policy
+        return policy
 
     def add_reward_adapter(
         self, name: str, directory: str | os.PathLike, *, allow_pickle: bool = False
@@ -232,9 +209,17 @@ class MultiAdapterModel:
         Example:
             >>> model.add_reward_adapter("fluency", "adapters/fluency-reward")  # doctest: +SKIP
         """
-        loading.check_adapter_name(name, self.adapter_names, "reward adapter")
-        loading.attach_reward_adapter(self, name, loading.RewardFolder.check(directory, allow_pickle))
-        return self.rewards[name]
+        reward = build.attach_reward_adapter(
+            self.peft_model,
+            name,
+            directory,
+            allow_pickle=allow_pickle,
+            base_name_or_path=self.name_or_path,
+            dtype=self.dtype,
+            policies=self.policies,
+        )
+        self.rewards[name] = reward
+        return reward
 
     # ------------------------------------------------------------------ attributes
 
@@ -253,340 +238,16 @@ class MultiAdapterModel:
         """Device of the input embeddings (where ``input_ids`` should live)."""
         return self.peft_model.get_base_model().get_input_embeddings().weight.device
 
-    @property
-    def adapter_names(self) -> list[str]:
-        """Names of every adapter on the base: policies, reference copies, reward adapters."""
-        return list(self.peft_model.peft_config)
-
-    @property
-    def default_policy(self) -> str:
-        """The first policy: what :meth:`policy`, :meth:`reference` and friends use without a name."""
-        return next(iter(self.policies))
-
-    @property
-    def has_reward_adapter(self) -> bool:
-        return bool(self.rewards)
-
-    @property
-    def reference_mode(self) -> str:
-        """How the default policy's reference is built: ``"base"`` or ``"initial-policy"``."""
-        return self.policies[self.default_policy].reference_mode
-
-    def get_policy(self, name: str | None) -> PolicyAdapter:
-        name = self.default_policy if name is None else name
-        if name not in self.policies:
-            raise ConfigError(f"no policy named {name!r} on this model; its policies: {list(self.policies)}")
-        return self.policies[name]
-
-    def get_reward(self, name: str | None) -> RewardAdapter:
-        if not self.rewards:
-            raise ConfigError(
-                "no reward adapter is loaded; pass reward_adapter=<PEFT folder from RewardTrainer> to "
-                "from_pretrained, or compute rewards with a reward function"
-            )
-        name = next(iter(self.rewards)) if name is None else name
-        if name not in self.rewards:
-            raise ConfigError(
-                f"no reward adapter named {name!r}; loaded reward adapters: {list(self.rewards)}"
-            )
-        return self.rewards[name]
-
-    def policy_parameters(self, name: str | None = None) -> list[nn.Parameter]:
-        """The trainable tensors of policy ``name`` (default: the first policy): what an optimizer gets.
-
-        Example:
-            >>> optimizer = torch.optim.AdamW(model.policy_parameters(), lr=1e-5)  # doctest: +SKIP
-        """
-        return list(self.get_policy(name).parameters)
-
-    def train(self, mode: bool = True) -> MultiAdapterModel:
-        """Put the model in train mode (for gradient checkpointing during updates). Returns ``self``."""
-        self.peft_model.train(mode)
-        return self
-
-    def eval(self) -> MultiAdapterModel:
-        """Put the model in eval mode. Returns ``self``."""
-        return self.train(False)
-
     @functools.cached_property
     def packing_problem(self) -> str | None:
         """Why this model cannot compute a prompt once for its completions (:mod:`marl.model.packing`), or
-        ``None``
-        when it can; probed once."""
+        ``None`` when it can; probed once."""
         return check_packing(self)
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        """Whether activations are recomputed in the backward pass (in train mode)."""
-        return bool(self.peft_model.get_base_model().is_activation_checkpointing)
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute activations in the backward pass (non-reentrant, so no input-gradient hook is needed for
         quantized and plain bases alike); active in train mode."""
-        base = self.peft_model.get_base_model()
-        if not base.is_activation_checkpointing:
-            base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-
-    # ------------------------------------------------------------------ adapter views
-
-    def _capture_view(self) -> _ViewState:
-        return _ViewState(
-            active_adapter=self.peft_model.active_adapter,
-            adapters_disabled=self._adapters_disabled(),
-            requires_grad=[(p, p.requires_grad) for p in self.peft_model.parameters()],
-            training=[(m, m.training) for m in self.peft_model.modules()],
-        )
-
-    def _restore_view(self, state: _ViewState) -> None:
-        tuner = self.peft_model.base_model
-        if state.adapters_disabled:
-            tuner.disable_adapter_layers()
-        else:
-            tuner.enable_adapter_layers()
-        self.peft_model.set_adapter(state.active_adapter)
-        if state.adapters_disabled:
-            tuner.disable_adapter_layers()
-        for parameter, requires_grad in state.requires_grad:
-            parameter.requires_grad_(requires_grad)
-        for module, training in state.training:
-            module.training = training
-
-    def _adapters_disabled(self) -> bool:
-        for module in self.peft_model.modules():
-            if isinstance(module, BaseTunerLayer):
-                return module.disable_adapters
-        return False
-
-    @contextlib.contextmanager
-    def _view(self, adapter_name: str | None) -> Iterator[MultiAdapterModel]:
-        """Activate ``adapter_name`` (``None``: adapters disabled) and restore everything on exit."""
-        state = self._capture_view()
-        try:
-            tuner = self.peft_model.base_model
-            if adapter_name is None:
-                tuner.disable_adapter_layers()
-            else:
-                tuner.enable_adapter_layers()
-                self.peft_model.set_adapter(adapter_name)
-            # Views never change which parameters train: switching must not make a frozen adapter trainable.
-            for parameter, requires_grad in state.requires_grad:
-                parameter.requires_grad_(requires_grad)
-            yield self
-        finally:
-            self._restore_view(state)
-
-    def use_adapter(self, name: str) -> contextlib.AbstractContextManager[MultiAdapterModel]:
-        """Context manager: run the body with adapter ``name`` active (``"policy"``, ``"reward"``,
-        ``"reference"``).
-
-        Nestable; on exit (also on an exception) the previous active adapter, every parameter's
-        ``requires_grad`` and every module's train/eval mode are restored exactly. ``requires_grad`` is not
-        changed inside either: only the policy adapter ever trains.
-
-        Example:
-            >>> with model.use_adapter("reward"):  # doctest: +SKIP
-            ...     hidden = model.peft_model(input_ids).logits
-        """
-        if name not in self.peft_model.peft_config:
-            raise ConfigError(f"no adapter named {name!r}; loaded adapters: {self.adapter_names}")
-        return self._view(name)
-
-    def reference(self, policy: str | None = None) -> contextlib.AbstractContextManager[MultiAdapterModel]:
-        """Context manager: the reference of ``policy`` (default: the first policy): the base with adapters
-        disabled, or the frozen copy of the policy's starting weights.
-
-        Example:
-            >>> with model.reference():  # doctest: +SKIP
-            ...     ref_logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
-        """
-        return self._view(self.get_policy(policy).reference_adapter)
-
-    def view(self, name: str) -> contextlib.AbstractContextManager[MultiAdapterModel]:
-        """Context manager: ``"policy"``, ``"reference"`` (however it is built) or any adapter name.
-
-        Example:
-            >>> with model.view("reference"):  # doctest: +SKIP
-            ...     ref_logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
-        """
-        if name == loading.DEFAULT_POLICY:
-            return self.policy()
-        if name == loading.REFERENCE_VIEW:
-            return self.reference()
-        if name in self.policies:
-            return self.policy(name)
-        return self.use_adapter(name)
-
-    def policy(self, name: str | None = None) -> contextlib.AbstractContextManager[MultiAdapterModel]:
-        """Context manager: policy ``name`` (default: the first policy).
-
-        Example:
-            >>> with model.policy():  # doctest: +SKIP
-            ...     logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
-        """
-        return self._view(self.get_policy(name).name)
-
-    @contextlib.contextmanager
-    def _inference(self) -> Iterator[None]:
-        """Eval mode (no dropout) and no grad for the body; train/eval flags restored after."""
-        training = [(m, m.training) for m in self.peft_model.modules()]
-        self.peft_model.eval()
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            for module, flag in training:
-                module.training = flag
-
-    # ------------------------------------------------------------------ computations
-
-    def _backbone(self) -> nn.Module:
-        base = self.peft_model.get_base_model()
-        return getattr(base, base.base_model_prefix)
-
-    def _hidden_states(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Last hidden state (after the final norm) of the active view, skipping the LM head. A 2-D mask gives
-        positions over real tokens; a 4-D mask (packed rows) comes with its own ``position_ids``."""
-        output = self._backbone()(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
-            use_cache=False,
-        )
-        return output.last_hidden_state
-
-    def _logprobs(
-        self,
-        hidden: torch.Tensor,
-        targets: torch.Tensor,
-        temperature: float,
-        with_entropy: bool,
-        chunk_size: int | None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs (and entropies) of ``targets`` ``[B, T]`` predicted by ``hidden`` ``[B, T, H]``."""
-        batch, steps = targets.shape
-        result = logprobs_from_hidden(
-            hidden.reshape(batch * steps, -1),
-            targets.reshape(-1).to(hidden.device),
-            self.logit_head,
-            temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
-            # trading compute for memory: with checkpointing on, no chunk's logits wait for the backward pass
-            recompute=self.gradient_checkpointing,
-        )
-        if with_entropy:
-            return result[0].reshape(batch, steps), result[1].reshape(batch, steps)
-        return result.reshape(batch, steps)
-
-    def token_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        *,
-        response_start: int,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        chunk_size: int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Float32 log-probs of ``input_ids[:, response_start:]``, each given its prefix, under the ACTIVE
-        view.
-
-        Pick the view with :meth:`policy` / :meth:`reference`. Logits are divided by ``temperature`` (use the
-        sampling temperature). The LM head and the float32 log-softmax run ``chunk_size`` token positions at a
-        time (default 1024), so no full ``[B, T, V]`` float32 tensor exists; with gradient checkpointing on,
-        no chunk's logits are kept for the backward pass either
-        (:func:`marl.model.logprobs.logprobs_from_hidden`).
-        Gradients flow if grad is enabled. No masking is applied: the caller masks padding. Positions follow
-        the attention mask (as ``generate``), so left padding does not shift them.
-
-        Returns ``logprobs`` ``[B, T - response_start]``, and with ``with_entropy=True`` also the entropy
-        of the temperature-scaled distribution at each of those positions (detached: it is a metric).
-
-        Example:
-            >>> with model.policy():  # doctest: +SKIP
-            ...     logprobs = model.token_logprobs(ids, mask, response_start=8, temperature=0.7)
-        """
-        length = input_ids.shape[1]
-        if not 0 < response_start < length:
-            raise ValueError(
-                f"response_start must be in [1, {length - 1}] for sequences of length {length}, got "
-                f"{response_start}"
-            )
-        hidden = self._hidden_states(input_ids, attention_mask)[:, response_start - 1 : -1]
-        return self._logprobs(hidden, input_ids[:, response_start:], temperature, with_entropy, chunk_size)
-
-    def packed_token_logprobs(
-        self,
-        packed: PackedRows,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        chunk_size: int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`token_logprobs` of every completion of ``packed`` (rows grouped by prompt, see
-        :mod:`marl.model.packing`): the same numbers up to float rounding, each prompt computed once. Returns
-        ``[R, T]`` in the order the rows were packed in."""
-        hidden = self._hidden_states(packed.input_ids, packed.attention_mask, packed.position_ids)
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        targets = packed.input_ids.reshape(-1)[packed.completion_slots]
-        return self._logprobs(flat[packed.predictors], targets, temperature, with_entropy, chunk_size)
-
-    def compute_reward_score(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        name: str | None = None,
-        packed: PackedRows | None = None,
-    ) -> torch.Tensor:
-        """One float32 score per row under reward adapter ``name`` (default: the first one): its score head
-        on the final hidden state where a transformers sequence classifier reads it
-        (:func:`reward_read_positions`), with the padding id the reward adapter was trained with.
-
-        That padding id is the one ``marl train-reward`` recorded in the adapter folder, else the base
-        tokenizer's pad token (its EOS when it has none), which is what TRL's ``RewardTrainer`` uses. With
-        pad == eos a completion ending in EOS is therefore read at the token before its EOS, as the adapter
-        was trained. Left or right padding: masked positions are padding. Runs in eval mode without grad; the
-        active adapter and modes are restored after. The head runs in float32, under autocast too (the
-        backbone keeps the caller's mixed precision). ``packed``: the same rows
-        packed by prompt (:mod:`marl.model.packing`), to compute each prompt once; the scores are the same.
-
-        Example:
-            >>> scores = model.compute_reward_score(ids, mask)  # doctest: +SKIP
-        """
-        reward = self.get_reward(name)
-        read_at = reward_read_positions(input_ids, attention_mask, reward.pad_token_id)
-        with self.use_adapter(reward.name), self._inference():
-            if packed is None:
-                hidden = self._hidden_states(input_ids, attention_mask)
-                pooled = hidden[
-                    torch.arange(hidden.shape[0], device=hidden.device), read_at.to(hidden.device)
-                ]
-            else:
-                hidden = self._hidden_states(packed.input_ids, packed.attention_mask, packed.position_ids)
-                pooled = hidden.reshape(-1, hidden.shape[-1])[read_slots(packed, read_at)]
-            pooled = pooled.to(device=reward.head.weight.device, dtype=torch.float32)
-            with without_autocast(pooled.device):
-                return reward.head(pooled).squeeze(-1)
-
-    def sample(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        settings: SamplingSettings,
-        past_key_values: Any = None,
-    ) -> torch.Tensor:
-        """Sample completions from ``softmax(logits / temperature)`` under the ACTIVE view, in eval mode
-        without grad; returns ``[batch, settings.max_new_tokens]`` completion ids. The model's own generation
-        config (a repetition penalty, top-k, ...) does not apply: see :func:`marl.model.generation.sample`.
-
-        Example:
-            >>> with model.policy():  # doctest: +SKIP
-            ...     completions = model.sample(ids, mask, SamplingSettings(0.7, 16, (eos,), pad))
-        """
-        with self._inference():
-            return sample(self.peft_model, input_ids, attention_mask, settings, past_key_values)
+        build.enable_gradient_checkpointing(self.peft_model.get_base_model())
 
     def save_policy_adapter(self, directory: str | os.PathLike, name: str | None = None) -> None:
         """Write policy ``name`` (default: the first) alone as a standard PEFT folder
@@ -605,6 +266,4 @@ class MultiAdapterModel:
         Example:
             >>> print(model.memory_report())  # doctest: +SKIP
         """
-        from marl.model.memory import build_memory_report
-
         return build_memory_report(self, policy)

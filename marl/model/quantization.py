@@ -1,11 +1,11 @@
-"""Quantized bases through bitsandbytes: the choices, their parsing, the load settings and the CPU details.
+"""Quantized bases through bitsandbytes: the load settings and the CPU details.
 
-Every module that loads a base (the multi-adapter model, reward training, the benchmark) takes its
-quantization from here, so ``"4bit"`` means the same NF4 setting everywhere.
+Every base is loaded by :mod:`marl.model.build`, which takes its quantization from here, so ``"4bit"`` means
+the same NF4 setting everywhere. The choices and their parsing are settings (:mod:`marl.model_settings`).
 
 Example:
-    >>> parse_quantization("none") is None, parse_quantization("4bit")
-    (True, '4bit')
+    >>> bitsandbytes_config("none", None) is None
+    True
 """
 
 from __future__ import annotations
@@ -13,32 +13,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from marl.errors import ConfigError
+from marl.model_settings import parse_quantization
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
     from transformers import BitsAndBytesConfig
-
-QUANTIZATION_CHOICES = ("4bit", "8bit")
-# Spellings of "no quantization" accepted from command lines and YAML files.
-_NO_QUANTIZATION = (None, "", "none", "None", "null", "no")
-
-
-def parse_quantization(value: str | None) -> str | None:
-    """``"4bit"``, ``"8bit"`` or ``None``; raise with the accepted spellings otherwise.
-
-    Example:
-        >>> parse_quantization("8bit")
-        '8bit'
-    """
-    if value in _NO_QUANTIZATION:
-        return None
-    if value not in QUANTIZATION_CHOICES:
-        raise ConfigError(
-            f"quantization={value!r} is unknown: quantization must be one of 4bit, 8bit or none"
-        )
-    return value
 
 
 def default_compute_dtype() -> torch.dtype:

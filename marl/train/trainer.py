@@ -22,7 +22,7 @@ Gradients of the policy adapter are averaged over processes before each optimize
 Example:
     >>> from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
     >>> config = RLOOConfig(output_dir="runs/rloo", reward_adapter="adapters/my-reward")
-    >>> model = config.load_model()  # doctest: +SKIP
+    >>> model = MultiAdapterModel.from_config(config)  # doctest: +SKIP
     >>> tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)  # doctest: +SKIP
     >>> trainer = RLOOTrainer(config, model, tokenizer, train_dataset=prompts)  # doctest: +SKIP
     >>> history = trainer.train()  # doctest: +SKIP

@@ -1,0 +1,206 @@
+"""Adapter views of the one base: which adapter is active, switched by nestable context managers.
+
+A view is the policy (its LoRA active), its reference (adapters disabled, or the frozen copy of its starting
+weights), or a reward adapter. Entering a view never changes which parameters train, and leaving it restores
+the previous active adapter, every parameter's ``requires_grad`` and every module's train/eval mode exactly,
+also when the body raises. :class:`AdapterViews` is the part of
+:class:`~marl.model.multi_adapter.MultiAdapterModel` that does this.
+
+Example:
+    >>> with model.reference():  # doctest: +SKIP
+    ...     ref_logprobs = model.token_logprobs(input_ids, attention_mask, response_start=prompt_len)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Self
+
+import torch
+from peft import PeftModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+
+from marl.errors import ConfigError
+from marl.model.records import DEFAULT_POLICY, REFERENCE_VIEW, PolicyAdapter, RewardAdapter
+
+
+@dataclass
+class _ViewState:
+    active_adapter: str
+    adapters_disabled: bool
+    requires_grad: list[tuple[nn.Parameter, bool]]
+    training: list[tuple[nn.Module, bool]]
+
+
+class AdapterViews:
+    """The adapters on the base (:attr:`policies`, :attr:`rewards`) and the views that switch between them."""
+
+    peft_model: PeftModel
+    policies: dict[str, PolicyAdapter]
+    rewards: dict[str, RewardAdapter]
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """Names of every adapter on the base: policies, reference copies, reward adapters."""
+        return list(self.peft_model.peft_config)
+
+    @property
+    def default_policy(self) -> str:
+        """The first policy: what :meth:`policy`, :meth:`reference` and friends use without a name."""
+        return next(iter(self.policies))
+
+    @property
+    def has_reward_adapter(self) -> bool:
+        return bool(self.rewards)
+
+    @property
+    def reference_mode(self) -> str:
+        """How the default policy's reference is built: ``"base"`` or ``"initial-policy"``."""
+        return self.policies[self.default_policy].reference_mode
+
+    def get_policy(self, name: str | None) -> PolicyAdapter:
+        name = self.default_policy if name is None else name
+        if name not in self.policies:
+            raise ConfigError(f"no policy named {name!r} on this model; its policies: {list(self.policies)}")
+        return self.policies[name]
+
+    def get_reward(self, name: str | None) -> RewardAdapter:
+        if not self.rewards:
+            raise ConfigError(
+                "no reward adapter is loaded; pass reward_adapter=<PEFT folder from RewardTrainer> to "
+                "from_pretrained, or compute rewards with a reward function"
+            )
+        name = next(iter(self.rewards)) if name is None else name
+        if name not in self.rewards:
+            raise ConfigError(
+                f"no reward adapter named {name!r}; loaded reward adapters: {list(self.rewards)}"
+            )
+        return self.rewards[name]
+
+    def policy_parameters(self, name: str | None = None) -> list[nn.Parameter]:
+        """The trainable tensors of policy ``name`` (default: the first policy): what an optimizer gets.
+
+        Example:
+            >>> optimizer = torch.optim.AdamW(model.policy_parameters(), lr=1e-5)  # doctest: +SKIP
+        """
+        return list(self.get_policy(name).parameters)
+
+    def train(self, mode: bool = True) -> Self:
+        """Put the model in train mode (for gradient checkpointing during updates). Returns ``self``."""
+        self.peft_model.train(mode)
+        return self
+
+    def eval(self) -> Self:
+        """Put the model in eval mode. Returns ``self``."""
+        return self.train(False)
+
+    def _capture_view(self) -> _ViewState:
+        return _ViewState(
+            active_adapter=self.peft_model.active_adapter,
+            adapters_disabled=self._adapters_disabled(),
+            requires_grad=[(p, p.requires_grad) for p in self.peft_model.parameters()],
+            training=[(m, m.training) for m in self.peft_model.modules()],
+        )
+
+    def _restore_view(self, state: _ViewState) -> None:
+        tuner = self.peft_model.base_model
+        if state.adapters_disabled:
+            tuner.disable_adapter_layers()
+        else:
+            tuner.enable_adapter_layers()
+        self.peft_model.set_adapter(state.active_adapter)
+        if state.adapters_disabled:
+            tuner.disable_adapter_layers()
+        for parameter, requires_grad in state.requires_grad:
+            parameter.requires_grad_(requires_grad)
+        for module, training in state.training:
+            module.training = training
+
+    def _adapters_disabled(self) -> bool:
+        for module in self.peft_model.modules():
+            if isinstance(module, BaseTunerLayer):
+                return module.disable_adapters
+        return False
+
+    @contextlib.contextmanager
+    def _view(self, adapter_name: str | None) -> Iterator[Self]:
+        """Activate ``adapter_name`` (``None``: adapters disabled) and restore everything on exit."""
+        state = self._capture_view()
+        try:
+            tuner = self.peft_model.base_model
+            if adapter_name is None:
+                tuner.disable_adapter_layers()
+            else:
+                tuner.enable_adapter_layers()
+                self.peft_model.set_adapter(adapter_name)
+            # Views never change which parameters train: switching must not make a frozen adapter trainable.
+            for parameter, requires_grad in state.requires_grad:
+                parameter.requires_grad_(requires_grad)
+            yield self
+        finally:
+            self._restore_view(state)
+
+    def use_adapter(self, name: str) -> contextlib.AbstractContextManager[Self]:
+        """Context manager: run the body with adapter ``name`` active (``"policy"``, ``"reward"``,
+        ``"reference"``).
+
+        Nestable; on exit (also on an exception) the previous active adapter, every parameter's
+        ``requires_grad`` and every module's train/eval mode are restored exactly. ``requires_grad`` is not
+        changed inside either: only the policy adapter ever trains.
+
+        Example:
+            >>> with model.use_adapter("reward"):  # doctest: +SKIP
+            ...     hidden = model.peft_model(input_ids).logits
+        """
+        if name not in self.peft_model.peft_config:
+            raise ConfigError(f"no adapter named {name!r}; loaded adapters: {self.adapter_names}")
+        return self._view(name)
+
+    def reference(self, policy: str | None = None) -> contextlib.AbstractContextManager[Self]:
+        """Context manager: the reference of ``policy`` (default: the first policy): the base with adapters
+        disabled, or the frozen copy of the policy's starting weights.
+
+        Example:
+            >>> with model.reference():  # doctest: +SKIP
+            ...     ref_logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
+        """
+        return self._view(self.get_policy(policy).reference_adapter)
+
+    def view(self, name: str) -> contextlib.AbstractContextManager[Self]:
+        """Context manager: ``"policy"``, ``"reference"`` (however it is built) or any adapter name.
+
+        Example:
+            >>> with model.view("reference"):  # doctest: +SKIP
+            ...     ref_logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
+        """
+        if name == DEFAULT_POLICY:
+            return self.policy()
+        if name == REFERENCE_VIEW:
+            return self.reference()
+        if name in self.policies:
+            return self.policy(name)
+        return self.use_adapter(name)
+
+    def policy(self, name: str | None = None) -> contextlib.AbstractContextManager[Self]:
+        """Context manager: policy ``name`` (default: the first policy).
+
+        Example:
+            >>> with model.policy():  # doctest: +SKIP
+            ...     logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
+        """
+        return self._view(self.get_policy(name).name)
+
+    @contextlib.contextmanager
+    def _inference(self) -> Iterator[None]:
+        """Eval mode (no dropout) and no grad for the body; train/eval flags restored after."""
+        training = [(m, m.training) for m in self.peft_model.modules()]
+        self.peft_model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for module, flag in training:
+                module.training = flag
