@@ -200,6 +200,13 @@ class RLOOConfig:
     temperature: float = field(
         default=0.7, metadata={"help": "Sampling temperature; log-probs use the same temperature."}
     )
+    sampler: str = field(
+        default="transformers",
+        metadata={
+            "help": "What draws the completions: 'transformers' (generate on the training model) or a name "
+            "registered with marl.rollout.samplers.register_sampler."
+        },
+    )
     response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
     stop_token: str | None = field(
         default=None,

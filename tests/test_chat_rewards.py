@@ -23,7 +23,10 @@ from marl import MultiAdapterModel, RewardAdapterFunction
 from marl.model.generation import pad_token_id
 from marl.model.packing import attention_window
 from marl.rewards import AdapterReward, EosTerminatedAdapterReward
-from marl.rollout.sampler import Sampler, prepare_prompts
+from marl.rollout.prompts import prepare_prompts
+from marl.rollout.samplers import SamplerSettings
+from marl.rollout.scoring import Scorer
+from marl.rollout.transformers_sampler import TransformersSampler
 
 CLASSIFIER_FAMILIES = [name for name in FAMILIES if FAMILY_SPECS[name].sequence_classification]
 CONVERSATIONS = [
@@ -83,7 +86,10 @@ def test_rollout_scores_conversations_as_trl_renders_them(family, family_dir, tm
     adapter = save_reward_adapter(base_dir, tmp_path / "reward")
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = load_model(base_dir, adapter, family)
-    sampler = Sampler(model, tokenizer, temperature=1.0, response_length=8, stop_at_eos=True)
+    sampler = TransformersSampler(
+        model, tokenizer, SamplerSettings(temperature=1.0, response_length=8, stop_at_eos=True)
+    )
+    scorer = Scorer(model, tokenizer, temperature=1.0)
     prompts = prepare_prompts(
         [{"prompt": conversation} for conversation in CONVERSATIONS],
         tokenizer,
@@ -93,7 +99,7 @@ def test_rollout_scores_conversations_as_trl_renders_them(family, family_dir, tm
     )
     torch.manual_seed(0)
     samples = sampler.sample(sampler.batch(prompts), K)
-    batch = sampler.scoring_batch(samples)
+    batch = scorer.scoring_batch(samples)
     ours = AdapterReward(model).score(batch)
 
     conversations = CONVERSATIONS * K  # k-major, as the rollout
@@ -106,9 +112,9 @@ def test_rollout_scores_conversations_as_trl_renders_them(family, family_dir, tm
     chunks = list(batch.chunks)
     assert len(chunks) == 1
     packed = chunks[0][3]
-    if sampler.share_prompt_prefix and attention_window(model.config) is None:
+    if scorer.share_prompt_prefix and attention_window(model.config) is None:
         assert packed is not None and packed.input_ids.shape[0] == len(CONVERSATIONS)
-    elif not sampler.share_prompt_prefix:
+    elif not scorer.share_prompt_prefix:
         assert packed is None
 
     # The demo's scorer reads conversations the same way (its EOS is the template's turn end).
@@ -139,15 +145,15 @@ def test_prefix_sharing_checks_the_tokens_the_rows_share(family_dir):
     base_dir = family_dir("llama")
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     model = load_model(base_dir, save_reward_adapter(base_dir, base_dir.parent / "shared-reward"), "llama")
-    sampler = Sampler(model, tokenizer, temperature=1.0, response_length=4)
+    scorer = Scorer(model, tokenizer, temperature=1.0)
     rows = [[5, 6, 7, 8], [5, 6, 9], [20, 21], [20, 21]]
-    ids, mask, packed = sampler.shared_prefix_rows(rows, torch.tensor([0, 0, 1, 1]))
+    ids, mask, packed = scorer.shared_prefix_rows(rows, torch.tensor([0, 0, 1, 1]))
     assert packed is not None
     # group 0 shares [5, 6]; group 1's rows are equal, and each keeps its last token as its completion
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [20, 21, 0, 21, 0, 0]]
     torch.testing.assert_close(
         model.compute_reward_score(ids, mask, packed=packed), model.compute_reward_score(ids, mask)
     )
-    ids, mask, packed = sampler.shared_prefix_rows([[5, 6], [7, 8]], torch.tensor([0, 0]))
+    ids, mask, packed = scorer.shared_prefix_rows([[5, 6], [7, 8]], torch.tensor([0, 0]))
     assert packed is None
     assert ids.tolist() == [[5, 6], [7, 8]]

@@ -32,7 +32,7 @@ def test_short_quantized_bf16_run_on_cuda_keeps_packing_on_and_trains(tiny_llama
     config = tiny_config(tmp_path / "run", quantization=quantization, bf16=True, total_episodes=32)
     trainer = build(tiny_llama_dir, config)
     assert trainer.model.device.type == "cuda"
-    assert trainer.sampler.share_prompt_prefix, "prefix packing switched itself off on CUDA in bf16"
+    assert trainer.scorer.share_prompt_prefix, "prefix packing switched itself off on CUDA in bf16"
     before = [parameter.detach().clone() for parameter in trainer.policy_parameters]
     history = trainer.train()
     assert trainer.state.skipped_optimizer_steps == 0

@@ -41,7 +41,7 @@ from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.errors import ModelError
 from marl.model.generation import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
 from marl.rollout import stops
-from marl.rollout.sampler import collect_rollout
+from marl.rollout.collect import collect_rollout
 
 TEMPERATURE = 0.7
 # Ordinary token ids, away from the special tokens (0-6) and the ids the families suppress (300, 301).
@@ -314,9 +314,9 @@ def test_several_terminators_all_stop_the_rollout(family_dir, tmp_path):
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [0.0] * len(c))
     terminators = set(FAMILY_SPECS["llama3"].terminators)
     terminator_ids = set(tokenizer.convert_tokens_to_ids(sorted(terminators)))
-    assert set(trainer.sampler.settings.stop_token_ids) == terminator_ids and len(terminator_ids) == 3
+    assert set(trainer.sampler.sampling.stop_token_ids) == terminator_ids and len(terminator_ids) == 3
     torch.manual_seed(0)
-    rollout = collect_rollout(trainer.sampler, trainer.train_prompts, 2, trainer.reward)
+    rollout = collect_rollout(trainer.sampler, trainer.scorer, trainer.train_prompts, 2, trainer.reward)
     ended_by = set()
     for row, valid, stopped in zip(
         rollout.response_ids, rollout.response_mask, rollout.contains_stop, strict=True

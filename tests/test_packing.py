@@ -26,7 +26,11 @@ from transformers import (
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.model.packing import pack_rows, probe_tolerance, read_slots
-from marl.rollout.sampler import Prompt, Sampler, collect_rollout
+from marl.rollout.collect import collect_rollout
+from marl.rollout.prompts import Prompt
+from marl.rollout.samplers import SamplerSettings
+from marl.rollout.scoring import Scorer
+from marl.rollout.transformers_sampler import TransformersSampler
 
 CLASSIFIER_FAMILIES = [name for name in FAMILIES if FAMILY_SPECS[name].sequence_classification]
 # Prompts of unequal lengths (left padding) and 3 completions each; ordinary token ids (the families keep 0-6
@@ -58,9 +62,12 @@ def load(family_dir, family: str, **kwargs) -> MultiAdapterModel:
 
 
 def sampled(model: MultiAdapterModel, tokenizer, stop_at_eos: bool = True):
-    sampler = Sampler(model, tokenizer, temperature=1.0, response_length=7, stop_at_eos=stop_at_eos)
+    """A scorer of ``model`` and 3 completions of each of ``PROMPTS``."""
+    sampler = TransformersSampler(
+        model, tokenizer, SamplerSettings(temperature=1.0, response_length=7, stop_at_eos=stop_at_eos)
+    )
     torch.manual_seed(0)
-    return sampler, sampler.sample(sampler.batch(PROMPTS), k=3)
+    return Scorer(model, tokenizer, temperature=1.0), sampler.sample(sampler.batch(PROMPTS), k=3)
 
 
 def test_pack_rows_stores_each_prompt_once_and_masks_other_completions():
@@ -89,18 +96,18 @@ def test_packed_logprobs_equal_the_unshared_ones(family, dtype, family_dir):
     """In fp32 and in bf16: packing stays on in bf16 for every family that packs in fp32."""
     model = load(family_dir, family, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
-    sampler, samples = sampled(model, tokenizer)
+    scorer, samples = sampled(model, tokenizer)
     if FAMILY_SPECS[family].model_type == "falcon_h1":
-        assert "carry state" in model.packing_problem and sampler.pack(samples) is None
+        assert "carry state" in model.packing_problem and scorer.pack(samples) is None
         return
     assert model.packing_problem is None
     window = FAMILY_SPECS[family].config.get("sliding_window")
     packed = samples.pack(torch.bool if model.config._attn_implementation == "sdpa" else model.dtype)
     if window is not None and packed.input_ids.shape[1] > window:
         # a window the packed positions would exceed changes what a completion sees: computed unshared
-        assert sampler.pack(samples) is None
+        assert scorer.pack(samples) is None
         return
-    assert sampler.pack(samples) is not None
+    assert scorer.pack(samples) is not None
     valid = samples.response_mask
     for view in (model.policy, model.reference):
         with view(), torch.no_grad():
@@ -119,8 +126,8 @@ def test_packed_reward_scores_equal_the_unshared_ones(family, family_dir, tmp_pa
         pytest.skip("no packing on a Mamba hybrid (see the log-prob test)")
     model = load(family_dir, family, reward_adapter=save_reward_adapter(family_dir(family), tmp_path / "rm"))
     tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
-    sampler, samples = sampled(model, tokenizer)
-    packed = sampler.pack(samples)
+    scorer, samples = sampled(model, tokenizer)
+    packed = scorer.pack(samples)
     if packed is None:
         pytest.skip("sliding window shorter than the packed rows")
     ids, mask = samples.query_responses, samples.attention_mask
@@ -135,14 +142,14 @@ def test_packed_reward_scores_equal_the_unshared_ones(family, family_dir, tmp_pa
 def test_packed_gradients_equal_the_unshared_ones(family, checkpointing, family_dir):
     model = load(family_dir, family, gradient_checkpointing=checkpointing)
     tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
-    sampler, samples = sampled(model, tokenizer)
+    scorer, samples = sampled(model, tokenizer)
     weights = torch.linspace(-1.0, 1.0, samples.response_ids.numel()).view_as(samples.response_ids)
 
     def gradients(packed):
         model.train()
         try:
             with model.policy():
-                logprobs = sampler.completion_logprobs(samples, packed)
+                logprobs = scorer.completion_logprobs(samples, packed)
             (logprobs * weights * samples.response_mask).sum().backward()
         finally:
             model.eval()
@@ -151,7 +158,7 @@ def test_packed_gradients_equal_the_unshared_ones(family, checkpointing, family_
             parameter.grad = None
         return grads
 
-    unshared, shared = gradients(None), gradients(sampler.pack(samples))
+    unshared, shared = gradients(None), gradients(scorer.pack(samples))
     assert sum(float(g.abs().sum()) for g in unshared) > 1e-3
     for a, b in zip(shared, unshared, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -176,12 +183,12 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
 
     shared, unshared = trainer_for(True, tmp_path / "a"), trainer_for(False, tmp_path / "b")
     assert shared.grouped_micro_batches and unshared.grouped_micro_batches
-    assert shared.sampler.share_prompt_prefix and not unshared.sampler.share_prompt_prefix
+    assert shared.scorer.share_prompt_prefix and not unshared.scorer.share_prompt_prefix
     with torch.no_grad():  # one starting point
         for a, b in zip(shared.policy_parameters, unshared.policy_parameters, strict=True):
             b.copy_(a)
     torch.manual_seed(1)
-    rollout = collect_rollout(unshared.sampler, unshared.train_prompts, 2, unshared.reward)
+    rollout = collect_rollout(unshared.sampler, unshared.scorer, unshared.train_prompts, 2, unshared.reward)
     advantages = torch.linspace(-1.0, 1.0, rollout.prompt_index.shape[0])
     results = []
     for trainer in (shared, unshared):
@@ -215,7 +222,9 @@ def test_the_rows_order_of_an_update_does_not_depend_on_packing(tiny_llama_dir, 
             config, config.load_model(), tokenizer, prompts, reward_funcs=lambda p, c: [0.0] * len(c)
         )
         torch.manual_seed(1)
-        rollout = collect_rollout(trainer.sampler, trainer.train_prompts[:12], 2, trainer.reward)
+        rollout = collect_rollout(
+            trainer.sampler, trainer.scorer, trainer.train_prompts[:12], 2, trainer.reward
+        )
         torch.manual_seed(2)
         return trainer._shuffled_rows(rollout).tolist()
 

@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.errors import ConfigError, DataError
-from marl.rollout.sampler import Prompt, collect_rollout
+from marl.rollout.collect import collect_rollout
+from marl.rollout.prompts import Prompt
 from marl.train.trainer import JUDGED_EVAL_ROWS
 
 PROMPTS = ["the movie", "a film about", "review:", "good", "bad acting", "the plot", "write a", "an honest"]
@@ -138,7 +139,7 @@ def test_warmup_steps_count_updates_as_in_trls_rloo(tiny_llama_dir, tmp_path):
 
 def test_an_update_that_fails_leaves_the_model_in_eval_mode(tiny_llama_dir, tmp_path):
     trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"))
-    rollout = collect_rollout(trainer.sampler, trainer.train_prompts[:8], 2, trainer.reward)
+    rollout = collect_rollout(trainer.sampler, trainer.scorer, trainer.train_prompts[:8], 2, trainer.reward)
     with pytest.raises(IndexError):
         trainer._update(rollout, torch.zeros(3))  # advantages of the wrong size fail inside the loop
     assert not any(module.training for module in trainer.model.peft_model.modules())
@@ -496,7 +497,7 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
             max_new_tokens=5,
             do_sample=False,
             eos_token_id=None,
-            pad_token_id=trainer.sampler.settings.pad_token_id,
+            pad_token_id=trainer.sampler.sampling.pad_token_id,
         )[:, prompt_ids.shape[1] :]
     assert shared.shape == (9, 5)
     assert torch.equal(shared, repeated)

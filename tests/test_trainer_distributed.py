@@ -184,7 +184,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     from marl.algo.shaping import shape_rewards
     from marl.algo.tensors import masked_sum
     from marl.train.parallel import average_gradients
-    from marl.rollout.sampler import Rollout, Samples
+    from marl.rollout.records import Rollout, Samples
 
     torch.set_num_threads(1)
     model_dir, output_dir = sys.argv[1], sys.argv[2]
@@ -212,7 +212,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
         contains_stop=torch.ones(8, dtype=torch.bool), contains_eos=torch.ones(8, dtype=torch.bool),
         prompt_index=torch.arange(4).repeat(2),
     )
-    logprobs, ref_logprobs = trainer.sampler.logprobs(samples)
+    logprobs, ref_logprobs = trainer.scorer.logprobs(samples)
     whole = Rollout(**vars(samples), logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores,
                     source_scores=scores[:, None])
     local_rows = torch.tensor([2 * rank, 2 * rank + 1, 4 + 2 * rank, 4 + 2 * rank + 1])
@@ -222,7 +222,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     def gradient(rollout, advantages):
         trainer.optimizer.zero_grad(set_to_none=True)
         with model.policy():
-            new_logprobs = trainer.sampler.completion_logprobs(rollout, None)
+            new_logprobs = trainer.scorer.completion_logprobs(rollout, None)
         new = masked_sum(new_logprobs, rollout.response_mask)
         clipped_policy_loss(new, new.detach(), advantages, 0.2).loss.backward()
         return [parameter.grad for parameter in trainer.policy_parameters]

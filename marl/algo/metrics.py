@@ -52,7 +52,7 @@ class RolloutStats:
 
     @classmethod
     def of(cls, rollout: Any, shaped: ShapedRewards) -> RolloutStats:
-        """From a :class:`marl.rollout.sampler.Rollout` and its shaped rewards."""
+        """From a :class:`marl.rollout.records.Rollout` and its shaped rewards."""
         source_judged = ~torch.isnan(rollout.source_scores)
 
         def judged_sum(values: torch.Tensor) -> torch.Tensor:

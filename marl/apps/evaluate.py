@@ -1,8 +1,9 @@
 """``marl evaluate``: does the trained policy beat its base on held-out prompts, and by honest measures?
 
 For every prompt both the base (the reference view of the same loaded model: adapters disabled) and the policy
-sample one completion with the same sampling settings and seeds, through the rollout's sampler
-(:class:`marl.rollout.sampler.Sampler`), so evaluation samples exactly as training does. Each completion gets
+sample one completion with the same sampling settings and seeds, through the rollout's default sampler
+(:class:`marl.rollout.transformers_sampler.TransformersSampler`), so evaluation samples exactly as training
+does. Each completion gets
 
 - the reward adapter's score of prompt + completion + EOS (the ``eos_adapter`` reward kind, see
   :class:`marl.rewards.adapter.EosTerminatedAdapterReward`),
@@ -207,18 +208,24 @@ def generate_and_score(
     from marl.algo.tensors import masked_sum
     from marl.data.prompts import prompt_text
     from marl.rewards import RewardParts, RewardSetting, plan_rewards
-    from marl.rollout.sampler import Sampler, prepare_prompts
+    from marl.rollout.prompts import prepare_prompts
+    from marl.rollout.samplers import SamplerSettings
+    from marl.rollout.scoring import Scorer
+    from marl.rollout.transformers_sampler import TransformersSampler
 
-    sampler = Sampler(
+    sampler = TransformersSampler(
         model,
         tokenizer,
-        temperature=temperature,
-        response_length=response_length,
         # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
-        stop_at_eos=stop_at_eos,
-        rows_per_pass=batch_size,
-        policy=policy,
+        SamplerSettings(
+            temperature=temperature,
+            response_length=response_length,
+            stop_at_eos=stop_at_eos,
+            rows_per_pass=batch_size,
+            policy=policy,
+        ),
     )
+    scorer = Scorer(model, tokenizer, temperature=temperature, rows_per_pass=batch_size, policy=policy)
     prepared = prepare_prompts(
         [{"prompt": prompt} for prompt in prompts],
         tokenizer,
@@ -247,9 +254,9 @@ def generate_and_score(
             )
             record.lengths.extend(int(n) for n in samples.lengths.tolist())
             for reward in rewards:
-                record.reward_scores.extend(reward.score(sampler.scoring_batch(samples)).tolist())
+                record.reward_scores.extend(reward.score(scorer.scoring_batch(samples)).tolist())
             if name == "policy":
-                logprobs, ref_logprobs = sampler.logprobs(samples)
+                logprobs, ref_logprobs = scorer.logprobs(samples)
                 record.kls.extend(masked_sum(logprobs - ref_logprobs, samples.response_mask).tolist())
         if after_batch is not None:
             after_batch()

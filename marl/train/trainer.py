@@ -2,7 +2,7 @@
 
 One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
 
-1. rollout (:func:`marl.rollout.sampler.collect_rollout`, no grad, eval mode): this process's prompts, ``k``
+1. rollout (:func:`marl.rollout.collect.collect_rollout`, no grad, eval mode): this process's prompts, ``k``
 sampled
    completions each under the policy, cut after the stop token, their policy and reference log-probs and
    their scores;
@@ -60,7 +60,11 @@ from marl.data.prompts import prompt_text
 from marl.errors import ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rewards import CheckedJudge, build_rewards
-from marl.rollout.sampler import Rollout, Sampler, collect_rollout, prepare_prompts, prompts_for_update
+from marl.rollout.collect import collect_rollout
+from marl.rollout.prompts import prepare_prompts, prompts_for_update
+from marl.rollout.records import Rollout
+from marl.rollout.samplers import SamplerSettings, get_sampler
+from marl.rollout.scoring import Scorer
 from marl.train import checkpoints, run_dir
 from marl.train import parallel as distributed
 from marl.train.plotting import plot_training_curves
@@ -174,13 +178,23 @@ class RLOOTrainer:
             step_scheduler_with_optimizer=False,
         )
         self._check_devices()
-        self.sampler = Sampler(
+        self.sampler = get_sampler(config.sampler)(
+            model,
+            tokenizer,
+            SamplerSettings(
+                temperature=config.temperature,
+                response_length=config.response_length,
+                stop_at_eos=config.stop_token == "eos",
+                stop_token_id=config.stop_token_id,
+                rows_per_pass=config.local_rollout_forward_batch_size,
+                autocast=self.accelerator.autocast,
+                policy=self.policy,
+            ),
+        )
+        self.scorer = Scorer(
             model,
             tokenizer,
             temperature=config.temperature,
-            response_length=config.response_length,
-            stop_at_eos=config.stop_token == "eos",
-            stop_token_id=config.stop_token_id,
             rows_per_pass=config.local_rollout_forward_batch_size,
             autocast=self.accelerator.autocast,
             policy=self.policy,
@@ -282,9 +296,9 @@ class RLOOTrainer:
                         rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
                         batch = rollout.select(rows)
                         # whole prompt groups: each prompt is computed once, its k gradients flow into it
-                        packed = self.sampler.pack(batch) if self.grouped_micro_batches else None
+                        packed = self.scorer.pack(batch) if self.grouped_micro_batches else None
                         with self.model.policy(self.policy), self.accelerator.autocast():
-                            new_logprobs, entropy = self.sampler.completion_logprobs(
+                            new_logprobs, entropy = self.scorer.completion_logprobs(
                                 batch, packed, with_entropy=True
                             )
                         new_seq_logprob = masked_sum(new_logprobs, batch.response_mask)
@@ -329,7 +343,7 @@ class RLOOTrainer:
         prompts = prompts_for_update(
             self.train_prompts, self.state.update, self.accelerator.process_index, self.sizes, config.seed
         )
-        rollout = collect_rollout(self.sampler, prompts, config.rloo_k, self.reward)
+        rollout = collect_rollout(self.sampler, self.scorer, prompts, config.rloo_k, self.reward)
         shaped = self._shaped_rewards(rollout)
         if distributed.any_process(bool(shaped.judged.any()), self.accelerator):
             return rollout, shaped, self._update(rollout, shaped.advantages)
@@ -375,6 +389,8 @@ class RLOOTrainer:
             self.optimizer.step()
             # fp16: the loss scaler skips a step whose gradients overflowed.
             skip = self.optimizer.step_was_skipped
+            if not skip:
+                self.sampler.policy_weights_changed()
         self._advance_schedule()
         self.optimizer.zero_grad(set_to_none=True)
         if skip:
@@ -437,7 +453,7 @@ class RLOOTrainer:
             with torch.random.fork_rng(devices=devices):
                 samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
             with torch.no_grad(), self.accelerator.autocast():
-                scores = self.reward.score(self.sampler.scoring_batch(samples)).total.tolist()
+                scores = self.reward.score(self.scorer.scoring_batch(samples)).total.tolist()
             if self.judge is not None:
                 texts = [
                     self._judged_prompt_text(index) + completion
@@ -496,6 +512,7 @@ class RLOOTrainer:
             adapter_shapes={key: tuple(tensor.shape) for key, tensor in policy_state.items()},
         )
         set_peft_model_state_dict(self.model.peft_model, saved.adapter, adapter_name=self.policy)
+        self.sampler.policy_weights_changed()
         self.optimizer.load_state_dict(saved.optimizer)
         self.lr_scheduler.load_state_dict(saved.scheduler)
         checkpoints.restore_loss_scaler(saved, self.accelerator.scaler)

@@ -1,0 +1,49 @@
+"""One rollout: prompts in, sampled and scored completions out, with no gradients.
+
+1. the sampler (:mod:`marl.rollout.samplers`) draws ``k`` completions of every prompt under the policy,
+   cut after their stop token (:class:`marl.rollout.records.Samples`, k-major: row ``j * P + i`` is sample
+   ``j`` of prompt ``i``);
+2. the scorer (:class:`marl.rollout.scoring.Scorer`) computes their policy and reference log-probs in
+   float32 at the sampling temperature, and the rows the reward sources read;
+3. the reward adds its scores: a :class:`marl.rollout.records.Rollout` holds everything an update needs.
+
+Example:
+    >>> rollout = collect_rollout(sampler, scorer, prompts, k=4, reward=reward)  # doctest: +SKIP
+    >>> rollout.scores.shape  # doctest: +SKIP
+    torch.Size([32])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from marl.rollout.records import Rollout, Samples
+
+if TYPE_CHECKING:
+    from marl.rewards import WeightedRewards
+    from marl.rollout.prompts import Prompt
+    from marl.rollout.samplers import Sampler
+    from marl.rollout.scoring import Scorer
+
+
+def collect_rollout(
+    sampler: Sampler, scorer: Scorer, prompts: Sequence[Prompt], k: int, reward: WeightedRewards
+) -> Rollout:
+    """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
+    and reference log-probs (``scorer``), and their scores from ``reward``."""
+    samples = sampler.sample(sampler.batch(prompts), k)
+    logprobs, ref_logprobs = scorer.logprobs(samples)
+    with torch.no_grad(), scorer.autocast():
+        scores = reward.score(scorer.scoring_batch(samples))
+    values = {field.name: getattr(samples, field.name) for field in dataclasses.fields(Samples)}
+    return Rollout(
+        **values,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        scores=scores.total,
+        source_scores=scores.per_source,
+    )

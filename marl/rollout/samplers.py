@@ -1,0 +1,109 @@
+"""The sampler extension point: what draws the completions of a rollout, chosen by name (``--sampler``).
+
+A sampler turns prompts into k completions each under a view of the model; everything after that (log-probs,
+packing, reward rows) is the :class:`marl.rollout.scoring.Scorer`'s, so a faster sampler (a static-cache
+decode, an inference engine) is one new file with a class that has :class:`Sampler`'s three methods plus one
+:func:`register_sampler` call. The trainer builds it as ``get_sampler(config.sampler)(model, tokenizer,
+settings)`` and calls :meth:`Sampler.policy_weights_changed` whenever the policy adapter's weights change, so
+that a sampler holding its own copy of them can refresh it.
+
+Example:
+    >>> get_sampler("transformers").__name__
+    'TransformersSampler'
+    >>> settings = SamplerSettings(temperature=0.7, response_length=16, stop_at_eos=True)
+    >>> settings.rows_per_pass, settings.policy
+    (64, None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from marl.errors import ConfigError
+from marl.rollout.transformers_sampler import TransformersSampler
+
+if TYPE_CHECKING:
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rollout.prompts import Prompt, PromptBatch
+    from marl.rollout.records import Samples
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """What every sampler is told.
+
+    Attributes:
+        temperature, response_length: sample from ``softmax(logits / temperature)``, at most
+            ``response_length`` new tokens per completion.
+        stop_at_eos: end completions at any of the model's end-of-sequence ids; ``stop_token_id`` ends them at
+            that id instead; neither: every completion runs to ``response_length``.
+        rows_per_pass: sampled rows per chunk of generation.
+        autocast: a context manager factory for mixed precision (e.g. ``accelerator.autocast``).
+        policy: the policy adapter that samples (default: the model's first policy); its reference is the
+            ``"reference"`` view.
+    """
+
+    temperature: float
+    response_length: int
+    stop_at_eos: bool = False
+    stop_token_id: int | None = None
+    rows_per_pass: int = 64
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    policy: str | None = None
+
+
+class Sampler(Protocol):
+    """Draws completions. Built as ``factory(model, tokenizer, settings)`` (:func:`register_sampler`)."""
+
+    def batch(self, prompts: Sequence[Prompt]) -> PromptBatch:
+        """``prompts`` left-padded on the sampler's device, ready for :meth:`sample`."""
+        ...
+
+    def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
+        """``k`` completions of every prompt under ``view`` (``"policy"`` or ``"reference"``), k-major (row
+        ``j * P + i`` is sample ``j`` of prompt ``i``), cut after their stop token and decoded."""
+        ...
+
+    def policy_weights_changed(self) -> None:
+        """The policy adapter's weights changed (after every optimizer step the trainer took, and after it
+        loaded a checkpoint): a sampler that holds its own copy of them refreshes it before it samples
+        again."""
+        ...
+
+
+SamplerFactory = Callable[["MultiAdapterModel", Any, SamplerSettings], Sampler]
+
+SAMPLERS: dict[str, SamplerFactory] = {"transformers": TransformersSampler}
+
+
+def register_sampler(name: str, factory: SamplerFactory) -> None:
+    """Make ``factory`` the sampler named ``name`` (``--sampler name``); a name given again is replaced.
+
+    Example:
+        >>> register_sampler("mine", TransformersSampler)
+        >>> get_sampler("mine") is TransformersSampler
+        True
+        >>> del SAMPLERS["mine"]
+    """
+    SAMPLERS[name] = factory
+
+
+def get_sampler(name: str) -> SamplerFactory:
+    """The factory of the sampler named ``name``; a :class:`marl.errors.ConfigError` naming the known ones
+    for any other name.
+
+    Example:
+        >>> get_sampler("nope")
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --sampler nope is not a sampler; known: transformers. Pass one of those, ...
+    """
+    if name not in SAMPLERS:
+        raise ConfigError(
+            f"--sampler {name} is not a sampler; known: {', '.join(sorted(SAMPLERS))}. Pass one of those, or "
+            "register yours first with marl.rollout.samplers.register_sampler(name, factory)"
+        )
+    return SAMPLERS[name]

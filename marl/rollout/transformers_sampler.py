@@ -1,0 +1,136 @@
+"""The ``transformers`` sampler (``--sampler transformers``, the default): ``generate`` on the training model.
+
+It samples with :meth:`marl.MultiAdapterModel.sample` (exactly ``softmax(logits / T)``, see
+:mod:`marl.model.generation`) under the policy or the reference view of the one shared base, prefilling each
+prompt once for its k samples, and cuts every completion after its stop token
+(:meth:`marl.rollout.records.Samples.from_responses`). It reads the live adapter weights, so it has nothing
+to refresh when the policy changes.
+
+Example:
+    >>> sampler = TransformersSampler(model, tokenizer, SamplerSettings(0.7, 16))  # doctest: +SKIP
+    >>> samples = sampler.sample(sampler.batch(prompts), k=4)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from marl.errors import ConfigError, DataError
+from marl.model.generation import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
+from marl.model.multi_adapter import position_ids_from_mask
+from marl.rollout.prompts import Prompt, PromptBatch
+from marl.rollout.records import Samples
+
+if TYPE_CHECKING:
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rollout.samplers import SamplerSettings
+
+
+class TransformersSampler:
+    """Samples completions with ``generate`` on the model itself (:class:`marl.rollout.samplers.Sampler`).
+
+    Args:
+        model: the multi-adapter model.
+        tokenizer: its tokenizer (pad token, EOS, decoding).
+        settings: a :class:`marl.rollout.samplers.SamplerSettings`.
+
+    Attributes:
+        sampling: what :meth:`marl.MultiAdapterModel.sample` reads: the temperature, the length limit, every
+            id that ends a completion and the pad id.
+        eos_token_ids: every end-of-sequence id of the model (``contains_eos``).
+    """
+
+    def __init__(self, model: MultiAdapterModel, tokenizer: Any, settings: SamplerSettings) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.policy = settings.policy or model.default_policy
+        # Every end-of-sequence id of the model: a list in generation_config.eos_token_id (Llama-3.x-Instruct
+        # has three) all end a completion with stop_at_eos, and all count as an EOS.
+        self.eos_token_ids = eos_token_ids(tokenizer, model.generation_config)
+        if settings.stop_at_eos and not self.eos_token_ids:
+            raise DataError("stop_token='eos' but the tokenizer has no EOS token; pass --stop_token_id ID")
+        stop_token_id = settings.stop_token_id
+        vocabulary = model.peft_model.get_input_embeddings().num_embeddings
+        if stop_token_id is not None and not 0 <= stop_token_id < vocabulary:
+            raise ConfigError(
+                f"--stop_token_id {stop_token_id} is not a token of this model (ids 0 to {vocabulary - 1}); "
+                "pass an id from its tokenizer"
+            )
+        stop_ids = () if stop_token_id is None else (stop_token_id,)
+        if settings.stop_at_eos:
+            stop_ids = self.eos_token_ids
+        self.sampling = SamplingSettings(
+            settings.temperature, settings.response_length, stop_ids, pad_token_id(tokenizer)
+        )
+        self.share_prompt_cache = prompt_cache_can_be_shared(model.peft_model.get_base_model())
+
+    def batch(self, prompts: Sequence[Prompt]) -> PromptBatch:
+        return PromptBatch.of(prompts, self.sampling.pad_token_id, self.model.device)
+
+    def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
+        """``k`` completions of every prompt under ``view`` (``"policy"`` or ``"reference"``), k-major."""
+        return Samples.from_responses(
+            prompts,
+            k,
+            self._generate(prompts, k, view),
+            stop_token_ids=self.sampling.stop_token_ids,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.sampling.pad_token_id,
+            tokenizer=self.tokenizer,
+        )
+
+    def policy_weights_changed(self) -> None:
+        """Nothing to do: generation runs on the model's own policy adapter, whose weights are the live ones
+        the optimizer just changed (no copy to refresh)."""
+
+    def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
+        """Completion ids ``[k * P, response_length]``, k-major, in chunks of ``rows_per_pass`` sampled rows.
+
+        Each prompt is prefilled ONCE: its KV cache is copied to its k samples, instead of running the prompt
+        through the model k times.
+        """
+        prompts_per_chunk = max(1, self.settings.rows_per_pass // k)
+        pieces = []
+        for start in range(0, prompts.ids.shape[0], prompts_per_chunk):
+            ids = prompts.ids[start : start + prompts_per_chunk]
+            mask = prompts.mask[start : start + prompts_per_chunk]
+            with self._view(view), self.settings.autocast():
+                responses = self.model.sample(
+                    ids.repeat_interleave(k, dim=0),
+                    mask.repeat_interleave(k, dim=0),
+                    self.sampling,
+                    past_key_values=self._shared_prompt_cache(ids, mask, k),
+                )
+            # generate ran prompt-major (row i * k + j); the rollout layout is k-major (row j * P + i)
+            pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
+        return torch.cat(pieces, dim=1).reshape(k * prompts.ids.shape[0], -1)
+
+    def _view(self, view: str) -> contextlib.AbstractContextManager:
+        if view == "reference":
+            return self.model.reference(self.policy)
+        return self.model.policy(self.policy)
+
+    def _shared_prompt_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int) -> Any:
+        """KV cache of all prompt tokens but the last (generate feeds that one), repeated ``copies`` times.
+
+        ``None`` (generate prefills by itself) when there is nothing to share, or the model's cache holds
+        states that cannot be repeated.
+        """
+        if copies == 1 or prompt_ids.shape[1] < 2 or not self.share_prompt_cache:
+            return None
+        with torch.no_grad():
+            prefill = self.model.peft_model(
+                input_ids=prompt_ids[:, :-1],
+                attention_mask=prompt_mask[:, :-1],
+                position_ids=position_ids_from_mask(prompt_mask[:, :-1]),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        cache = prefill.past_key_values
+        cache.batch_repeat_interleave(copies)
+        return cache
