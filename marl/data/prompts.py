@@ -1,4 +1,4 @@
-"""Prompts: datasets, tokenisation and padding.
+"""Prompts: datasets, tokenisation, chat rendering and padding.
 
 - :func:`load_prompt_dataset` turns ``--dataset_name`` into a ``datasets.Dataset`` with a ``prompt``
   column: the bundled Rotten Tomatoes prompts, a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file or a
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.errors import DataError, MissingPathError
+from marl.errors import DataError
 
 if TYPE_CHECKING:
     import datasets
@@ -228,7 +228,7 @@ def _load_local_or_hub(dataset_name: str, split: str, split_flag: str) -> datase
 
     path = Path(dataset_name).expanduser()
     if path.is_file():
-        builder = FILE_BUILDERS.get(_suffix(path))
+        builder = FILE_BUILDERS.get(file_suffix(path))
         if builder is None:
             raise DataError(
                 f"{path} has an unknown dataset file type {path.suffix!r}: use one of "
@@ -237,7 +237,7 @@ def _load_local_or_hub(dataset_name: str, split: str, split_flag: str) -> datase
         return read_dataset_files(path, builder, data_files={split: str(path)})[split]
     if path.is_dir():
         files = [f for f in sorted(path.rglob("*")) if f.is_file() and not f.name.startswith(".")]
-        builders = {FILE_BUILDERS[_suffix(f)] for f in files if _suffix(f) in FILE_BUILDERS}
+        builders = {FILE_BUILDERS[file_suffix(f)] for f in files if file_suffix(f) in FILE_BUILDERS}
         if not builders:
             raise DataError(
                 f"the folder {path} holds no dataset file: put {', '.join(sorted(FILE_BUILDERS))} files in it"
@@ -287,7 +287,7 @@ def read_dataset_files(path: Path, builder: str, **options: Any) -> datasets.Dat
         datasets.logging.set_verbosity(verbosity)
 
 
-def _suffix(path: Path) -> str:
+def file_suffix(path: Path) -> str:
     return path.suffix.lower()
 
 
@@ -318,7 +318,7 @@ def _select_prompt_column(
     if prompt_column != "prompt":
         dataset = dataset.rename_column(prompt_column, "prompt")
     for index, prompt in enumerate(dataset["prompt"][:100]):
-        if not _is_prompt(prompt):
+        if not is_prompt(prompt):
             raise DataError(
                 f"row {index} of column {prompt_column!r} in {dataset_name!r} is {prompt!r}, not a prompt: "
                 "prompts must be non-empty strings or lists of {'role', 'content'} messages. "
@@ -327,7 +327,7 @@ def _select_prompt_column(
     return dataset
 
 
-def _is_prompt(value: Any) -> bool:
+def is_prompt(value: Any) -> bool:
     if isinstance(value, str):
         return bool(value.strip())
     return (
@@ -349,77 +349,3 @@ def prompt_text(prompt: Any) -> str:
 
 # ------------------------------------------------------------------------------------------------------------
 # Preference pairs (reward-adapter training)
-
-
-def load_preference_data(
-    dataset: str = ROTTEN_TOMATOES,
-    *,
-    eval_fraction: float = 0.1,
-    max_train_pairs: int | None = None,
-    max_eval_pairs: int | None = None,
-    seed: int = 0,
-) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Training and held-out preference pairs from Rotten Tomatoes or a local file.
-
-    ``"rotten-tomatoes"``: pairs from the ``reward`` part of :func:`marl.data.assets.split_rotten_tomatoes`
-    for
-    training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
-    prompts. A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows
-    is held out. Subsampling keeps a seeded random subset.
-
-    Example:
-        >>> train, held_out = load_preference_data("rotten-tomatoes", max_train_pairs=256)
-        >>> len(train), train.column_names[:2]
-        (256, ['chosen', 'rejected'])
-    """
-    from marl.data import assets
-
-    if dataset == ROTTEN_TOMATOES:
-        parts = assets.split_rotten_tomatoes(seed=seed)
-        train = assets.build_preference_pairs(parts["reward"], seed=seed)
-        held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
-    else:
-        pairs = _load_pair_file(Path(dataset))
-        if len(pairs) < 2:
-            raise DataError(
-                f"{dataset} has {len(pairs)} rows; at least 2 are needed to hold one out for evaluation"
-            )
-        split = pairs.train_test_split(test_size=eval_fraction, seed=seed)
-        train, held_out = split["train"], split["test"]
-    return _subsample(train, max_train_pairs, seed), _subsample(held_out, max_eval_pairs, seed)
-
-
-def _load_pair_file(path: Path) -> datasets.Dataset:
-    if not path.is_file():
-        raise MissingPathError(
-            f"dataset {str(path)!r} is neither '{ROTTEN_TOMATOES}' nor an existing file; pass one of those"
-        )
-    builder = FILE_BUILDERS.get(_suffix(path))
-    if builder is None:
-        raise DataError(f"{path} has an unsupported extension; use one of {', '.join(sorted(FILE_BUILDERS))}")
-    return read_dataset_files(path, builder, data_files=str(path), split="train")
-
-
-def _subsample(pairs: datasets.Dataset, limit: int | None, seed: int) -> datasets.Dataset:
-    if limit is None or limit >= len(pairs):
-        return pairs
-    return pairs.shuffle(seed=seed).select(range(limit))
-
-
-def check_preference_pairs(pairs: datasets.Dataset, name: str) -> None:
-    """Refuse pairs without ``chosen`` and ``rejected`` columns, or none at all."""
-    missing = {"chosen", "rejected"} - set(pairs.column_names)
-    if missing:
-        raise DataError(
-            f"{name} lacks the column(s) {sorted(missing)} (found {pairs.column_names}); preference data "
-            "needs 'chosen' and 'rejected' (plain strings or lists of chat messages), and optionally 'prompt'"
-        )
-    if len(pairs) == 0:
-        raise DataError(f"{name} is empty")
-    for index, row in enumerate(pairs.select(range(min(100, len(pairs))))):
-        for column in ("chosen", "rejected"):
-            if not _is_prompt(row[column]):
-                raise DataError(
-                    f"row {index} of {name} has {column}={row[column]!r}: each side must be non-empty "
-                    "text or a list of {'role', 'content'} messages"
-                )

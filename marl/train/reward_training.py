@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import apply_threads
-from marl.data.prompts import ROTTEN_TOMATOES, check_preference_pairs, load_preference_data
+from marl.data.preferences import check_preference_pairs, load_preference_data
+from marl.data.prompts import ROTTEN_TOMATOES
 from marl.errors import ConfigError, DataError, ModelError, RunFolderError
 from marl.model.adapters import (
     ADAPTER_CONFIG_NAME,

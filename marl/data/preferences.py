@@ -1,0 +1,87 @@
+"""Preference pairs for reward-adapter training: the bundled Rotten Tomatoes pairs or a local file of
+``prompt``/``chosen``/``rejected`` rows, checked before any training starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
+from marl.errors import DataError, MissingPathError
+
+if TYPE_CHECKING:
+    import datasets
+
+
+def load_preference_data(
+    dataset: str = ROTTEN_TOMATOES,
+    *,
+    eval_fraction: float = 0.1,
+    max_train_pairs: int | None = None,
+    max_eval_pairs: int | None = None,
+    seed: int = 0,
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Training and held-out preference pairs from Rotten Tomatoes or a local file.
+
+    ``"rotten-tomatoes"``: pairs from the ``reward`` part of :func:`marl.data.assets.split_rotten_tomatoes`
+    for
+    training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
+    prompts. A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows
+    is held out. Subsampling keeps a seeded random subset.
+
+    Example:
+        >>> train, held_out = load_preference_data("rotten-tomatoes", max_train_pairs=256)
+        >>> len(train), train.column_names[:2]
+        (256, ['chosen', 'rejected'])
+    """
+    from marl.data import assets
+
+    if dataset == ROTTEN_TOMATOES:
+        parts = assets.split_rotten_tomatoes(seed=seed)
+        train = assets.build_preference_pairs(parts["reward"], seed=seed)
+        held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
+    else:
+        pairs = _load_pair_file(Path(dataset))
+        if len(pairs) < 2:
+            raise DataError(
+                f"{dataset} has {len(pairs)} rows; at least 2 are needed to hold one out for evaluation"
+            )
+        split = pairs.train_test_split(test_size=eval_fraction, seed=seed)
+        train, held_out = split["train"], split["test"]
+    return _subsample(train, max_train_pairs, seed), _subsample(held_out, max_eval_pairs, seed)
+
+
+def _load_pair_file(path: Path) -> datasets.Dataset:
+    if not path.is_file():
+        raise MissingPathError(
+            f"dataset {str(path)!r} is neither '{ROTTEN_TOMATOES}' nor an existing file; pass one of those"
+        )
+    builder = FILE_BUILDERS.get(file_suffix(path))
+    if builder is None:
+        raise DataError(f"{path} has an unsupported extension; use one of {', '.join(sorted(FILE_BUILDERS))}")
+    return read_dataset_files(path, builder, data_files=str(path), split="train")
+
+
+def _subsample(pairs: datasets.Dataset, limit: int | None, seed: int) -> datasets.Dataset:
+    if limit is None or limit >= len(pairs):
+        return pairs
+    return pairs.shuffle(seed=seed).select(range(limit))
+
+
+def check_preference_pairs(pairs: datasets.Dataset, name: str) -> None:
+    """Refuse pairs without ``chosen`` and ``rejected`` columns, or none at all."""
+    missing = {"chosen", "rejected"} - set(pairs.column_names)
+    if missing:
+        raise DataError(
+            f"{name} lacks the column(s) {sorted(missing)} (found {pairs.column_names}); preference data "
+            "needs 'chosen' and 'rejected' (plain strings or lists of chat messages), and optionally 'prompt'"
+        )
+    if len(pairs) == 0:
+        raise DataError(f"{name} is empty")
+    for index, row in enumerate(pairs.select(range(min(100, len(pairs))))):
+        for column in ("chosen", "rejected"):
+            if not is_prompt(row[column]):
+                raise DataError(
+                    f"row {index} of {name} has {column}={row[column]!r}: each side must be non-empty "
+                    "text or a list of {'role', 'content'} messages"
+                )
