@@ -5,12 +5,6 @@ one before any model work; the command line calls it right after parsing, :func:
 it first. :func:`build_training_parts` then makes, in order: the reward, the :class:`Parallelism` (which owns
 the ``accelerate.Accelerator``), the sampler, the tokenised prompts and the batch arithmetic, and the
 :class:`marl.train.update.PolicyUpdate` with its optimizer and LR schedule.
-
-Example:
-    >>> check_components(RLOOConfig())
-    >>> check_components(RLOOConfig(parallelism="sharded"))
-    Traceback (most recent call last):
-    marl.errors.ConfigError: --parallelism sharded is not a known parallelism. Use one of: replicated
 """
 
 from __future__ import annotations
@@ -42,13 +36,12 @@ class TrainingParts:
     """What an RLOO run trains with, built once from its config.
 
     ``judge``: the held-out judge, checked; ``callbacks``: the user's, then the CPU thread governor when
-    ``config.threads`` asks for one. ``sample_every``: updates between sample tables (0: none). ``update``
-    holds the optimizer, the LR schedule and the policy's trainable parameters.
+    ``config.threads`` asks for one. ``sample_every``: updates between sample tables (0: none).
+    ``policy_update`` holds the optimizer, the LR schedule and the policy's trainable parameters.
     """
 
     judge: CheckedJudge | None
     callbacks: list[Callable[..., Any]]
-
     parallelism: Parallelism
     policy: str
     reward: WeightedRewards
@@ -59,12 +52,19 @@ class TrainingParts:
     sizes: BatchSizes
     sample_every: int
     advantage_estimator: AdvantageEstimator
-    update: PolicyUpdate
+    policy_update: PolicyUpdate
 
 
 def check_components(config: RLOOConfig) -> None:
     """Refuse, with a :class:`marl.errors.ConfigError` naming the flag and the known names, every registry
-    name of ``config`` that names nothing registered (see the module example)."""
+    name of ``config`` that names nothing registered, before any model work.
+
+    Example:
+        >>> check_components(RLOOConfig())
+        >>> check_components(RLOOConfig(parallelism="sharded"))
+        Traceback (most recent call last):
+        marl.errors.ConfigError: --parallelism sharded is not a known parallelism. Use one of: replicated
+    """
     get_advantage_estimator(config.advantage_estimator)
     get_sampler(config.sampler)
     get_parallelism(config.parallelism)
@@ -156,7 +156,7 @@ def build_training_parts(
         sizes=sizes,
         sample_every=sample_every,
         advantage_estimator=get_advantage_estimator(config.advantage_estimator),
-        update=PolicyUpdate(
+        policy_update=PolicyUpdate(
             config, model, policy, sampler, scorer, parallelism, optimizer, scheduler, sizes, parameters
         ),
     )

@@ -97,6 +97,9 @@ class Parallelism(Protocol):
     def wait(self) -> None:
         """Return once every process has got here."""
 
+    def finish(self) -> None:
+        """End the run: close the trackers and release the process group."""
+
 
 ParallelismFactory = Callable[["MultiAdapterModel", "RLOOConfig"], Parallelism]
 
@@ -175,6 +178,9 @@ class ReplicatedParallelism:
 
     def wait(self) -> None:
         self.accelerator.wait_for_everyone()
+
+    def finish(self) -> None:
+        self.accelerator.end_training()
 
 
 PARALLELISMS: dict[str, ParallelismFactory] = {"replicated": ReplicatedParallelism}

@@ -138,9 +138,9 @@ class RLOOTrainer:
         self.train_prompts, self.eval_prompts = parts.train_prompts, parts.eval_prompts
         self.sizes, self.sample_every = parts.sizes, parts.sample_every
         self.advantage_estimator = parts.advantage_estimator
-        self.policy_update = parts.update
-        self.policy_parameters = parts.update.parameters
-        self.optimizer, self.lr_scheduler = parts.update.optimizer, parts.update.scheduler
+        self.policy_update = parts.policy_update
+        self.policy_parameters = self.policy_update.parameters
+        self.optimizer, self.lr_scheduler = self.policy_update.optimizer, self.policy_update.scheduler
         self.state = TrainerState()
         self.log_history: list[dict[str, float]] = []
         self.output_dir = Path(config.output_dir)
@@ -406,5 +406,5 @@ class RLOOTrainer:
             )
             print(run_dir.finished_line(self.output_dir, self.policy, curves))
         parallelism.wait()
-        self.accelerator.end_training()
+        parallelism.finish()
         return self.log_history
