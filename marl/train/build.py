@@ -61,9 +61,9 @@ def check_components(config: RLOOConfig) -> None:
 
     Example:
         >>> check_components(RLOOConfig())
-        >>> check_components(RLOOConfig(parallelism="sharded"))
+        >>> check_components(RLOOConfig(advantage_estimator="grpo"))
         Traceback (most recent call last):
-        marl.errors.ConfigError: --parallelism sharded is not a known parallelism. Use one of: replicated
+        marl.errors.ConfigError: --advantage_estimator 'grpo' is not a registered advantage estimator; ...
     """
     get_advantage_estimator(config.advantage_estimator)
     get_sampler(config.sampler)

@@ -204,11 +204,12 @@ def get_parallelism(name: str) -> ParallelismFactory:
     Example:
         >>> get_parallelism("sharded")
         Traceback (most recent call last):
-        marl.errors.ConfigError: --parallelism sharded is not a known parallelism. Use one of: replicated
+        marl.errors.ConfigError: --parallelism 'sharded' is not a registered parallelism; ...
     """
     if name not in PARALLELISMS:
         raise ConfigError(
-            f"--parallelism {name} is not a known parallelism. Use one of: {', '.join(sorted(PARALLELISMS))}"
+            f"--parallelism {name!r} is not a registered parallelism; pass one of {sorted(PARALLELISMS)} (a "
+            "new one is registered with marl.train.parallel.register_parallelism)"
         )
     return PARALLELISMS[name]
 
