@@ -7,7 +7,7 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from marl import RLOOConfig, RLOOTrainer
+from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.errors import ConfigError
 from marl.train.build import build_training_parts, check_components
 from marl.train.parallel import PARALLELISMS, ReplicatedParallelism, get_parallelism, register_parallelism
@@ -38,7 +38,7 @@ def test_an_unknown_parallelism_is_refused_with_the_known_names():
     assert get_parallelism("replicated") is ReplicatedParallelism
 
 
-@pytest.mark.parametrize("field", ["advantage_estimator", "parallelism"])
+@pytest.mark.parametrize("field", ["advantage_estimator", "sampler", "parallelism"])
 def test_check_components_refuses_a_bad_registry_name_before_any_model_work(field):
     # The model folder does not exist: nothing may try to read it.
     config = RLOOConfig(model_name_or_path="no/such-model", **{field: "nope"})
@@ -61,7 +61,7 @@ def test_a_parallelism_registered_outside_the_package_runs_every_optimizer_step(
     prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"]})
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     trainer = RLOOTrainer(
-        config, config.load_model(), tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c]
+        config, MultiAdapterModel.from_config(config), tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c]
     )
     assert isinstance(trainer.parallelism, CountingParallelism)
     history = trainer.train()

@@ -1,9 +1,10 @@
 """The builder of an RLOO run: reads the config once and returns the ready parts the trainer's loop uses.
 
-:func:`check_components` resolves every registry name of a config (parallelism, ...) and refuses an unknown
-one before any model work; the command line calls it right after parsing, :func:`build_training_parts` calls
-it first. :func:`build_training_parts` then makes, in order: the reward, the :class:`Parallelism` (which owns
-the ``accelerate.Accelerator``), the sampler, the tokenised prompts and the batch arithmetic, and the
+:func:`check_components` resolves every registry name of a config (advantage estimator, sampler, parallelism)
+and refuses an unknown one before any model work; the command line calls it right after parsing,
+:func:`build_training_parts` calls it first. :func:`build_training_parts` then makes, in order: the reward,
+the :class:`Parallelism` (which owns the ``accelerate.Accelerator``), the scorer, the tokenised prompts and
+the batch arithmetic, the policy's starting weights on every process, the sampler, and the
 :class:`marl.train.update.PolicyUpdate` with its optimizer and LR schedule.
 """
 
@@ -104,19 +105,6 @@ def build_training_parts(
     rows_per_pass = config.local_rollout_forward_batch_size
     reward = build_rewards(model, reward_funcs, config.reward_weights, rows_per_pass)
     parallelism = get_parallelism(config.parallelism)(model, config)
-    sampler = get_sampler(config.sampler)(
-        model,
-        tokenizer,
-        SamplerSettings(
-            temperature=config.temperature,
-            response_length=config.response_length,
-            stop_at_eos=config.stop_token == "eos",
-            stop_token_id=config.stop_token_id,
-            rows_per_pass=rows_per_pass,
-            autocast=parallelism.autocast,
-            policy=policy,
-        ),
-    )
     scorer = Scorer(
         model,
         tokenizer,
@@ -142,6 +130,20 @@ def build_training_parts(
         model.enable_gradient_checkpointing()
     parameters = model.policy_parameters(policy)
     parallelism.broadcast_initial(parameters)
+    # After the broadcast: a sampler keeping its own copy of the policy copies the starting weights.
+    sampler = get_sampler(config.sampler)(
+        model,
+        tokenizer,
+        SamplerSettings(
+            temperature=config.temperature,
+            response_length=config.response_length,
+            stop_at_eos=config.stop_token == "eos",
+            stop_token_id=config.stop_token_id,
+            rows_per_pass=rows_per_pass,
+            autocast=parallelism.autocast,
+            policy=policy,
+        ),
+    )
     optimizer, scheduler = parallelism.prepare(*_optimizer_and_schedule(config, sizes, parameters))
     return TrainingParts(
         judge=judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge"),

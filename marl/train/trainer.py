@@ -264,8 +264,7 @@ class RLOOTrainer:
         held_out = {}
         if self.eval_prompts is not None:
             rows = JUDGED_EVAL_ROWS if self.judge is not None else SAMPLE_TABLE_ROWS
-            device = self.parallelism.device
-            devices = [device] if device.type == "cuda" else []
+            devices = [self.parallelism.device] if self.parallelism.device.type == "cuda" else []
             with torch.random.fork_rng(devices=devices):
                 samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
             with torch.no_grad(), self.parallelism.autocast():
