@@ -140,6 +140,13 @@ class RLOOConfig:
     fp16: bool = field(
         default=False, metadata={"help": "float16 compute (mixed precision through accelerate)."}
     )
+    parallelism: str = field(
+        default="replicated",
+        metadata={
+            "help": "How the run is spread over the launched processes (marl.train.parallel): 'replicated' "
+            "(every process holds the whole base; gradients are averaged)."
+        },
+    )
 
     # --- batch arithmetic ---
     rloo_k: int = field(default=2, metadata={"help": "Completions sampled per prompt (k >= 2)."})

@@ -10,8 +10,9 @@ import torch
 from accelerate import Accelerator
 
 from marl.algo.losses import PolicyLoss, clipped_policy_loss
-from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sum_over_processes, update_metrics
+from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, update_metrics
 from marl.algo.shaping import shape_rewards
+from marl.train.parallel import sum_over_processes
 
 
 def policy_loss(new: list[float], old: list[float], advantages: list[float]) -> PolicyLoss:

@@ -182,7 +182,7 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
         return RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c])
 
     shared, unshared = trainer_for(True, tmp_path / "a"), trainer_for(False, tmp_path / "b")
-    assert shared.grouped_micro_batches and unshared.grouped_micro_batches
+    assert shared.policy_update.grouped_micro_batches and unshared.policy_update.grouped_micro_batches
     assert shared.scorer.share_prompt_prefix and not unshared.scorer.share_prompt_prefix
     with torch.no_grad():  # one starting point
         for a, b in zip(shared.policy_parameters, unshared.policy_parameters, strict=True):
@@ -226,7 +226,7 @@ def test_the_rows_order_of_an_update_does_not_depend_on_packing(tiny_llama_dir, 
             trainer.sampler, trainer.scorer, trainer.train_prompts[:12], 2, trainer.reward
         )
         torch.manual_seed(2)
-        return trainer._shuffled_rows(rollout).tolist()
+        return trainer.policy_update.shuffled_rows(rollout).tolist()
 
     grouped = order(True, 4)
     assert order(False, 4) == grouped

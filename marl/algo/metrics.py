@@ -1,5 +1,5 @@
-"""RLOO metrics: per-process sums kept in typed records, summed over processes in one collective, then turned
-into the logged means.
+"""RLOO metrics: per-process sums kept in typed records, summed over processes in one collective (by the run's
+:class:`marl.train.parallel.Parallelism`), then turned into the logged means.
 
 Sums run over valid completion tokens only (up to and including the stop token, never padding), and every
 mean is taken after the sums of all processes are added, so it is the mean over the whole batch.
@@ -21,18 +21,15 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from marl.algo.losses import PolicyLoss
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import masked_sum
-
-Record = TypeVar("Record")
 
 
 @dataclass
@@ -104,29 +101,6 @@ class UpdateStats:
             self.first_ratio += policy.ratio.sum()
             self.first_completions += count
             self._first_seen = True
-
-
-def sum_over_processes(record: Record, accelerator: Any) -> Record:
-    """``record`` with every number (and every 1-D tensor, elementwise) summed over processes, in ONE
-    collective; numbers come back as Python floats, tensors as float64 CPU tensors."""
-    fields = [item for item in dataclasses.fields(record) if item.init and not item.name.startswith("_")]
-    pieces = [
-        torch.as_tensor(getattr(record, item.name), dtype=torch.float64).to(accelerator.device).reshape(-1)
-        for item in fields
-    ]
-    values = torch.cat(pieces)
-    if accelerator.num_processes > 1:
-        values = accelerator.reduce(values, reduction="sum")
-    values = values.cpu()
-    summed, offset = {}, 0
-    for item, piece in zip(fields, pieces, strict=True):
-        part = values[offset : offset + piece.numel()]
-        offset += piece.numel()
-        value = getattr(record, item.name)
-        summed[item.name] = (
-            part if isinstance(value, torch.Tensor) and value.dim() > 0 else float(part.item())
-        )
-    return type(record)(**summed)
 
 
 def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, float]:

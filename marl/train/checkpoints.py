@@ -20,11 +20,15 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from marl.errors import CheckpointError, MissingPathError
 from marl.model.adapters import SAFETENSORS_WEIGHTS_NAME
 from marl.train.run_dir import TRAINER_STATE_FILE, checkpoint_name, list_checkpoints, remove_files
+
+if TYPE_CHECKING:
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.train.parallel import Parallelism
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -86,6 +90,69 @@ def _delete_checkpoint(folder: Path) -> None:
     remove_files([doomed])
     os.replace(folder, doomed)
     shutil.rmtree(doomed)
+
+
+def save_checkpoint(
+    output_dir: Path,
+    update: int,
+    *,
+    parallelism: Parallelism,
+    model: MultiAdapterModel,
+    policy: str,
+    optimizer: Any,
+    scheduler: Any,
+    trainer_state: dict[str, Any],
+    save_total_limit: int | None,
+) -> None:
+    """Write ``output_dir/checkpoint-N`` (N = ``update``) atomically: a staging folder renamed once complete.
+    Every process calls it: the main process writes the shared files, each process its RNG state."""
+    staging = staging_folder(output_dir, update)
+    if parallelism.is_main_process:
+        write_checkpoint(
+            staging,
+            model=model,
+            policy=policy,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=parallelism.accelerator.scaler,
+            trainer_state=trainer_state,
+        )
+    parallelism.wait()
+    write_rng_state(staging, parallelism.process_index)
+    parallelism.wait()
+    if parallelism.is_main_process:
+        publish_checkpoint(output_dir, update, save_total_limit)
+    parallelism.wait()
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    parallelism: Parallelism,
+    model: MultiAdapterModel,
+    policy: str,
+    optimizer: Any,
+    scheduler: Any,
+    planned: tuple[int, int],
+) -> dict[str, Any]:
+    """Restore the policy adapter, optimizer, schedule, loss scaler and RNG of the checkpoint at ``path``
+    after :func:`check_resumable` (``planned`` as there); returns its trainer state."""
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+
+    saved = read_checkpoint(path, parallelism.process_index, parallelism.device)
+    policy_state = get_peft_model_state_dict(model.peft_model, adapter_name=policy)
+    check_resumable(
+        saved,
+        world_size=parallelism.num_processes,
+        planned=planned,
+        adapter_shapes={key: tuple(tensor.shape) for key, tensor in policy_state.items()},
+    )
+    set_peft_model_state_dict(model.peft_model, saved.adapter, adapter_name=policy)
+    optimizer.load_state_dict(saved.optimizer)
+    scheduler.load_state_dict(saved.scheduler)
+    restore_loss_scaler(saved, parallelism.accelerator.scaler)
+    set_rng_state(saved.rng)
+    return saved.trainer_state
 
 
 def write_checkpoint(

@@ -33,7 +33,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -297,6 +297,44 @@ def write_atomically(path: Path, text: str) -> None:
     staging = path.with_name(f".{path.name}.tmp")
     staging.write_text(text)
     os.replace(staging, path)
+
+
+def run_settings(
+    config: Any, model: Any, policy: str, world_size: int, dataset: dict[str, Any]
+) -> dict[str, Any]:
+    """What ``rloo_config.json`` records: the config, the model that was really trained (its ``policy``
+    adapter), the number of processes and where the prompts came from (``dataset``)."""
+    return {
+        **asdict(config),
+        "model": {
+            "name_or_path": model.name_or_path,
+            "quantization": model.quantization,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "policy": policy,
+            "reference": model.policies[policy].reference_mode,
+            "gradient_checkpointing": model.gradient_checkpointing,
+        },
+        "world_size": world_size,
+        "dataset": dataset,
+    }
+
+
+def tracker_config(config: Any) -> dict[str, Any]:
+    """The config as trackers such as tensorboard accept it: scalars and strings only.
+
+    Example:
+        >>> from marl.config import RLOOConfig
+        >>> settings = tracker_config(RLOOConfig(report_to=["tensorboard"]))
+        >>> settings["rloo_k"], settings["report_to"], settings["quantization"]
+        (2, "['tensorboard']", 'none')
+    """
+
+    def value_of(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value if value is not None else "none"
+        return str(value)
+
+    return {key: value_of(value) for key, value in asdict(config).items()}
 
 
 def write_run_config(output_dir: Path, settings: dict[str, Any]) -> None:

@@ -1,0 +1,180 @@
+"""The builder of an RLOO run: reads the config once and returns the ready parts the trainer's loop uses.
+
+:func:`check_components` resolves every registry name of a config (advantage estimator, sampler, parallelism)
+and refuses an unknown one before any model work; the command line calls it right after parsing,
+:func:`build_training_parts` calls it first. :func:`build_training_parts` then makes, in order: the reward,
+the :class:`Parallelism` (which owns the ``accelerate.Accelerator``), the scorer, the tokenised prompts and
+the batch arithmetic, the policy's starting weights on every process, the sampler, and the
+:class:`marl.train.update.PolicyUpdate` with its optimizer and LR schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import get_scheduler
+
+from marl.algo.advantages import AdvantageEstimator, get_advantage_estimator
+from marl.batch_sizes import BatchSizes
+from marl.config import RLOOConfig
+from marl.cpu_threads import apply_threads
+from marl.errors import ConfigError
+from marl.model.multi_adapter import MultiAdapterModel
+from marl.rewards import CheckedJudge, WeightedRewards, build_rewards
+from marl.rollout.prompts import Prompt, prepare_prompts
+from marl.rollout.samplers import Sampler, SamplerSettings, get_sampler
+from marl.rollout.scoring import Scorer
+from marl.train.parallel import Parallelism, get_parallelism
+from marl.train.update import PolicyUpdate
+
+
+@dataclass
+class TrainingParts:
+    """What an RLOO run trains with, built once from its config.
+
+    ``judge``: the held-out judge, checked; ``callbacks``: the user's, then the CPU thread governor when
+    ``config.threads`` asks for one. ``sample_every``: updates between sample tables (0: none).
+    ``policy_update`` holds the optimizer, the LR schedule and the policy's trainable parameters.
+    """
+
+    judge: CheckedJudge | None
+    callbacks: list[Callable[..., Any]]
+    parallelism: Parallelism
+    policy: str
+    reward: WeightedRewards
+    sampler: Sampler
+    scorer: Scorer
+    train_prompts: list[Prompt]
+    eval_prompts: list[Prompt] | None
+    sizes: BatchSizes
+    sample_every: int
+    advantage_estimator: AdvantageEstimator
+    policy_update: PolicyUpdate
+
+
+def check_components(config: RLOOConfig) -> None:
+    """Refuse, with a :class:`marl.errors.ConfigError` naming the flag and the known names, every registry
+    name of ``config`` that names nothing registered, before any model work.
+
+    Example:
+        >>> check_components(RLOOConfig())
+        >>> check_components(RLOOConfig(advantage_estimator="grpo"))
+        Traceback (most recent call last):
+        marl.errors.ConfigError: --advantage_estimator 'grpo' is not a registered advantage estimator; ...
+    """
+    get_advantage_estimator(config.advantage_estimator)
+    get_sampler(config.sampler)
+    get_parallelism(config.parallelism)
+
+
+def build_training_parts(
+    config: RLOOConfig,
+    model: MultiAdapterModel,
+    tokenizer: Any,
+    train_dataset: Any,
+    eval_dataset: Any = None,
+    reward_funcs: Any = None,
+    judge: Callable[[list[str]], Any] | None = None,
+    callbacks: Sequence[Callable[..., Any]] = (),
+) -> TrainingParts:
+    """The parts of a run of ``config`` on ``model`` (arguments as :class:`marl.RLOOTrainer` takes them).
+
+    Example:
+        >>> parts = build_training_parts(config, model, tokenizer, prompts)  # doctest: +SKIP
+        >>> parts.sizes.num_total_batches, parts.parallelism.num_processes  # doctest: +SKIP
+        (3, 1)
+    """
+    check_components(config)
+    if judge is not None and (eval_dataset is None or config.num_sample_generations == 0):
+        raise ConfigError(
+            "a judge scores the held-out samples: pass eval_dataset and set num_sample_generations > 0"
+        )
+    for what, function in [("judge", judge), *(("callbacks entry", c) for c in callbacks)]:
+        if function is not None and not callable(function):
+            raise ConfigError(
+                f"{what} {function!r} is not a function: a judge is called as judge(texts) -> scores, a "
+                "callback as callback(state, metrics) (not transformers.TrainerCallback objects)"
+            )
+    # On CPU torch's threads follow the free cores by default (config.threads), after every update.
+    governor = apply_threads(config.threads, model.device.type)
+    policy = model.get_policy(config.policy_adapter_name).name
+    rows_per_pass = config.local_rollout_forward_batch_size
+    reward = build_rewards(model, reward_funcs, config.reward_weights, rows_per_pass)
+    parallelism = get_parallelism(config.parallelism)(model, config)
+    scorer = Scorer(
+        model,
+        tokenizer,
+        temperature=config.temperature,
+        rows_per_pass=rows_per_pass,
+        autocast=parallelism.autocast,
+        policy=policy,
+        share_prompt_prefix=config.share_prompt_prefix,
+    )
+    context = getattr(model.config, "max_position_embeddings", None)
+    lengths = dict(context_length=context, response_length=config.response_length)
+    train_prompts = prepare_prompts(train_dataset, tokenizer, "train_dataset", **lengths)
+    eval_prompts = (
+        None if eval_dataset is None else prepare_prompts(eval_dataset, tokenizer, "eval_dataset", **lengths)
+    )
+    sizes = config.batch_sizes(parallelism.num_processes, len(train_prompts))
+    sample_every = (
+        max(1, sizes.num_total_batches // config.num_sample_generations)
+        if config.num_sample_generations > 0
+        else 0
+    )
+    if config.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    parameters = model.policy_parameters(policy)
+    parallelism.broadcast_initial(parameters)
+    # After the broadcast: a sampler keeping its own copy of the policy copies the starting weights.
+    sampler = get_sampler(config.sampler)(
+        model,
+        tokenizer,
+        SamplerSettings(
+            temperature=config.temperature,
+            response_length=config.response_length,
+            stop_at_eos=config.stop_token == "eos",
+            stop_token_id=config.stop_token_id,
+            rows_per_pass=rows_per_pass,
+            autocast=parallelism.autocast,
+            policy=policy,
+        ),
+    )
+    optimizer, scheduler = parallelism.prepare(*_optimizer_and_schedule(config, sizes, parameters))
+    return TrainingParts(
+        judge=judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge"),
+        callbacks=[*callbacks, *([governor] if governor is not None else [])],
+        parallelism=parallelism,
+        policy=policy,
+        reward=reward,
+        sampler=sampler,
+        scorer=scorer,
+        train_prompts=train_prompts,
+        eval_prompts=eval_prompts,
+        sizes=sizes,
+        sample_every=sample_every,
+        advantage_estimator=get_advantage_estimator(config.advantage_estimator),
+        policy_update=PolicyUpdate(
+            config, model, policy, sampler, scorer, parallelism, optimizer, scheduler, sizes, parameters
+        ),
+    )
+
+
+def _optimizer_and_schedule(
+    config: RLOOConfig, sizes: BatchSizes, parameters: list[torch.nn.Parameter]
+) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW on the policy's parameters and its LR schedule over every optimizer step of the run."""
+    optimizer = torch.optim.AdamW(parameters, lr=config.learning_rate, weight_decay=config.weight_decay)
+    total_steps = sizes.total_optimizer_steps
+    # warmup_steps counts updates, as in TRL's RLOO trainer; the schedule itself steps per optimizer step.
+    warmup = config.warmup_steps * sizes.optimizer_steps_per_update or math.ceil(
+        config.warmup_ratio * total_steps
+    )
+    scheduler = get_scheduler(
+        config.lr_scheduler_type, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+    )
+    return optimizer, scheduler
