@@ -229,7 +229,8 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
-    from marl.apps.evaluate import generate_and_score, results_table, summarize, write_results
+    from marl.apps.eval_report import results_table, write_results
+    from marl.apps.eval_scores import generate_and_score, summarize
     from marl.data.prompts import rotten_tomatoes_prompts
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
