@@ -159,6 +159,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
 
     from marl.config import reward_adapter_folders
     from marl.cpu_threads import apply_threads
+    from marl.data.assets import check_gold_judge
     from marl.data.prompts import describe_prompt_source, load_prompt_dataset, prompt_source
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
@@ -166,6 +167,8 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
 
     console = Console()
     judge = load_judge(arguments.judge)
+    if arguments.judge is None:  # VADER is in the demo extra: without it, stop before the model loads
+        check_gold_judge()
     prompts = load_prompt_dataset(
         arguments.dataset_name,
         arguments.dataset_split,
