@@ -1,7 +1,7 @@
 """``marl train-rloo``: its flags beyond :class:`marl.RLOOConfig`, their parsing and the trainer they build.
 
-Everything that needs no model (the flags, the output folder, the data, the registry names of the config) is
-checked before torch is imported, so that a typo fails at once.
+Everything that needs no model is checked before any model loads, so that a typo fails at once: the flags and
+the registry names of the config (right after parsing), then the output folder and the data.
 """
 
 from __future__ import annotations
@@ -81,20 +81,12 @@ def parse_train_rloo_args(
             "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "
             "--reward_fn module:function"
         )
-    _check_components(config)
-    return script, config
+    # Every registry name (advantage estimator, sampler, parallelism) is resolved before any work; imported
+    # here, after the flags, so that --help does not load torch.
+    from marl.train.build import check_components
 
-
-def _check_components(config: RLOOConfig) -> None:
-    """Resolve every registry name of ``config`` (advantage estimator, sampler, parallelism) before any work:
-    an unknown name is one line naming its flag and the known names."""
-    try:
-        from marl.train.build import check_components
-    except ModuleNotFoundError as missing:  # the builder lands on another branch; until then nothing to check
-        if missing.name != "marl.train.build":
-            raise
-        return
     check_components(config)
+    return script, config
 
 
 def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
