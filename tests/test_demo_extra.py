@@ -69,7 +69,7 @@ def test_the_library_imports_and_trains_without_the_demo_packages(tiny_llama_dir
 
     model_dir, output_dir = sys.argv[1], sys.argv[2]
     config = tiny_rloo_config(output_dir, model_name_or_path=model_dir, total_episodes=4, num_ppo_epochs=1)
-    model = config.load_model()
+    model = marl.MultiAdapterModel.from_config(config)
     trainer = marl.RLOOTrainer(
         config, model, load_tokenizer(model_dir), [{"prompt": "the movie"}, {"prompt": "a film"}],
         reward_funcs=lambda prompts, completions: [float(len(c)) for c in completions],
