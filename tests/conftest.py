@@ -93,6 +93,27 @@ def save_reward_adapter(base_dir: Path | str, directory: Path, seed: int = 1) ->
     return directory
 
 
+# The settings every tiny RLOO run of the tests shares: 2 completions per prompt, 4 completions per device
+# step, 6 new tokens, a rank-4 policy LoRA, and no sample tables or checkpoints unless a test asks for them.
+TINY_RLOO_SETTINGS: dict[str, object] = dict(
+    rloo_k=2,
+    per_device_train_batch_size=4,
+    response_length=6,
+    lora_r=4,
+    lora_alpha=8,
+    num_sample_generations=0,
+    save_steps=0,
+)
+
+
+def tiny_rloo_config(output_dir: Path | str, **overrides):
+    """An ``RLOOConfig`` writing into ``output_dir`` with :data:`TINY_RLOO_SETTINGS`; ``overrides`` (any
+    config field, e.g. ``model_name_or_path=str(tiny_llama_dir)``) say what a test is about."""
+    from marl.config import RLOOConfig
+
+    return RLOOConfig(output_dir=str(output_dir), **{**TINY_RLOO_SETTINGS, **overrides})
+
+
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state():
     """accelerate keeps one process-global state (device, precision): no test may inherit another's."""

@@ -9,9 +9,10 @@ from typing import Any
 import datasets
 import pytest
 import torch
+from conftest import tiny_rloo_config
 from transformers import AutoTokenizer
 
-from marl import RLOOConfig, RLOOTrainer
+from marl import RLOOTrainer
 from marl.errors import CheckpointError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.train import checkpoints
@@ -127,18 +128,12 @@ def test_resumed_optimizer_state_is_placed_as_in_a_stepped_optimizer(tiny_llama_
 def train_fp16(model_dir, output_dir, device, *, resume=None, after_update=None) -> RLOOTrainer:
     """A 2-update fp16 run with a checkpoint after each update; ``after_update(trainer, update)`` runs after
     each update."""
-    config = RLOOConfig(
-        output_dir=str(output_dir),
+    config = tiny_rloo_config(
+        output_dir,
         model_name_or_path=str(model_dir),
         fp16=True,
-        rloo_k=2,
-        per_device_train_batch_size=4,
         total_episodes=8,
         learning_rate=1e-3,
-        response_length=6,
-        lora_r=4,
-        lora_alpha=8,
-        num_sample_generations=0,
         save_steps=1,
         seed=3,
     )

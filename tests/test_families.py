@@ -17,7 +17,7 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from conftest import save_reward_adapter, train_reward_adapter_with_trl
+from conftest import save_reward_adapter, tiny_rloo_config, train_reward_adapter_with_trl
 from families import (
     DTYPES,
     FAMILIES,
@@ -37,7 +37,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+from marl import MultiAdapterModel, RLOOTrainer
 from marl.errors import ModelError
 from marl.model.generation import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
 from marl.rollout import stops
@@ -192,20 +192,15 @@ def test_first_microbatch_ratio_is_one_with_a_loaded_dropout_adapter(family, fam
     torch.manual_seed(0)
     starting = get_peft_model(base, policy_lora(family, lora_dropout=0.05, init_lora_weights=False))
     starting.save_pretrained(tmp_path / "sft")
-    config = RLOOConfig(
-        output_dir=str(tmp_path / "run"),
+    config = tiny_rloo_config(
+        tmp_path / "run",
         model_name_or_path=str(family_dir(family)),
         policy_adapter=str(tmp_path / "sft"),
-        rloo_k=2,
-        per_device_train_batch_size=4,
         num_mini_batches=2,
         num_ppo_epochs=2,
         total_episodes=16,
         learning_rate=1e-2,
-        response_length=6,
         temperature=1.0,
-        num_sample_generations=0,
-        save_steps=0,
         seed=0,
     )
     model = config.load_model()
@@ -293,19 +288,14 @@ def test_several_terminators_all_stop_the_rollout(family_dir, tmp_path):
     """Llama-3 style: generation_config.eos_token_id lists three ids; each ends a completion, counts as the
     stop token and as an EOS."""
     tokenizer = AutoTokenizer.from_pretrained(family_dir("llama3"))
-    config = RLOOConfig(
-        output_dir=str(tmp_path / "run"),
+    config = tiny_rloo_config(
+        tmp_path / "run",
         model_name_or_path=str(family_dir("llama3")),
-        rloo_k=2,
         per_device_train_batch_size=16,
         total_episodes=16,
         response_length=64,
         temperature=3.0,
         stop_token="eos",
-        lora_r=4,
-        lora_alpha=8,
-        num_sample_generations=0,
-        save_steps=0,
     )
     model = config.load_model()
     move_policy(model)

@@ -9,7 +9,7 @@ from typing import Any
 import datasets
 import pytest
 import torch
-from conftest import save_reward_adapter
+from conftest import save_reward_adapter, tiny_rloo_config
 from families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance
 from peft import LoraConfig
 from transformers import (
@@ -24,7 +24,7 @@ from transformers import (
     LlamaModel,
 )
 
-from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+from marl import MultiAdapterModel, RLOOTrainer
 from marl.model.packing import pack_rows, probe_tolerance, read_slots
 from marl.rollout.collect import collect_rollout
 from marl.rollout.prompts import Prompt
@@ -169,11 +169,10 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
     """Same rollout, same seed: 2 epochs × 2 mini-batches give the same adapter with sharing on or off."""
 
     def trainer_for(share: bool, output_dir) -> RLOOTrainer:
-        config = RLOOConfig(
-            output_dir=str(output_dir), model_name_or_path=str(tiny_llama_dir), rloo_k=2,
-            per_device_train_batch_size=4, num_mini_batches=2, num_ppo_epochs=2, total_episodes=8,
-            learning_rate=1e-2, response_length=6, lora_r=4, lora_alpha=8, num_sample_generations=0,
-            save_steps=0, share_prompt_prefix=share, gradient_checkpointing=checkpointing,
+        config = tiny_rloo_config(
+            output_dir, model_name_or_path=str(tiny_llama_dir), num_mini_batches=2, num_ppo_epochs=2,
+            total_episodes=8, learning_rate=1e-2, share_prompt_prefix=share,
+            gradient_checkpointing=checkpointing,
         )  # fmt: skip
         torch.manual_seed(0)
         model = config.load_model()
@@ -210,11 +209,10 @@ def test_the_rows_order_of_an_update_does_not_depend_on_packing(tiny_llama_dir, 
     rows train together: the same seed gives the same order with sharing on and off."""
 
     def order(share: bool, per_device: int) -> list[int]:
-        config = RLOOConfig(
-            output_dir=str(tmp_path / f"{share}-{per_device}"), model_name_or_path=str(tiny_llama_dir),
-            rloo_k=2, per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
-            total_episodes=24, response_length=4, lora_r=4, lora_alpha=8, num_sample_generations=0,
-            save_steps=0, share_prompt_prefix=share,
+        config = tiny_rloo_config(
+            tmp_path / f"{share}-{per_device}", model_name_or_path=str(tiny_llama_dir),
+            per_device_train_batch_size=per_device, gradient_accumulation_steps=2, total_episodes=24,
+            response_length=4, share_prompt_prefix=share,
         )  # fmt: skip
         prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"] * 3})
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datasets
 import pytest
+from conftest import tiny_rloo_config
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
@@ -52,17 +53,15 @@ def test_check_components_refuses_a_bad_registry_name_before_any_model_work(fiel
 def test_a_parallelism_registered_outside_the_package_runs_every_optimizer_step(
     tiny_llama_dir, tmp_path, counting_parallelism
 ):
-    config = RLOOConfig(
-        output_dir=str(tmp_path / "run"), model_name_or_path=str(tiny_llama_dir),
-        parallelism=counting_parallelism, rloo_k=2, per_device_train_batch_size=4,
+    config = tiny_rloo_config(
+        tmp_path / "run", model_name_or_path=str(tiny_llama_dir), parallelism=counting_parallelism,
         gradient_accumulation_steps=2, num_mini_batches=2, num_ppo_epochs=2, total_episodes=32,
-        response_length=4, lora_r=4, lora_alpha=8, num_sample_generations=0, save_steps=0,
+        response_length=4,
     )  # fmt: skip
     prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"]})
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    trainer = RLOOTrainer(
-        config, MultiAdapterModel.from_config(config), tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c]
-    )
+    model = MultiAdapterModel.from_config(config)
+    trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c])
     assert isinstance(trainer.parallelism, CountingParallelism)
     history = trainer.train()
     assert [record["update"] for record in history] == [1, 2]

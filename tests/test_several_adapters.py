@@ -9,7 +9,7 @@ import math
 import datasets
 import pytest
 import torch
-from conftest import save_reward_adapter
+from conftest import save_reward_adapter, tiny_rloo_config
 from peft import PeftModel
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -31,21 +31,16 @@ def two_rewards(tiny_llama_dir, tmp_path_factory):
 
 def run_config(output_dir, policy: str, **overrides) -> RLOOConfig:
     settings = dict(
-        output_dir=str(output_dir),
         policy_adapter_name=policy,
-        rloo_k=2,
-        per_device_train_batch_size=4,
         num_mini_batches=2,
         num_ppo_epochs=1,
         total_episodes=16,
         learning_rate=2e-2,
-        response_length=6,
-        num_sample_generations=0,
-        save_steps=0,
+        lora_r=16,  # RLOOConfig's default LoRA, not the tiny one
+        lora_alpha=32,
         seed=0,
     )
-    settings.update(overrides)
-    return RLOOConfig(**settings)
+    return tiny_rloo_config(output_dir, **{**settings, **overrides})
 
 
 def snapshot(model: MultiAdapterModel, policy: str) -> list[torch.Tensor]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from conftest import save_reward_adapter
+from conftest import save_reward_adapter, tiny_rloo_config
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+from marl import MultiAdapterModel, RLOOTrainer
 from marl.errors import AdapterError
 from marl.model.build import _check_only_policies_train
 
@@ -70,22 +70,15 @@ def test_reward_scores_and_reference_logprobs_are_bit_identical_after_training(
     """Qwen2 (biases in q/k/v) in float32 and 4-bit: a fixed batch's reward scores and reference log-probs
     before and after a run with a large learning rate."""
     base_dir = family_dir("qwen2")
-    config = RLOOConfig(
-        output_dir=str(tmp_path / "run"),
+    config = tiny_rloo_config(
+        tmp_path / "run",
         model_name_or_path=str(base_dir),
         quantization=quantization,
         reward_adapter=str(save_reward_adapter(base_dir, tmp_path / "reward")),
-        rloo_k=2,
-        per_device_train_batch_size=4,
         num_mini_batches=2,
         num_ppo_epochs=2,
         total_episodes=16,
         learning_rate=5e-2,
-        response_length=6,
-        lora_r=4,
-        lora_alpha=8,
-        num_sample_generations=0,
-        save_steps=0,
     )
     model = config.load_model()
     tokenizer = AutoTokenizer.from_pretrained(base_dir)

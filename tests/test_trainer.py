@@ -9,6 +9,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from conftest import tiny_rloo_config
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
@@ -50,23 +51,14 @@ def prompt_dataset(prompts=PROMPTS) -> datasets.Dataset:
 
 def tiny_config(output_dir: Path, **overrides) -> RLOOConfig:
     settings = dict(
-        output_dir=str(output_dir),
-        rloo_k=2,
-        per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         num_mini_batches=2,
         num_ppo_epochs=2,
         total_episodes=48,  # 3 updates of 16 completions
         learning_rate=1e-2,
-        response_length=6,
-        lora_r=4,
-        lora_alpha=8,
-        num_sample_generations=0,
-        save_steps=0,
         seed=3,
     )
-    settings.update(overrides)
-    return RLOOConfig(**settings)
+    return tiny_rloo_config(output_dir, **{**settings, **overrides})
 
 
 def build(model_dir: Path, config: RLOOConfig, reward_fn=count_e, dataset=None, **model_overrides):

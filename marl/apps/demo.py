@@ -229,12 +229,14 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from rich.console import Console
     from rich.table import Table
 
-    from marl.apps.evaluate import generate_and_score, results_table, summarize, write_results
+    from marl.apps.eval_report import results_table, write_results
+    from marl.apps.eval_scores import generate_and_score, summarize
+    from marl.data.assets import check_gold_judge
     from marl.data.prompts import rotten_tomatoes_prompts
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import RewardParts, RewardSetting, load_judge, plan_rewards
-    from marl.train.plotting import plot_training_curves
+    from marl.train.plotting import plot_training_curves, pyplot
     from marl.train.run_dir import CURVES_FILE, METRICS_FILE, plan_start
     from marl.train.trainer import RLOOTrainer
 
@@ -242,6 +244,9 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     console = Console()
     output_dir = Path(arguments.output_dir) if arguments.output_dir else _default_output_dir()
     plan_start(output_dir / "policy")
+    # The demo's judge and curves come from its extra: without it, stop now rather than after training.
+    check_gold_judge()
+    pyplot()
     if not arguments.train_reward and not (Path(arguments.reward_adapter) / "adapter_config.json").is_file():
         raise MissingPathError(
             f"no reward adapter in {arguments.reward_adapter}. Run `marl demo --train_reward` to build one, "

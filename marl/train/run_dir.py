@@ -66,15 +66,16 @@ def checkpoint_name(update: int) -> str:
     return f"{CHECKPOINT_PREFIX}{update}"
 
 
-def finished_line(output_dir: str | Path, policy: str, curves: str | Path) -> str:
+def finished_line(output_dir: str | Path, policy: str, curves: str) -> str:
     """The last line of a finished run: where its policy adapter (a PEFT folder, loadable with
-    ``PeftModel.from_pretrained(base, output_dir)``) and its training curves are.
+    ``PeftModel.from_pretrained(base, output_dir)``) is, and ``curves``: where its training curves are, or
+    why they were not drawn (:func:`marl.train.plotting.training_curves_note`).
 
     Example:
-        >>> finished_line("runs/a", "policy", "runs/a/training_curves.png")
+        >>> finished_line("runs/a", "policy", "training curves in runs/a/training_curves.png")
         "Done: policy adapter 'policy' written to runs/a; training curves in runs/a/training_curves.png"
     """
-    return f"Done: policy adapter {policy!r} written to {output_dir}; training curves in {curves}"
+    return f"Done: policy adapter {policy!r} written to {output_dir}; {curves}"
 
 
 def sample_table_file(output_dir: Path, update: int) -> Path:

@@ -53,7 +53,7 @@ from marl.rollout.prompts import prompts_for_update
 from marl.rollout.records import Rollout
 from marl.train import checkpoints, run_dir
 from marl.train.build import build_training_parts
-from marl.train.plotting import plot_training_curves
+from marl.train.plotting import training_curves_note
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
 PROCESS_SEED_STRIDE = 100_003
@@ -400,7 +400,7 @@ class RLOOTrainer:
 
         if parallelism.is_main_process:
             self.model.save_policy_adapter(self.output_dir, self.policy)
-            curves = plot_training_curves(
+            curves = training_curves_note(
                 self.output_dir / run_dir.METRICS_FILE, self.output_dir / run_dir.CURVES_FILE
             )
             print(run_dir.finished_line(self.output_dir, self.policy, curves))

@@ -1,0 +1,89 @@
+"""Evaluation's report: the table printed at the end and the two files written next to the policy adapter.
+
+``eval_results.json`` holds the settings and the means (:func:`marl.apps.eval_scores.summarize`);
+``eval_completions.jsonl`` every completion with its measurements, one prompt a line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from marl.apps.eval_scores import ScoredCompletions
+
+RESULTS_FILE = "eval_results.json"
+COMPLETIONS_FILE = "eval_completions.jsonl"
+
+
+def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out prompts"):
+    """A rich table of :func:`marl.apps.eval_scores.summarize`'s output: one row per model."""
+    from rich.table import Table
+
+    def show(value: float | None, digits: int = 3) -> str:
+        return (
+            "—"
+            if value is None or (isinstance(value, float) and math.isnan(value))
+            else f"{value:.{digits}f}"
+        )
+
+    table = Table(title=title)
+    for column in (
+        "model",
+        "reward-adapter score",
+        "judge score",
+        "judge win rate vs base",
+        "KL to ref",
+        "length",
+    ):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    for name in ("base", "policy"):
+        if name not in summary:
+            continue
+        scores = summary[name]
+        win = "—"
+        if name == "policy":
+            comparison = summary["comparison"]
+            win = (
+                f"{comparison['win_rate']:.1%} ({comparison['wins']}W {comparison['ties']}T "
+                f"{comparison['losses']}L)"
+            )
+        kl = scores["kl"] if name == "policy" else None
+        table.add_row(
+            name,
+            show(scores["reward_score"]),
+            show(scores["judge_score"]),
+            win,
+            show(kl),
+            show(scores["length"], 1),
+        )
+    return table
+
+
+def write_results(
+    output_dir: str | Path,
+    summary: dict[str, Any],
+    samples: dict[str, ScoredCompletions],
+    prompts: list[Any],
+    settings: dict[str, Any],
+) -> Path:
+    """Write ``eval_results.json`` (settings + summary) and ``eval_completions.jsonl`` (every completion)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    results_path = output_dir / RESULTS_FILE
+    results_path.write_text(json.dumps({"settings": settings, **summary}, indent=2) + "\n")
+    with (output_dir / COMPLETIONS_FILE).open("w") as handle:
+        for index, prompt in enumerate(prompts):
+            row: dict[str, Any] = {"prompt": prompt}
+            for name, record in samples.items():
+                row[name] = {
+                    "completion": record.completions[index],
+                    "judge_score": record.judge_scores[index],
+                    "reward_score": record.reward_scores[index] if record.reward_scores else None,
+                    "length": record.lengths[index],
+                    **({"kl": record.kls[index]} if record.kls else {}),
+                }
+            handle.write(json.dumps(row) + "\n")
+    return results_path

@@ -1,0 +1,193 @@
+"""Evaluation's measurements: base and policy sample the same prompts, and each completion is scored.
+
+For every prompt both the base (the reference view of the same loaded model: adapters disabled) and the policy
+sample one completion with the same sampling settings and seeds, through the rollout's default sampler
+(:class:`marl.rollout.transformers_sampler.TransformersSampler`), so evaluation samples exactly as training
+does. Each completion gets
+
+- the reward adapter's score of prompt + completion + EOS (the ``eos_adapter`` reward kind, see
+  :class:`marl.rewards.adapter.EosTerminatedAdapterReward`),
+- the judge's score of prompt + completion (VADER by default, independent of every model here; ``--judge
+  module:function`` plugs in another),
+- its length in tokens (up to and including the first EOS),
+- for the policy, its KL to the reference: the sum over completion tokens of ``log p_policy − log p_ref``
+  (temperature-scaled, as in training), whose mean estimates KL(policy ‖ reference).
+
+The win rate pairs the two completions of each prompt: a higher judge score wins, a tie counts half. Reward
+hacking shows up as a reward-adapter gain without a judge gain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from transformers import PreTrainedTokenizerBase
+
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards import CheckedJudge
+
+
+@dataclass
+class ModelScores:
+    """Mean scores of one model's completions (``None`` where nothing was measured)."""
+
+    reward_score: float | None
+    judge_score: float
+    length: float
+    kl: float | None
+
+
+@dataclass
+class Comparison:
+    """Policy vs base under the judge, paired by prompt."""
+
+    win_rate: float
+    wins: int
+    ties: int
+    losses: int
+
+
+def win_rate(policy_scores: list[float], base_scores: list[float]) -> Comparison:
+    """Fraction of prompts where the policy's judge score beats the base's; a tie counts half.
+
+    Example:
+        >>> win_rate([0.9, 0.1, 0.5], [0.2, 0.3, 0.5])
+        Comparison(win_rate=0.5, wins=1, ties=1, losses=1)
+    """
+    if len(policy_scores) != len(base_scores) or not policy_scores:
+        raise ValueError(
+            "win_rate needs the same, non-zero number of policy and base scores (one per prompt)"
+        )
+    wins = sum(p > b for p, b in zip(policy_scores, base_scores, strict=True))
+    ties = sum(p == b for p, b in zip(policy_scores, base_scores, strict=True))
+    losses = len(policy_scores) - wins - ties
+    return Comparison((wins + 0.5 * ties) / len(policy_scores), wins, ties, losses)
+
+
+@dataclass
+class ScoredCompletions:
+    """One model's completions for a list of prompts, with their measurements."""
+
+    completions: list[str] = field(default_factory=list)
+    reward_scores: list[float] = field(default_factory=list)
+    judge_scores: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    kls: list[float] = field(default_factory=list)
+
+    def means(self) -> ModelScores:
+        return ModelScores(
+            reward_score=_mean(self.reward_scores) if self.reward_scores else None,
+            judge_score=_mean(self.judge_scores),
+            length=_mean(self.lengths),
+            kl=_mean(self.kls) if self.kls else None,
+        )
+
+
+def _mean(values: list[float] | list[int]) -> float:
+    return float(sum(values) / len(values))
+
+
+def generate_and_score(
+    model: MultiAdapterModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[Any],
+    judge: CheckedJudge,
+    *,
+    with_policy: bool = True,
+    response_length: int = 53,
+    temperature: float = 0.7,
+    batch_size: int = 32,
+    seed: int = 0,
+    progress: bool = True,
+    stop_at_eos: bool = True,
+    policy: str | None = None,
+    after_batch: Callable[[], Any] | None = None,
+) -> dict[str, ScoredCompletions]:
+    """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of policy ``policy``
+    (default: the model's first policy), keyed ``"policy"``. ``after_batch`` is called after every batch
+    (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`).
+
+    Both models see the same prompts in the same batches with the same seed per batch.
+
+    Example:
+        >>> from marl.rewards import load_judge
+        >>> samples = generate_and_score(model, tokenizer, ["A film"], load_judge(None))  # doctest: +SKIP
+        >>> samples["policy"].means().judge_score  # doctest: +SKIP
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from marl.algo.tensors import masked_sum
+    from marl.data.prompts import prompt_text
+    from marl.rewards import RewardParts, RewardSetting, plan_rewards
+    from marl.rollout.prompts import prepare_prompts
+    from marl.rollout.samplers import SamplerSettings
+    from marl.rollout.scoring import Scorer
+    from marl.rollout.transformers_sampler import TransformersSampler
+
+    sampler = TransformersSampler(
+        model,
+        tokenizer,
+        # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
+        SamplerSettings(
+            temperature=temperature,
+            response_length=response_length,
+            stop_at_eos=stop_at_eos,
+            rows_per_pass=batch_size,
+            policy=policy,
+        ),
+    )
+    scorer = Scorer(model, tokenizer, temperature=temperature, rows_per_pass=batch_size, policy=policy)
+    prepared = prepare_prompts(
+        [{"prompt": prompt} for prompt in prompts],
+        tokenizer,
+        "evaluation prompts",
+        context_length=getattr(model.config, "max_position_embeddings", None),
+        response_length=response_length,
+    )
+    # The model's first reward adapter (if any) reads each text ending in EOS, as the shipped one was trained.
+    first_reward = list(model.rewards)[:1]
+    settings = [RewardSetting("eos_adapter", name) for name in first_reward]
+    rewards = plan_rewards(settings).build(RewardParts(model, tokenizer, batch_size))
+    views = {"base": "reference", "policy": "policy"} if with_policy else {"base": "reference"}
+    results = {name: ScoredCompletions() for name in views}
+    starts = range(0, len(prompts), batch_size)
+    for batch_index, start in enumerate(tqdm(starts, desc="evaluating", unit="batch", disable=not progress)):
+        raw_prompts = prompts[start : start + batch_size]
+        batch = sampler.batch(prepared[start : start + batch_size])
+        for name, view in views.items():
+            torch.manual_seed(seed + batch_index)
+            # The base is the reference view of the same model (adapters disabled), not a second copy.
+            samples = sampler.sample(batch, k=1, view=view)
+            record = results[name]
+            record.completions.extend(samples.completions)
+            record.judge_scores.extend(
+                judge([prompt_text(p) + c for p, c in zip(raw_prompts, samples.completions, strict=True)])
+            )
+            record.lengths.extend(int(n) for n in samples.lengths.tolist())
+            for reward in rewards:
+                record.reward_scores.extend(reward.score(scorer.scoring_batch(samples)).tolist())
+            if name == "policy":
+                logprobs, ref_logprobs = scorer.logprobs(samples)
+                record.kls.extend(masked_sum(logprobs - ref_logprobs, samples.response_mask).tolist())
+        if after_batch is not None:
+            after_batch()
+    return results
+
+
+def summarize(samples: dict[str, ScoredCompletions]) -> dict[str, Any]:
+    """Means per model and, with a policy, the judge win rate of the policy over the base.
+
+    Example:
+        >>> summary = summarize(samples)  # doctest: +SKIP
+        >>> summary["comparison"]["win_rate"]  # doctest: +SKIP
+    """
+    summary: dict[str, Any] = {name: asdict(record.means()) for name, record in samples.items()}
+    if "policy" in samples:
+        comparison = win_rate(samples["policy"].judge_scores, samples["base"].judge_scores)
+        summary["comparison"] = asdict(comparison)
+    return summary

@@ -1,0 +1,197 @@
+"""``marl train-rloo``: its flags beyond :class:`marl.RLOOConfig`, their parsing and the trainer they build.
+
+Everything that needs no model is checked before any model loads, so that a typo fails at once: the flags and
+the registry names of the config (right after parsing), then the output folder and the data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from marl.apps.boundary import argv_words
+from marl.apps.flags import merge_repeated_list_flags, parse_flags
+from marl.data.prompts import dataset_name_field
+from marl.errors import ConfigError
+from marl.validation import check_fields
+
+if TYPE_CHECKING:
+    from marl.config import RLOOConfig
+
+
+@dataclass
+class ScriptArguments:
+    """Flags of ``train-rloo`` beyond :class:`marl.RLOOConfig`: data, reward function, output folder."""
+
+    dataset_name: str = dataset_name_field()
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str | None = field(
+        default=None,
+        metadata={
+            "help": "Split of held-out prompts for the periodic sample tables (default: training prompts)."
+        },
+    )
+    prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
+    reward_fn: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward function(s) 'module:function' (or 'file.py:function') called as "
+            "function(prompts, completions) -> one number (or None) per completion; with or instead of "
+            "--reward_adapter, weighted by --reward_weights. Repeat the flag for several."
+        },
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Replace the previous run in --output_dir (its metrics, checkpoints and adapter); it is "
+            "deleted once the new run has finished its first update, and kept if the new run stops before."
+        },
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "Continue the run in --output_dir from this checkpoint folder, or 'latest' (a "
+            "run stopped before its first checkpoint then starts from the beginning)."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def parse_train_rloo_args(
+    argv: Sequence[str] | None = None, prog: str = "marl train-rloo"
+) -> tuple[ScriptArguments, RLOOConfig]:
+    """Parse ``train-rloo`` flags (and ``--config file.yaml``) into script arguments and an ``RLOOConfig``.
+
+    ``--reward-adapter`` and every other flag also work with dashes instead of underscores.
+
+    Example:
+        >>> script, config = parse_train_rloo_args(["--reward-adapter", "rm", "--rloo_k", "4"])
+        >>> config.reward_adapter, config.rloo_k
+        (['rm'], 4)
+    """
+    from marl.config import RLOOConfig
+
+    words = merge_repeated_list_flags(argv_words(argv), [ScriptArguments, RLOOConfig])
+    script, config = parse_flags([ScriptArguments, RLOOConfig], prog, words)
+    if not script.reward_fn and not config.reward_adapter:
+        raise ConfigError(
+            "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "
+            "--reward_fn module:function"
+        )
+    # Every registry name (advantage estimator, sampler, parallelism) is resolved before any work; imported
+    # here, after the flags, so that --help does not load torch.
+    from marl.train.build import check_components
+
+    check_components(config)
+    return script, config
+
+
+def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
+    """Check everything (output folder, data, reward functions, ONE model with its adapters, the trainer's own
+    checks), print the memory card, and return the trainer. Nothing is written: the run writes into its output
+    folder only once it has done its first update (see :mod:`marl.train.run_dir`).
+
+    Example:
+        >>> script, config = parse_train_rloo_args(["--reward_adapter", "rm", "--output_dir", "runs/a"])
+        >>> trainer = build_rloo_trainer(script, config)  # doctest: +SKIP
+        >>> trainer.train(**train_arguments(script))  # doctest: +SKIP
+    """
+    from marl.data.assets import resolve_model_path
+    from marl.data.prompts import load_prompt_dataset
+    from marl.train.run_dir import plan_start
+
+    # The checks that need no model come first, and before torch is imported, so that a typo fails at once.
+    arguments = train_arguments(script)
+    plan_start(  # train() repeats this check before it starts
+        config.output_dir, arguments["resume_from_checkpoint"], overwrite=arguments["overwrite_output_dir"]
+    )
+    train_dataset = load_prompt_dataset(
+        script.dataset_name, script.dataset_train_split, script.prompt_column, seed=config.seed
+    )
+    eval_dataset = None
+    if script.dataset_test_split is not None:
+        eval_dataset = load_prompt_dataset(
+            script.dataset_name,
+            script.dataset_test_split,
+            script.prompt_column,
+            seed=config.seed,
+            split_flag="--dataset_test_split",
+        )
+    resolve_model_path(config.model_name_or_path)
+
+    import torch
+    from accelerate import PartialState
+    from rich.console import Console
+
+    from marl.model.build import load_tokenizer
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards import RewardParts, RewardSetting, plan_rewards
+    from marl.train.trainer import RLOOTrainer
+
+    # The reward adapters first, then the functions: the order of --reward_weights. Planned before the model
+    # loads, so that a --reward_fn typo fails at once.
+    rewards = plan_rewards(
+        [
+            *(RewardSetting("adapter", name) for name in config.reward_adapter_folders()),
+            *(RewardSetting("function", spec) for spec in script.reward_fn or []),
+        ]
+    )
+    # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
+    # state would set itself up as a single process and the trainer would refuse the mismatch).
+    state = PartialState(cpu=not torch.cuda.is_available())
+    model = MultiAdapterModel.from_config(config)
+    tokenizer = load_tokenizer(model.name_or_path)
+    if state.is_main_process:
+        console = Console()
+        if command:
+            console.print(f"[bold]{command}[/bold]")
+        console.print(model.memory_report())
+    return RLOOTrainer(
+        config,
+        model,
+        tokenizer,
+        train_dataset,
+        eval_dataset,
+        reward_funcs=rewards.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size)),
+        dataset_source=dataset_record(script),
+    )
+
+
+def dataset_record(script: ScriptArguments) -> dict[str, Any]:
+    """Where the run's prompts came from, for ``rloo_config.json``: the dataset (and its absolute path when
+    local), the splits really read (``None``: a whole file; a test split of ``None`` with no test prompts)
+    and the prompt column.
+
+    Example:
+        >>> record = dataset_record(ScriptArguments(dataset_test_split="test"))
+        >>> record["dataset_name"], record["train_split"], record["test_split"], record["prompt_column"]
+        ('rotten-tomatoes', 'train', 'test', 'prompt')
+    """
+    from marl.data.prompts import prompt_source
+
+    train = prompt_source(script.dataset_name, script.dataset_train_split)
+    test_split = script.dataset_test_split
+    return {
+        "dataset_name": train["dataset_name"],
+        "dataset_path": train["dataset_path"],
+        "train_split": train["split"],
+        "test_split": None if test_split is None else prompt_source(script.dataset_name, test_split)["split"],
+        "prompt_column": script.prompt_column,
+    }
+
+
+def train_arguments(script: ScriptArguments) -> dict[str, Any]:
+    """The arguments of ``RLOOTrainer.train`` that the output-folder flags ask for.
+
+    Example:
+        >>> train_arguments(ScriptArguments(resume_from_checkpoint="latest"))
+        {'resume_from_checkpoint': True, 'overwrite_output_dir': False}
+    """
+    resume = script.resume_from_checkpoint
+    return {
+        "resume_from_checkpoint": True if resume == "latest" else resume,
+        "overwrite_output_dir": script.overwrite_output_dir,
+    }
