@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import save_tiny_model
 
-from marl.data import assets
+from marl.data import assets, gold_judge
 from marl.errors import MissingPathError, ModelError
 
 
@@ -315,7 +315,7 @@ def test_held_out_prompts_can_exclude_training_prompts(reviews) -> None:
 
 
 def test_gold_judge_ranks_positive_above_negative() -> None:
-    positive, negative, neutral = assets.gold_judge_scores(
+    positive, negative, neutral = gold_judge.gold_judge_scores(
         [
             "A wonderful, moving film with brilliant acting.",
             "A dull, awful mess. I hated it.",

@@ -231,7 +231,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
 
     from marl.apps.eval_report import results_table, write_results
     from marl.apps.eval_scores import generate_and_score, summarize
-    from marl.data.assets import check_gold_judge
+    from marl.data.gold_judge import check_gold_judge
     from marl.data.prompts import rotten_tomatoes_prompts
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel

@@ -159,7 +159,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
 
     from marl.config import reward_adapter_folders
     from marl.cpu_threads import apply_threads
-    from marl.data.assets import check_gold_judge
+    from marl.data.gold_judge import check_gold_judge
     from marl.data.prompts import describe_prompt_source, load_prompt_dataset, prompt_source
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bz2
 import csv
-import functools
 import importlib.util
 import json
 import os
@@ -392,36 +391,3 @@ def build_rl_prompts(
             prompts.append(prompt)
     random.Random(seed).shuffle(prompts)
     return datasets.Dataset.from_dict({"prompt": prompts})
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Gold judge
-
-
-def gold_judge_scores(texts: Sequence[str]) -> list[float]:
-    """VADER compound sentiment of each text, in [-1, 1] (positive means positive sentiment).
-
-    Example:
-        >>> good, bad = gold_judge_scores(["a wonderful, moving film", "a dull, awful mess"])
-        >>> good > 0 > bad
-        True
-    """
-    analyzer = _vader_analyzer()
-    return [float(analyzer.polarity_scores(text)["compound"]) for text in texts]
-
-
-def check_gold_judge() -> None:
-    """Build the VADER judge now (once per process): a command whose judge it is then stops at once, before
-    its model loads, when the ``demo`` extra is not installed.
-
-    Example:
-        >>> check_gold_judge()
-    """
-    _vader_analyzer()
-
-
-@functools.lru_cache(maxsize=1)
-def _vader_analyzer():
-    # Building the analyzer reads its lexicon from disk; do it once per process.
-    vader = demo_package("vaderSentiment.vaderSentiment", "The VADER judge")
-    return vader.SentimentIntensityAnalyzer()

@@ -1,0 +1,120 @@
+"""The package's shape: each layer imports only from itself and the layers below, no import cycles, small
+modules. These are the rules that keep each extension point a one-file change (README, "Layout")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "marl"
+
+# Lowest first. A module may import from its own layer and the layers before it.
+LAYERS = [
+    ("marl.errors", "marl.validation", "marl.environment", "marl.cpu_threads"),
+    ("marl.config", "marl.batch_sizes", "marl.model_settings"),
+    ("marl.data",),
+    ("marl.model",),
+    ("marl.algo",),
+    ("marl.rewards",),
+    ("marl.rollout",),
+    ("marl.train",),
+    ("marl.apps", "marl.__main__"),
+]
+# The deprecated `RLOOConfig.load_model` keeps old scripts working: the one import that points up, inside that
+# method only.
+ALLOWED_UPWARD_IN_FUNCTIONS = {("marl.config", "marl.model")}
+MAX_LINES = 420
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(name: str) -> int:
+    if name == "marl":
+        return len(LAYERS)  # the package's lazy public names may point anywhere
+    for index, prefixes in enumerate(LAYERS):
+        if any(name == prefix or name.startswith(prefix + ".") for prefix in prefixes):
+            return index
+    raise AssertionError(f"{name} is in no layer of tests/test_layout.py: add it to LAYERS")
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def marl_imports(path: Path, module: str) -> list[tuple[str, bool]]:
+    """``(imported marl module, at module level)`` for every import outside ``if TYPE_CHECKING:``."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, top_level: bool) -> None:
+        if _is_type_checking(node):
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("marl"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.append((candidate if candidate in MODULES else node.module, top_level))
+        elif isinstance(node, ast.Import):
+            found.extend((alias.name, top_level) for alias in node.names if alias.name.startswith("marl"))
+        inside_function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        for child in ast.iter_child_nodes(node):
+            visit(child, top_level and not inside_function)
+
+    visit(tree, True)
+    return [(name, top) for name, top in found if name != module]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down(module: str) -> None:
+    upward = [
+        name
+        for name, top_level in marl_imports(MODULES[module], module)
+        if name != "marl"
+        and layer_of(name) > layer_of(module)
+        and not (
+            not top_level
+            and any(
+                module.startswith(low) and name.startswith(high) for low, high in ALLOWED_UPWARD_IN_FUNCTIONS
+            )
+        )
+    ]
+    assert not upward, f"{module} imports from a higher layer: {upward}"
+
+
+def test_no_import_cycles() -> None:
+    graph = {
+        module: {name for name, _ in marl_imports(path, module) if name in MODULES and name != "marl"}
+        for module, path in MODULES.items()
+    }
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def walk(module: str) -> None:
+        if module in visiting:
+            cycle = [*visiting[visiting.index(module) :], module]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        visiting.append(module)
+        for name in sorted(graph[module]):
+            # a package's __init__ importing its own submodules is how re-exports work, not a cycle
+            if module != name.rpartition(".")[0]:
+                walk(name)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        walk(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_modules_stay_small(module: str) -> None:
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines; split it along what it does (limit {MAX_LINES})"
