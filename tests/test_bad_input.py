@@ -286,6 +286,7 @@ CASES = [
     Case(RLOO, ["--normalize_advantage", "sometimes"], r"--normalize_advantage.*got sometimes"),
     Case(RLOO, ["--share_prompt_prefix", "often"], r"--share_prompt_prefix.*got often"),
     Case(RLOO, ["--advantage_estimator", "grpo"], r"--advantage_estimator 'grpo' is not a .*of \['rloo'\]"),
+    Case(RLOO, ["--parallelism", "fsdp"], r"--parallelism 'fsdp' is not a registered .*\['replicated'\]"),
     # --- train-rloo: logging, checkpoints, seed
     Case(RLOO, ["--logging_steps", "0"], r"logging_steps=0 must be a positive integer"),
     Case(RLOO, ["--report_to", "wandbb"], r"unknown report_to \['wandbb'\]"),
