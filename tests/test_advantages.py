@@ -117,7 +117,7 @@ def test_an_unknown_estimator_is_refused_naming_the_flag_and_the_known_ones():
 
 
 def test_a_name_is_registered_once():
-    with pytest.raises(ValueError, match="'rloo' is already registered"):
+    with pytest.raises(ConfigError, match="'rloo' is already registered"):
         register_advantage_estimator("rloo", lambda rewards, judged, k, gather: rewards)
     assert get_advantage_estimator("rloo") is ADVANTAGE_ESTIMATORS["rloo"]
 

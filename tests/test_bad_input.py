@@ -272,7 +272,11 @@ CASES = [
     Case(RLOO, ["--temperature", "nan"], r"--temperature=nan is not a finite number.*--temperature 0.7"),
     Case(RLOO, ["--temperature", "inf"], r"--temperature=inf is not a finite number"),
     Case(RLOO, ["--temperature", "0"], r"temperature=0.0 must be > 0"),
-    Case(RLOO, ["--sampler", "nope"], r"--sampler nope is not a sampler; known: transformers\. Pass"),
+    Case(
+        RLOO,
+        ["--sampler", "nope"],
+        r"--sampler 'nope' is not a registered .*\['transformers'\]",
+    ),
     Case(RLOO, ["--response_length", "0"], r"response_length=0 must be a positive integer"),
     Case(RLOO, ["--stop_token", "bos"], r"stop_token='bos' is not supported"),
     Case(RLOO, ["--stop_token", "eos", "--stop_token_id", "1"], r"stop_token and stop_token_id are both set"),

@@ -59,7 +59,8 @@ def vowels_registered():
 
 def test_unknown_kind_names_the_known_kinds():
     with pytest.raises(
-        ConfigError, match=r"unknown reward source kind 'nope'.*'adapter', 'eos_adapter', 'function'"
+        ConfigError,
+        match=r"'nope' is not a registered reward source kind.*'adapter', 'eos_adapter', 'function'",
     ):
         get_reward_kind("nope")
     with pytest.raises(ConfigError, match=r"'nope'.*register_reward_kind"):

@@ -14,7 +14,9 @@ from marl.rollout.transformers_sampler import TransformersSampler
 
 
 def test_an_unknown_sampler_is_refused_naming_the_flag_and_the_known_ones():
-    with pytest.raises(ConfigError, match=r"--sampler nope .*known: .*transformers") as refused:
+    with pytest.raises(
+        ConfigError, match=r"--sampler 'nope' is not a registered sampler.*'transformers'"
+    ) as refused:
         get_sampler("nope")
     assert "register_sampler" in str(refused.value)
     assert RLOOConfig(output_dir="x").sampler == "transformers"

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from marl.algo.tensors import Gather
-from marl.errors import ConfigError
+from marl.registry import Registry
 
 
 class AdvantageEstimator(Protocol):
@@ -118,36 +118,32 @@ def rloo_advantages(
     return judged_leave_one_out_advantages(rewards, judged, k)[0]
 
 
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {"rloo": rloo_advantages}
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "advantage estimator",
+    "--advantage_estimator",
+    "marl.algo.advantages.register_advantage_estimator",
+    {"rloo": rloo_advantages},
+)
 
 
 def register_advantage_estimator(name: str, estimator: AdvantageEstimator) -> None:
-    """Make ``estimator`` selectable as ``RLOOConfig(advantage_estimator=name)`` / ``--advantage_estimator
-    name``. A name is registered once: replacing an estimator silently would change what a recorded run's
-    config means.
+    """Make ``estimator`` the advantage estimator named ``name`` (``--advantage_estimator name``); a name is
+    registered once.
 
     Example:
         >>> register_advantage_estimator("rloo", rloo_advantages)
         Traceback (most recent call last):
         ...
-        ValueError: an advantage estimator named 'rloo' is already registered; pick another name
+        marl.errors.ConfigError: advantage estimator 'rloo' is already registered; pick another name, or ...
     """
-    if name in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"an advantage estimator named {name!r} is already registered; pick another name")
-    ADVANTAGE_ESTIMATORS[name] = estimator
+    ADVANTAGE_ESTIMATORS.register(name, estimator)
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
-    """The estimator registered as ``name``; a :class:`ConfigError` naming the flag and the known names else.
+    """The estimator registered as ``name``.
 
     Example:
         >>> get_advantage_estimator("rloo") is rloo_advantages
         True
     """
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ConfigError(
-            f"--advantage_estimator {name!r} is not a registered advantage estimator; pass one of "
-            f"{sorted(ADVANTAGE_ESTIMATORS)} (a new one is registered with "
-            "marl.algo.advantages.register_advantage_estimator)"
-        )
-    return ADVANTAGE_ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS.lookup(name)

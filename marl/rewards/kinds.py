@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from typing import NamedTuple, Protocol
 
 from marl.errors import ConfigError
+from marl.registry import Registry
 from marl.rewards.adapter import adapter_kind, eos_adapter_kind
 from marl.rewards.batch import RewardBuilder, RewardParts, RewardSource
 from marl.rewards.functions import function_kind
@@ -41,16 +42,18 @@ class RewardKind(Protocol):
     def __call__(self, spec: str) -> RewardBuilder: ...
 
 
-REWARD_KINDS: dict[str, RewardKind] = {
-    "adapter": adapter_kind,
-    "eos_adapter": eos_adapter_kind,
-    "function": function_kind,
-}
+# No single flag picks a kind: --reward_adapter builds 'adapter' sources, --reward_fn 'function' ones.
+REWARD_KINDS: Registry[RewardKind] = Registry(
+    "reward source kind",
+    None,
+    "marl.rewards.kinds.register_reward_kind",
+    {"adapter": adapter_kind, "eos_adapter": eos_adapter_kind, "function": function_kind},
+)
 
 
 def register_reward_kind(name: str, factory: RewardKind) -> None:
-    """Make ``factory`` the reward kind ``name``; a name already taken is refused (``del
-    REWARD_KINDS[name]`` first to replace it).
+    """Make ``factory`` the reward kind ``name``; a name is registered once (``del REWARD_KINDS[name]`` first
+    to replace it).
 
     Example:
         >>> register_reward_kind("adapter", adapter_kind)
@@ -58,23 +61,11 @@ def register_reward_kind(name: str, factory: RewardKind) -> None:
         ...
         marl.errors.ConfigError: reward source kind 'adapter' is already registered; ...
     """
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"a reward source kind needs a non-empty name, got {name!r}")
-    if not callable(factory):
-        raise ConfigError(
-            f"reward source kind {name!r}: the factory must be callable(spec) -> builder(parts), got "
-            f"{type(factory).__name__}"
-        )
-    if name in REWARD_KINDS:
-        raise ConfigError(
-            f"reward source kind {name!r} is already registered; pick another name, or delete "
-            f"marl.rewards.kinds.REWARD_KINDS[{name!r}] first to replace it"
-        )
-    REWARD_KINDS[name] = factory
+    REWARD_KINDS.register(name, factory)
 
 
 def get_reward_kind(name: str) -> RewardKind:
-    """The factory of reward kind ``name``; an unknown name raises ``ConfigError`` naming the known kinds.
+    """The factory of reward kind ``name``.
 
     Example:
         >>> get_reward_kind("function") is function_kind
@@ -82,17 +73,9 @@ def get_reward_kind(name: str) -> RewardKind:
         >>> get_reward_kind("nope")
         Traceback (most recent call last):
         ...
-        marl.errors.ConfigError: unknown reward source kind 'nope'; the known kinds are 'adapter', ...
+        marl.errors.ConfigError: 'nope' is not a registered reward source kind; pass one of ['adapter', ...
     """
-    factory = REWARD_KINDS.get(name)
-    if factory is None:
-        known = ", ".join(repr(kind) for kind in sorted(REWARD_KINDS))
-        raise ConfigError(
-            f"unknown reward source kind {name!r}; the known kinds are {known} (--reward_adapter builds "
-            "'adapter' sources, --reward_fn 'function' ones). Register another with "
-            "marl.rewards.kinds.register_reward_kind(name, factory)"
-        )
-    return factory
+    return REWARD_KINDS.lookup(name)
 
 
 class RewardSetting(NamedTuple):

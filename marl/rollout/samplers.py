@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from marl.errors import ConfigError
+from marl.registry import Registry
 from marl.rollout.transformers_sampler import TransformersSampler
 
 if TYPE_CHECKING:
@@ -76,11 +76,13 @@ class Sampler(Protocol):
 
 SamplerFactory = Callable[["MultiAdapterModel", Any, SamplerSettings], Sampler]
 
-SAMPLERS: dict[str, SamplerFactory] = {"transformers": TransformersSampler}
+SAMPLERS: Registry[SamplerFactory] = Registry(
+    "sampler", "--sampler", "marl.rollout.samplers.register_sampler", {"transformers": TransformersSampler}
+)
 
 
 def register_sampler(name: str, factory: SamplerFactory) -> None:
-    """Make ``factory`` the sampler named ``name`` (``--sampler name``); a name given again is replaced.
+    """Make ``factory`` the sampler named ``name`` (``--sampler name``); a name is registered once.
 
     Example:
         >>> register_sampler("mine", TransformersSampler)
@@ -88,22 +90,16 @@ def register_sampler(name: str, factory: SamplerFactory) -> None:
         True
         >>> del SAMPLERS["mine"]
     """
-    SAMPLERS[name] = factory
+    SAMPLERS.register(name, factory)
 
 
 def get_sampler(name: str) -> SamplerFactory:
-    """The factory of the sampler named ``name``; a :class:`marl.errors.ConfigError` naming the known ones
-    for any other name.
+    """The factory of the sampler named ``name``.
 
     Example:
         >>> get_sampler("nope")
         Traceback (most recent call last):
         ...
-        marl.errors.ConfigError: --sampler nope is not a sampler; known: transformers. Pass one of those, ...
+        marl.errors.ConfigError: --sampler 'nope' is not a registered sampler; pass one of ...
     """
-    if name not in SAMPLERS:
-        raise ConfigError(
-            f"--sampler {name} is not a sampler; known: {', '.join(sorted(SAMPLERS))}. Pass one of those, or "
-            "register yours first with marl.rollout.samplers.register_sampler(name, factory)"
-        )
-    return SAMPLERS[name]
+    return SAMPLERS.lookup(name)

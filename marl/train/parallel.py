@@ -32,6 +32,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import broadcast
 
 from marl.errors import ConfigError
+from marl.registry import Registry
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
@@ -183,11 +184,16 @@ class ReplicatedParallelism:
         self.accelerator.end_training()
 
 
-PARALLELISMS: dict[str, ParallelismFactory] = {"replicated": ReplicatedParallelism}
+PARALLELISMS: Registry[ParallelismFactory] = Registry(
+    "parallelism",
+    "--parallelism",
+    "marl.train.parallel.register_parallelism",
+    {"replicated": ReplicatedParallelism},
+)
 
 
 def register_parallelism(name: str, factory: ParallelismFactory) -> None:
-    """Make ``factory`` available as ``--parallelism NAME``; it is called as ``factory(model, config)``.
+    """Make ``factory`` the parallelism named ``name`` (``--parallelism name``); a name is registered once.
 
     Example:
         >>> register_parallelism("my-replicated", ReplicatedParallelism)
@@ -195,23 +201,18 @@ def register_parallelism(name: str, factory: ParallelismFactory) -> None:
         True
         >>> del PARALLELISMS["my-replicated"]
     """
-    PARALLELISMS[name] = factory
+    PARALLELISMS.register(name, factory)
 
 
 def get_parallelism(name: str) -> ParallelismFactory:
-    """The factory registered as ``name``; a :class:`marl.errors.ConfigError` names the known ones.
+    """The factory of the parallelism named ``name``.
 
     Example:
         >>> get_parallelism("sharded")
         Traceback (most recent call last):
         marl.errors.ConfigError: --parallelism 'sharded' is not a registered parallelism; ...
     """
-    if name not in PARALLELISMS:
-        raise ConfigError(
-            f"--parallelism {name!r} is not a registered parallelism; pass one of {sorted(PARALLELISMS)} (a "
-            "new one is registered with marl.train.parallel.register_parallelism)"
-        )
-    return PARALLELISMS[name]
+    return PARALLELISMS.lookup(name)
 
 
 # ---------------------------------------------------------------------- the replicated collectives
