@@ -12,10 +12,11 @@ import json
 
 import pytest
 import torch
-from conftest import write_jsonl
 
 from marl.apps.cli import main, train_reward_main
 from marl.cpu_threads import FreeCoreThreads
+
+from support.tiny import write_jsonl
 
 PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls"]
 THREADS_LOG_REWARD = """

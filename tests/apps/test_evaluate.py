@@ -1,0 +1,153 @@
+"""``marl evaluate`` on a tiny model: win rate, KL to the reference, and the JSON it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from marl.apps.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation, win_rate
+
+from support.tiny import write_jsonl
+
+PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls", "good good great"]
+
+
+def test_win_rate_counts_ties_as_half():
+    comparison = win_rate([1.0, 0.0, 0.5, 0.2], [0.0, 1.0, 0.5, 0.1])
+    assert (comparison.wins, comparison.ties, comparison.losses) == (2, 1, 1)
+    assert comparison.win_rate == pytest.approx(2.5 / 4)
+    with pytest.raises(ValueError, match="one per prompt"):
+        win_rate([1.0], [1.0, 2.0])
+
+
+def save_policy_adapter(base_dir, directory, scale):
+    """A policy adapter whose LoRA B matrices are random times ``scale`` (0 gives the base model exactly)."""
+    from marl.model.multi_adapter import MultiAdapterModel
+
+    model = MultiAdapterModel.from_pretrained(str(base_dir))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, parameter in model.peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn_like(parameter) * scale)
+    model.save_policy_adapter(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def eval_setup(tiny_llama_dir, tiny_reward_adapter, tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate")
+    prompts = write_jsonl(root / "prompts.jsonl", [{"text": p} for p in PROMPTS])
+    return {
+        "base": str(tiny_llama_dir),
+        "prompts": str(prompts),
+        "reward": str(tiny_reward_adapter),
+        "identity_policy": str(save_policy_adapter(tiny_llama_dir, root / "identity", 0.0)),
+        "trained_policy": str(save_policy_adapter(tiny_llama_dir, root / "trained", 0.3)),
+        "root": root,
+    }
+
+
+def evaluate(setup, policy, output_dir, **overrides):
+    arguments = EvaluateArguments(
+        policy_adapter=policy,
+        model_name_or_path=setup["base"],
+        reward_adapter=setup["reward"],
+        dataset_name=setup["prompts"],
+        dataset_split="train",
+        prompt_column="text",
+        num_prompts=len(PROMPTS),
+        response_length=6,
+        batch_size=3,
+        output_dir=str(output_dir),
+        **overrides,
+    )
+    return run_evaluation(arguments)
+
+
+def test_policy_equal_to_base_ties_everywhere_with_zero_kl(eval_setup, tmp_path):
+    summary = evaluate(eval_setup, eval_setup["identity_policy"], tmp_path)
+    # Same seeds and the same distribution give the same samples: every prompt is a tie, KL is exactly 0.
+    assert summary["comparison"] == {"win_rate": 0.5, "wins": 0, "ties": len(PROMPTS), "losses": 0}
+    assert summary["policy"]["kl"] == 0.0
+    assert summary["policy"]["reward_score"] == pytest.approx(summary["base"]["reward_score"], abs=1e-5)
+
+
+def test_results_json_and_completions_file(eval_setup, tmp_path):
+    summary = evaluate(eval_setup, eval_setup["trained_policy"], tmp_path)
+    results = json.loads((tmp_path / RESULTS_FILE).read_text())
+    assert results["settings"]["num_prompts"] == len(PROMPTS)
+    assert results["settings"]["judge"] == "vader"
+    assert results["policy"] == summary["policy"] and results["comparison"] == summary["comparison"]
+    assert set(results["base"]) == {"reward_score", "judge_score", "length", "kl"}
+    assert results["base"]["kl"] is None
+    rows = [json.loads(line) for line in (tmp_path / COMPLETIONS_FILE).read_text().splitlines()]
+    assert [row["prompt"] for row in rows] == PROMPTS
+    # The means in the JSON are the means of the per-prompt rows.
+    for name in ("base", "policy"):
+        for key in ("judge_score", "reward_score", "length"):
+            mean = sum(row[name][key] for row in rows) / len(rows)
+            assert results[name][key] == pytest.approx(mean)
+    assert results["policy"]["kl"] == pytest.approx(sum(row["policy"]["kl"] for row in rows) / len(rows))
+    assert results["policy"]["kl"] != 0.0
+    assert all(1 <= row["policy"]["length"] <= 6 for row in rows)
+
+
+def test_custom_judge_is_used(eval_setup, tmp_path, monkeypatch):
+    (tmp_path / "length_judge.py").write_text("def judge(texts):\n    return [len(t) for t in texts]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    summary = evaluate(eval_setup, eval_setup["trained_policy"], tmp_path / "out", judge="length_judge:judge")
+    rows = [json.loads(line) for line in (tmp_path / "out" / COMPLETIONS_FILE).read_text().splitlines()]
+    assert rows[0]["policy"]["judge_score"] == len(rows[0]["prompt"] + rows[0]["policy"]["completion"])
+    assert (
+        json.loads((tmp_path / "out" / RESULTS_FILE).read_text())["settings"]["judge"] == "length_judge:judge"
+    )
+    assert 0.0 <= summary["comparison"]["win_rate"] <= 1.0
+
+
+def test_base_alone_needs_an_output_dir():
+    with pytest.raises(ValueError, match="--output_dir"):
+        EvaluateArguments(policy_adapter=None)
+
+
+def test_reward_scorer_reads_every_text_at_an_appended_eos(eval_setup):
+    from transformers import AutoTokenizer
+
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards import EosTerminatedAdapterReward
+
+    model = MultiAdapterModel.from_pretrained(eval_setup["base"], reward_adapter=eval_setup["reward"])
+    tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+    scorer = EosTerminatedAdapterReward(model, tokenizer, rows_per_pass=2)
+    scores = scorer.score_texts(
+        ["the movie", "a dull", "an honest"], [" was great", " boring film", " story"]
+    )
+    ids = tokenizer("a dull boring film", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    expected = model.compute_reward_score(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))
+    assert scores[1] == pytest.approx(expected.item(), abs=1e-5)
+    # Left padding inside a batch does not change a row's score.
+    assert scorer.score_texts(["a dull"], [" boring film"])[0] == pytest.approx(float(scores[1]), abs=1e-5)
+
+
+def test_evaluate_works_with_a_tokenizer_without_pad_token(family_dir, eval_setup, tmp_path):
+    """Llama-3 style tokenizers have no pad token: evaluation pads with the EOS, as the trainer does, and
+    stops at any of the model's terminators."""
+    base = family_dir("llama3")
+    policy = save_policy_adapter(base, tmp_path / "policy", 0.3)
+    summary = run_evaluation(
+        EvaluateArguments(
+            policy_adapter=str(policy),
+            model_name_or_path=str(base),
+            dataset_name=eval_setup["prompts"],
+            dataset_split="train",
+            prompt_column="text",
+            num_prompts=len(PROMPTS),
+            response_length=6,
+            batch_size=3,
+            output_dir=str(tmp_path / "eval"),
+        )
+    )
+    assert 0.0 <= summary["comparison"]["win_rate"] <= 1.0
+    assert 1.0 <= summary["policy"]["length"] <= 6.0

@@ -1,0 +1,71 @@
+"""The parallelism extension point: lookup by name, the builder's check of every registry name, and a
+parallelism registered from outside the package running a real training."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+from marl.errors import ConfigError
+from marl.train.build import build_training_parts, check_components
+from marl.train.parallel import PARALLELISMS, ReplicatedParallelism, get_parallelism, register_parallelism
+
+from support.tiny import tiny_rloo_config
+
+
+class CountingParallelism(ReplicatedParallelism):
+    """Today's parallelism, counting the gradient averages the trainer asks for."""
+
+    def __init__(self, model, config) -> None:
+        super().__init__(model, config)
+        self.averages = 0
+
+    def average_gradients(self, parameters) -> None:
+        self.averages += 1
+        super().average_gradients(parameters)
+
+
+@pytest.fixture
+def counting_parallelism():
+    register_parallelism("counting", CountingParallelism)
+    yield "counting"
+    del PARALLELISMS["counting"]
+
+
+def test_an_unknown_parallelism_is_refused_with_the_known_names():
+    with pytest.raises(ConfigError, match=r"--parallelism 'nope' .*\['replicated'\]"):
+        get_parallelism("nope")
+    assert get_parallelism("replicated") is ReplicatedParallelism
+
+
+@pytest.mark.parametrize("field", ["advantage_estimator", "sampler", "parallelism"])
+def test_check_components_refuses_a_bad_registry_name_before_any_model_work(field):
+    # The model folder does not exist: nothing may try to read it.
+    config = RLOOConfig(model_name_or_path="no/such-model", **{field: "nope"})
+    with pytest.raises(ConfigError, match=f"--{field} '?nope"):
+        check_components(config)
+    # The builder checks first: neither the model nor the tokenizer nor the prompts are touched.
+    with pytest.raises(ConfigError, match=f"--{field} '?nope"):
+        build_training_parts(config, model=None, tokenizer=None, train_dataset=None)
+
+
+def test_a_parallelism_registered_outside_the_package_runs_every_optimizer_step(
+    tiny_llama_dir, tmp_path, counting_parallelism
+):
+    config = tiny_rloo_config(
+        tmp_path / "run", model_name_or_path=str(tiny_llama_dir), parallelism=counting_parallelism,
+        gradient_accumulation_steps=2, num_mini_batches=2, num_ppo_epochs=2, total_episodes=32,
+        response_length=4,
+    )  # fmt: skip
+    prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"]})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    model = MultiAdapterModel.from_config(config)
+    trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c])
+    assert isinstance(trainer.parallelism, CountingParallelism)
+    history = trainer.train()
+    assert [record["update"] for record in history] == [1, 2]
+    # 2 updates × 2 epochs × 2 mini-batches: one gradient average per optimizer step, none skipped
+    assert trainer.global_step == 8 and trainer.state.skipped_optimizer_steps == 0
+    assert trainer.parallelism.averages == 8
