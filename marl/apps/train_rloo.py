@@ -18,6 +18,7 @@ from marl.validation import check_fields
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
+    from marl.rewards.kinds import RewardSetting
 
 
 @dataclass
@@ -39,6 +40,16 @@ class ScriptArguments:
             "help": "Reward function(s) 'module:function' (or 'file.py:function') called as "
             "function(prompts, completions) -> one number (or None) per completion; with or instead of "
             "--reward_adapter, weighted by --reward_weights. Repeat the flag for several."
+        },
+    )
+    reward: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "A reward source of any registered kind as KIND:SPEC (kinds: adapter, eos_adapter, "
+            "function, and any added with marl.rewards.register_reward_kind). An adapter kind's SPEC is a "
+            "--reward_adapter name, which it then reads instead of the default 'adapter' kind, e.g. "
+            "--reward_adapter sentiment=DIR --reward eos_adapter:sentiment. Repeat the flag for several; "
+            "weighted by --reward_weights after the --reward_adapter and --reward_fn sources."
         },
     )
     overwrite_output_dir: bool = field(
@@ -76,11 +87,12 @@ def parse_train_rloo_args(
 
     words = merge_repeated_list_flags(argv_words(argv), [ScriptArguments, RLOOConfig])
     script, config = parse_flags([ScriptArguments, RLOOConfig], prog, words)
-    if not script.reward_fn and not config.reward_adapter:
+    if not script.reward_fn and not config.reward_adapter and not script.reward:
         raise ConfigError(
             "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "
-            "--reward_fn module:function"
+            "--reward_fn module:function (or --reward KIND:SPEC)"
         )
+    reward_settings(script, config)  # a bad --reward fails here, before any work
     # Every registry name (advantage estimator, sampler, parallelism) is resolved before any work; imported
     # here, after the flags, so that --help does not load torch.
     from marl.train.build import check_components
@@ -128,17 +140,11 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
 
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rewards import RewardParts, RewardSetting, plan_rewards
+    from marl.rewards import RewardParts, plan_rewards
     from marl.train.trainer import RLOOTrainer
 
-    # The reward adapters first, then the functions: the order of --reward_weights. Planned before the model
-    # loads, so that a --reward_fn typo fails at once.
-    rewards = plan_rewards(
-        [
-            *(RewardSetting("adapter", name) for name in config.reward_adapter_folders()),
-            *(RewardSetting("function", spec) for spec in script.reward_fn or []),
-        ]
-    )
+    # Planned before the model loads, so that a --reward_fn typo fails at once.
+    rewards = plan_rewards(reward_settings(script, config))
     # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
     # state would set itself up as a single process and the trainer would refuse the mismatch).
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -158,6 +164,38 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         reward_funcs=rewards.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size)),
         dataset_source=dataset_record(script),
     )
+
+
+ADAPTER_KINDS = ("adapter", "eos_adapter")  # the kinds whose spec is a --reward_adapter name
+
+
+def reward_settings(script: ScriptArguments, config: RLOOConfig) -> list[RewardSetting]:
+    """The reward sources of a ``train-rloo`` command, in the order of ``--reward_weights``: each
+    ``--reward_adapter`` (read as the ``adapter`` kind unless a ``--reward`` entry names it), each
+    ``--reward_fn``, then each ``--reward KIND:SPEC``.
+
+    Example:
+        >>> words = ["--reward_adapter", "tone=rm", "--reward_adapter", "topic=tm"]
+        >>> script, config = parse_train_rloo_args([*words, "--reward", "eos_adapter:topic"])
+        >>> [tuple(setting) for setting in reward_settings(script, config)]
+        [('adapter', 'tone'), ('eos_adapter', 'topic')]
+    """
+    from marl.rewards.kinds import RewardSetting, parse_reward_setting
+
+    chosen = [parse_reward_setting(text) for text in script.reward or []]
+    adapters = list(config.reward_adapter_folders())
+    for setting in chosen:
+        if setting.kind in ADAPTER_KINDS and setting.spec not in adapters:
+            raise ConfigError(
+                f"--reward {setting.kind}:{setting.spec} names no reward adapter; the --reward_adapter names "
+                f"are {adapters} (name one with --reward_adapter {setting.spec}=DIR)"
+            )
+    read_by_choice = {setting.spec for setting in chosen if setting.kind in ADAPTER_KINDS}
+    return [
+        *(RewardSetting("adapter", name) for name in adapters if name not in read_by_choice),
+        *(RewardSetting("function", spec) for spec in script.reward_fn or []),
+        *chosen,
+    ]
 
 
 def dataset_record(script: ScriptArguments) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from marl.rewards.kinds import (
     REWARD_KINDS,
     RewardSetting,
     get_reward_kind,
+    parse_reward_setting,
     plan_rewards,
     register_reward_kind,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "get_reward_kind",
     "load_judge",
     "load_reward_fn",
+    "parse_reward_setting",
     "plan_rewards",
     "register_reward_kind",
 ]

@@ -15,6 +15,10 @@ kind            spec and what it scores                                 used by
 ``function``    ``module:function``, called as ``f(prompts, texts)``    ``--reward_fn``
 =============== ======================================================= ==========================
 
+``marl train-rloo --reward KIND:SPEC`` picks any registered kind by name (:func:`parse_reward_setting`), e.g.
+``--reward eos_adapter:sentiment`` reads the adapter that ``--reward_adapter sentiment=DIR`` loaded on texts
+ending in EOS instead of on the rows as sampled.
+
 Adding a kind (a remote judge, a rule) is one module with its source and factory, plus one entry in
 :data:`REWARD_KINDS` (or one :func:`register_reward_kind` call from your own code).
 
@@ -42,10 +46,10 @@ class RewardKind(Protocol):
     def __call__(self, spec: str) -> RewardBuilder: ...
 
 
-# No single flag picks a kind: --reward_adapter builds 'adapter' sources, --reward_fn 'function' ones.
+# --reward KIND:SPEC picks any kind; --reward_adapter builds 'adapter' sources, --reward_fn 'function' ones.
 REWARD_KINDS: Registry[RewardKind] = Registry(
     "reward source kind",
-    None,
+    "--reward",
     "marl.rewards.kinds.register_reward_kind",
     {"adapter": adapter_kind, "eos_adapter": eos_adapter_kind, "function": function_kind},
 )
@@ -73,7 +77,7 @@ def get_reward_kind(name: str) -> RewardKind:
         >>> get_reward_kind("nope")
         Traceback (most recent call last):
         ...
-        marl.errors.ConfigError: 'nope' is not a registered reward source kind; pass one of ['adapter', ...
+        marl.errors.ConfigError: --reward 'nope' is not a registered reward source kind; pass one of [...
     """
     return REWARD_KINDS.lookup(name)
 
@@ -83,6 +87,28 @@ class RewardSetting(NamedTuple):
 
     kind: str
     spec: str
+
+
+def parse_reward_setting(text: str) -> RewardSetting:
+    """A ``--reward KIND:SPEC`` entry as a setting: the kind is what comes before the first colon (a name in
+    :data:`REWARD_KINDS`), the spec everything after it.
+
+    Example:
+        >>> parse_reward_setting("function:mypkg.rewards:length")
+        RewardSetting(kind='function', spec='mypkg.rewards:length')
+        >>> parse_reward_setting("sentiment")
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --reward 'sentiment' must look like KIND:SPEC, e.g. eos_adapter:NAME ...
+    """
+    kind, separator, spec = text.partition(":")
+    if not separator or not kind or not spec:
+        raise ConfigError(
+            f"--reward {text!r} must look like KIND:SPEC, e.g. eos_adapter:NAME (a --reward_adapter name) or "
+            f"function:module:function; the kinds are {sorted(REWARD_KINDS)}"
+        )
+    get_reward_kind(kind)
+    return RewardSetting(kind, spec)
 
 
 class RewardPlan(NamedTuple):

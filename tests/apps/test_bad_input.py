@@ -187,6 +187,12 @@ CASES = [
     Case(RLOO, ["--reward_adapter", "{completed}"], r"no score head.*SEQ_CLS"),
     Case(RLOO, ["--reward_adapter", "bad name={reward}"], r"'bad name' is not usable"),
     Case(RLOO, ["--reward_adapter", "a={reward}", "a={reward}"], r"two reward adapters are named 'a'"),
+    Case(RLOO, ["--reward", "sentiment"], r"--reward 'sentiment' must look like KIND:SPEC"),
+    Case(
+        RLOO, ["--reward", "judge:x"], r"--reward 'judge' is not a registered reward source.*'adapter'"
+    ),
+    Case(RLOO, ["--reward", "eos_adapter:tone"], r"eos_adapter:tone names no reward adapter.*tone=DIR"),
+    Case(RLOO, ["--reward", "function:nocolon"], r"'nocolon' must look like 'module:function'"),
     Case(RLOO, ["--reward_weights", "1", "2"], r"2 reward weights for 1 reward sources"),
     Case(RLOO, ["--reward_weights", "nan"], r"--reward_weights=\[nan\] is not a finite number"),
     # --- train-rloo: the data
@@ -485,7 +491,7 @@ def command_words(case: Case, paths: dict[str, str], run: Path) -> list[str]:
     files = Path(paths["files"])
     if case.command == RLOO:
         defaults = rloo_defaults(files, paths["base"], str(run))
-        if NO_REWARD in case.words or {"--reward_fn", "--reward_adapter"} & set(words):
+        if NO_REWARD in case.words or {"--reward_fn", "--reward_adapter", "--reward"} & set(words):
             position = defaults.index("--reward_fn")
             del defaults[position : position + 2]
         if "--output_dir" not in words and "--resume_from_checkpoint" not in words:

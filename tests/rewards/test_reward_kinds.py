@@ -3,6 +3,7 @@ outside the package that trains through RLOOTrainer."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -61,7 +62,7 @@ def vowels_registered():
 def test_unknown_kind_names_the_known_kinds():
     with pytest.raises(
         ConfigError,
-        match=r"'nope' is not a registered reward source kind.*'adapter', 'eos_adapter', 'function'",
+        match=r"--reward 'nope' is not a registered reward source kind.*'adapter', 'eos_adapter', 'function'",
     ):
         get_reward_kind("nope")
     with pytest.raises(ConfigError, match=r"'nope'.*register_reward_kind"):
@@ -147,6 +148,46 @@ def test_a_kind_registered_outside_marl_trains_through_the_trainer(
         assert record["rewards/vowels"] == pytest.approx(scores.mean().item(), abs=1e-6)
         assert record["objective/scores"] == pytest.approx(2.0 * scores.mean().item(), abs=1e-6)
     assert not math.isnan(history[-1]["objective/rlhf_reward"])
+
+
+def test_the_reward_flag_picks_a_registered_kind_and_how_an_adapter_is_read(tmp_path, vowels_registered):
+    """``--reward KIND:SPEC`` reaches every registered kind, a test-only one included; an adapter it names is
+    read by that kind instead of the default one, and the order is the order of ``--reward_weights``."""
+    from marl.apps.train_rloo import parse_train_rloo_args, reward_settings
+
+    words = ["--reward_adapter", "tone=rm", "--reward_adapter", "topic=tm", "--reward_fn", "math:fsum"]
+    words += ["--reward", "vowels:2.5", "--reward", "eos_adapter:topic"]
+    script, config = parse_train_rloo_args(words)
+    assert [tuple(setting) for setting in reward_settings(script, config)] == [
+        ("adapter", "tone"),
+        ("function", "math:fsum"),
+        ("vowels", "2.5"),
+        ("eos_adapter", "topic"),
+    ]
+    script, config = parse_train_rloo_args(["--reward", "vowels:1"])  # a --reward alone is a reward
+    assert [tuple(setting) for setting in reward_settings(script, config)] == [("vowels", "1")]
+
+
+def test_a_registered_kind_chosen_by_the_flag_trains_through_the_command(
+    tiny_llama_dir, tmp_path, vowels_registered
+):
+    from marl.apps.cli import train_rloo_main
+
+    (tmp_path / "prompts.jsonl").write_text("".join(f'{{"prompt": "{text}"}}\n' for text in ["a", "b"] * 4))
+    train_rloo_main(
+        [
+            "--model_name_or_path", str(tiny_llama_dir), "--dataset_name", str(tmp_path / "prompts.jsonl"),
+            "--reward", "vowels:3.0", "--output_dir", str(tmp_path / "run"), "--rloo_k", "2",
+            "--per_device_train_batch_size", "4", "--total_episodes", "8", "--response_length", "4",
+            "--num_ppo_epochs", "1", "--num_sample_generations", "0", "--save_steps", "0",
+        ]
+    )  # fmt: skip
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(history) == 2
+    assert [record["objective/scores"] for record in history] == [
+        pytest.approx(record["rewards/vowels"]) for record in history
+    ]
+    assert all(0.0 <= record["rewards/vowels"] <= 3.0 for record in history)
 
 
 def test_evaluation_scores_each_text_ending_in_eos(tiny_llama_dir, tiny_reward_adapter):
