@@ -106,10 +106,12 @@ def generate_and_score(
     stop_at_eos: bool = True,
     policy: str | None = None,
     after_batch: Callable[[], Any] | None = None,
+    sampler: str | None = None,
 ) -> dict[str, ScoredCompletions]:
     """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of policy ``policy``
     (default: the model's first policy), keyed ``"policy"``. ``after_batch`` is called after every batch
-    (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`).
+    (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`). ``sampler`` names a registered sampler (default:
+    the one training uses by default, ``RLOOConfig.sampler``).
 
     Both models see the same prompts in the same batches with the same seed per batch.
 
@@ -122,14 +124,15 @@ def generate_and_score(
     from tqdm.auto import tqdm
 
     from marl.algo.tensors import masked_sum
+    from marl.config import RLOOConfig
     from marl.data.prompts import prompt_text
     from marl.rewards import RewardParts, RewardSetting, plan_rewards
     from marl.rollout.prompts import prepare_prompts
-    from marl.rollout.samplers import SamplerSettings
+    from marl.rollout.samplers import SamplerSettings, get_sampler
     from marl.rollout.scoring import Scorer
-    from marl.rollout.transformers_sampler import TransformersSampler
 
-    sampler = TransformersSampler(
+    make_sampler = get_sampler(sampler or RLOOConfig.sampler)
+    rollout_sampler = make_sampler(
         model,
         tokenizer,
         # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
@@ -158,11 +161,11 @@ def generate_and_score(
     starts = range(0, len(prompts), batch_size)
     for batch_index, start in enumerate(tqdm(starts, desc="evaluating", unit="batch", disable=not progress)):
         raw_prompts = prompts[start : start + batch_size]
-        batch = sampler.batch(prepared[start : start + batch_size])
+        batch = rollout_sampler.batch(prepared[start : start + batch_size])
         for name, view in views.items():
             torch.manual_seed(seed + batch_index)
             # The base is the reference view of the same model (adapters disabled), not a second copy.
-            samples = sampler.sample(batch, k=1, view=view)
+            samples = rollout_sampler.sample(batch, k=1, view=view)
             record = results[name]
             record.completions.extend(samples.completions)
             record.judge_scores.extend(

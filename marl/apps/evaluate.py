@@ -18,6 +18,7 @@ from typing import Any
 
 from marl.apps.eval_report import COMPLETIONS_FILE, RESULTS_FILE, results_table, write_results
 from marl.apps.eval_scores import generate_and_score, summarize, win_rate
+from marl.config import RLOOConfig
 from marl.cpu_threads import check_threads, threads_field
 from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError
@@ -82,6 +83,12 @@ class EvaluateArguments:
     judge: str | None = field(
         default=None,
         metadata={"help": "Judge 'module:function' called as function(texts) -> numbers; unset: VADER."},
+    )
+    sampler: str = field(
+        default=RLOOConfig.sampler,
+        metadata={
+            "help": "Sampler by name, as train-rloo's --sampler (a name registered with register_sampler)."
+        },
     )
     threads: int = threads_field()
     output_dir: str | None = field(
@@ -164,8 +171,10 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import load_judge
+    from marl.rollout.samplers import get_sampler
 
     console = Console()
+    get_sampler(arguments.sampler)  # an unknown name fails before any work
     judge = load_judge(arguments.judge)
     if arguments.judge is None:  # VADER is in the demo extra: without it, stop before the model loads
         check_gold_judge()
@@ -213,6 +222,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         seed=arguments.seed,
         stop_at_eos=arguments.stop_at_eos,
         after_batch=governor,
+        sampler=arguments.sampler,
     )
     summary = summarize(samples)
     settings = {

@@ -188,9 +188,7 @@ CASES = [
     Case(RLOO, ["--reward_adapter", "bad name={reward}"], r"'bad name' is not usable"),
     Case(RLOO, ["--reward_adapter", "a={reward}", "a={reward}"], r"two reward adapters are named 'a'"),
     Case(RLOO, ["--reward", "sentiment"], r"--reward 'sentiment' must look like KIND:SPEC"),
-    Case(
-        RLOO, ["--reward", "judge:x"], r"--reward 'judge' is not a registered reward source.*'adapter'"
-    ),
+    Case(RLOO, ["--reward", "judge:x"], r"--reward 'judge' is not a registered reward source.*'adapter'"),
     Case(RLOO, ["--reward", "eos_adapter:tone"], r"eos_adapter:tone names no reward adapter.*tone=DIR"),
     Case(RLOO, ["--reward", "function:nocolon"], r"'nocolon' must look like 'module:function'"),
     Case(RLOO, ["--reward_weights", "1", "2"], r"2 reward weights for 1 reward sources"),
@@ -424,6 +422,7 @@ CASES += [
         ["--policy_adapter", "{files}/missing"],
         r"policy adapter folder .*missing does not exist; pass the folder that `marl train-rloo` wrote",
     ),
+    Case(EVALUATE, ["--sampler", "vllm"], r"--sampler 'vllm' is not a registered sampler.*'transformers'"),
     Case(EVALUATE, ["--policy_adapter", "{reward}"], r"sequence-classification \(reward\) adapter"),
     Case(EVALUATE, ["--reward_adapter", "{files}/reward-truncated"], r"cannot read the adapter weights"),
     Case(

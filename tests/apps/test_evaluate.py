@@ -151,3 +151,26 @@ def test_evaluate_works_with_a_tokenizer_without_pad_token(family_dir, eval_setu
     )
     assert 0.0 <= summary["comparison"]["win_rate"] <= 1.0
     assert 1.0 <= summary["policy"]["length"] <= 6.0
+
+
+def test_the_sampler_flag_picks_a_registered_sampler(eval_setup, tmp_path):
+    """``--sampler`` reaches the registry: a test-only sampler registered from outside marl samples every
+    completion of the evaluation, and the results equal the default sampler's (it wraps it)."""
+    from marl.rollout.samplers import SAMPLERS, register_sampler
+    from marl.rollout.transformers_sampler import TransformersSampler
+
+    calls: list[str] = []
+
+    class CountingSampler(TransformersSampler):
+        def sample(self, prompts, k, *, view="policy"):
+            calls.append(view)
+            return super().sample(prompts, k, view=view)
+
+    register_sampler("counting", CountingSampler)
+    try:
+        counted = evaluate(eval_setup, eval_setup["trained_policy"], tmp_path / "counted", sampler="counting")
+    finally:
+        del SAMPLERS["counting"]
+    batches = -(-len(PROMPTS) // 3)
+    assert calls == ["reference", "policy"] * batches
+    assert counted == evaluate(eval_setup, eval_setup["trained_policy"], tmp_path / "default")
