@@ -162,11 +162,9 @@ def load(
     check_static_rotary(base)
     # The first policy wraps the base in a PeftModel; every later adapter is added to it.
     if policy.folder is not None:
-        directory = policy.folder.directory
-        adapters.check_lora_targets(base, policy.folder.state, directory, role="policy")
-        peft_model = PeftModel.from_pretrained(
-            base, str(directory), adapter_name=policy_name, is_trainable=True
-        )
+        adapters.check_lora_targets(base, policy.folder.state, policy.folder.directory, role="policy")
+        peft_model = get_peft_model(base, _saved_policy_config(policy.folder), adapter_name=policy_name)
+        _load_saved_lora(peft_model, policy_name, policy.folder, policy.folder.state)
     else:
         adapters.check_target_modules(base, policy.lora_config.target_modules, "--lora_target_modules")
         peft_model = get_peft_model(base, policy.lora_config, adapter_name=policy_name)
@@ -207,7 +205,8 @@ def attach_policy(
     if policy.folder is not None:
         base = peft_model.get_base_model()
         adapters.check_lora_targets(base, policy.folder.state, policy.folder.directory, role="policy")
-        peft_model.load_adapter(str(policy.folder.directory), adapter_name=name, is_trainable=True)
+        peft_model.add_adapter(name, _saved_policy_config(policy.folder))
+        _load_saved_lora(peft_model, name, policy.folder, policy.folder.state)
     else:
         peft_model.add_adapter(name, policy.lora_config)
     return _register_policy(peft_model, name, policy, reference, policies)
@@ -282,17 +281,7 @@ def _attach_reward(
     config.inference_mode = True
     config.init_lora_weights = False  # the saved weights replace the initial values
     peft_model.add_adapter(name, config)
-    result = set_peft_model_state_dict(peft_model, lora_state, adapter_name=name)
-    if result.unexpected_keys:
-        raise AdapterError(
-            f"reward adapter {folder.directory}: weights that match no module of this base: "
-            f"{result.unexpected_keys[:5]}"
-        )
-    missing = [key for key in result.missing_keys if f".{name}." in key and "lora_" in key]
-    if missing:
-        raise AdapterError(
-            f"reward adapter {folder.directory} is incomplete: no weights for {missing[:5]}; re-save it"
-        )
+    _load_saved_lora(peft_model, name, folder, lora_state)
     for parameter_name, parameter in peft_model.named_parameters():
         if f".{name}." in parameter_name:
             parameter.data = parameter.data.to(dtype)
@@ -311,6 +300,34 @@ def _attach_reward(
         pad_token_id = _tokenizer_pad_token_id(base_name_or_path)
     _settle(peft_model, list(policies.values()))
     return RewardAdapter(name, score_head, head, pad_token_id)
+
+
+def _saved_policy_config(folder: adapters.AdapterFolder) -> LoraConfig:
+    """The LoRA configuration of a saved policy adapter, to train on: its weights come from the folder already
+    read, so PEFT neither initialises them nor opens the folder again."""
+    config = folder.lora_config()
+    config.inference_mode = False
+    config.init_lora_weights = False
+    return config
+
+
+def _load_saved_lora(
+    peft_model: PeftModel, name: str, folder: adapters.AdapterFolder, state: dict[str, torch.Tensor]
+) -> None:
+    """Copy an adapter folder's tensors (already read) into adapter ``name``; every saved tensor must find its
+    module and every LoRA module of the adapter its tensor."""
+    result = set_peft_model_state_dict(peft_model, state, adapter_name=name)
+    if result.unexpected_keys:
+        raise AdapterError(
+            f"{folder.role} adapter {folder.directory}: weights that match no module of this base: "
+            f"{result.unexpected_keys[:5]}"
+        )
+    missing = [key for key in result.missing_keys if f".{name}." in key and "lora_" in key]
+    if missing:
+        raise AdapterError(
+            f"{folder.role} adapter {folder.directory} is incomplete: no weights for {missing[:5]}; "
+            "re-save it"
+        )
 
 
 def _settle(peft_model: PeftModel, policies: list[PolicyAdapter]) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -355,6 +355,43 @@ def test_save_policy_adapter_round_trip(llama_model, tiny_llama_dir, tmp_path):
         torch.testing.assert_close(
             loaded(input_ids=ids, attention_mask=mask).logits, expected, rtol=0, atol=1e-6
         )
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_a_saved_policy_adapter_is_read_once_and_computes_what_peft_loads(
+    tiny_llama_dir, tmp_path, monkeypatch, use_dora
+):
+    """marl reads a policy folder once (its checks need the tensors before the base loads) and hands PEFT the
+    tensors it read: PEFT's own folder reader is never called, and the policy, as the first adapter and as one
+    added later, computes the logits of ``PeftModel.from_pretrained`` on the same folder."""
+    import peft.peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    torch.manual_seed(5)
+    saved = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", use_dora=use_dora))
+    with torch.no_grad():
+        for name, parameter in saved.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=0.1)
+    saved.save_pretrained(tmp_path / "policy")
+    ids, mask = padded_batch("right")
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32), str(tmp_path / "policy")
+    ).eval()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+
+    def read_again(*args, **kwargs):
+        raise AssertionError("PEFT opened the adapter folder a second time")
+
+    monkeypatch.setattr(peft.peft_model, "load_peft_weights", read_again)
+    model = MultiAdapterModel.from_pretrained(tiny_llama_dir, policy_adapter=tmp_path / "policy")
+    model.add_policy("second", tmp_path / "policy")
+    for name in ("policy", "second"):
+        with model.policy(name), torch.no_grad():
+            logits = model.peft_model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+    assert all(parameter.requires_grad for parameter in model.policy_parameters())
 
 
 def test_policy_adapter_rejects_reward_adapters(tiny_llama_dir, reward_adapter_factory):
