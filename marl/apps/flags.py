@@ -117,6 +117,8 @@ def parse_flags(dataclass_types: list[type], prog: str, words: Sequence[str]) ->
     from trl import TrlParser
 
     parser = TrlParser([*dataclass_types, CommonArguments], prog=prog)
+    # No abbreviations: TRL's --epsilon would otherwise be taken as marl's --epsilon_high, not get its hint.
+    parser.allow_abbrev = False
     _describe_negative_flags(parser)
     _check_config_file(words, parser)
     *parsed, _common, unknown = parser.parse_args_and_config(list(words), return_remaining_strings=True)
