@@ -19,6 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from marl.algorithms import algorithm_field, check_algorithm_settings, resolve_algorithm
 from marl.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
 from marl.cpu_threads import check_threads, threads_field
 from marl.errors import ConfigError
@@ -150,13 +151,9 @@ class RLOOConfig:
 
     # --- batch arithmetic ---
     rloo_k: int = field(default=2, metadata={"help": "Completions sampled per prompt (k >= 2)."})
-    advantage_estimator: str = field(
-        default="rloo",
-        metadata={
-            "help": "Advantage estimator, by its registered name (marl.algo.advantages): 'rloo' is the "
-            "leave-one-out baseline over the judged other completions of the same prompt."
-        },
-    )
+    algorithm: str = algorithm_field("algorithm")
+    advantage_estimator: str | None = algorithm_field("advantage_estimator")
+    scale_rewards: str | None = algorithm_field("scale_rewards")
     per_device_train_batch_size: int = field(
         default=8, metadata={"help": "Completions per micro-batch of the update, per process."}
     )
@@ -166,10 +163,7 @@ class RLOOConfig:
     num_mini_batches: int = field(
         default=1, metadata={"help": "Mini-batches (optimizer steps) per PPO epoch."}
     )
-    num_ppo_epochs: int = field(
-        default=4,
-        metadata={"help": "Passes over each rollout batch. 1 epoch and 1 mini-batch is plain REINFORCE."},
-    )
+    num_ppo_epochs: int | None = algorithm_field("num_ppo_epochs")
     total_episodes: int | None = field(
         default=None,
         metadata={"help": "Completions to train on in total; default num_train_epochs × len(train_dataset)."},
@@ -202,8 +196,14 @@ class RLOOConfig:
     )
 
     # --- RLOO ---
-    kl_coef: float = field(default=0.05, metadata={"help": "Weight of the KL penalty against the reference."})
-    cliprange: float = field(default=0.2, metadata={"help": "PPO clip range of the sequence ratio."})
+    loss_type: str | None = algorithm_field("loss_type")
+    kl_coef: float | None = algorithm_field("kl_coef")
+    kl_placement: str | None = algorithm_field("kl_placement")
+    use_bias_correction_kl: bool | None = algorithm_field("use_bias_correction_kl")
+    cliprange: float | None = algorithm_field("cliprange")
+    epsilon_high: float | None = algorithm_field("epsilon_high")
+    importance_sampling_level: str | None = algorithm_field("importance_sampling_level")
+    mask_truncated_completions: bool | None = algorithm_field("mask_truncated_completions")
     temperature: float = field(
         default=0.7, metadata={"help": "Sampling temperature; log-probs use the same temperature."}
     )
@@ -242,11 +242,7 @@ class RLOOConfig:
         },
     )
     token_level_kl: bool = field(
-        default=False,
-        metadata={
-            "help": "Add kl_coef × the per-token k3 KL estimate to the loss instead of folding the sequence "
-            "KL into the reward."
-        },
+        default=False, metadata={"help": "The older spelling of --kl_placement loss (set from it)."}
     )
 
     # --- logging and checkpoints ---
@@ -271,6 +267,7 @@ class RLOOConfig:
         if isinstance(self.reward_adapter, str | os.PathLike):
             self.reward_adapter = [str(self.reward_adapter)]
         self.quantization = parse_quantization(self.quantization)
+        resolve_algorithm(self)
         self._validate()
 
     def _validate(self) -> None:
@@ -300,10 +297,7 @@ class RLOOConfig:
             fail(
                 "warmup_steps must be >= 0 and warmup_ratio in [0, 1)", "Fix --warmup_steps / --warmup_ratio"
             )
-        if self.kl_coef < 0:
-            fail(f"kl_coef={self.kl_coef} must be >= 0", "Set --kl_coef 0 to train without the KL penalty")
-        if self.cliprange <= 0:
-            fail(f"cliprange={self.cliprange} must be > 0", "Use e.g. --cliprange 0.2")
+        check_algorithm_settings(self)
         if self.temperature <= 0:
             fail(
                 f"temperature={self.temperature} must be > 0 (sampling is required)",

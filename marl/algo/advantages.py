@@ -1,5 +1,7 @@
 """Advantage estimators by name: the leave-one-out baseline of RLOO, and the registry that lets a new
-estimator plug in with one registration and one flag value (``--advantage_estimator NAME``).
+estimator plug in with one registration and one flag value (``--advantage_estimator NAME``). ``"grpo"`` and
+``"reinforce_pp"`` live in :mod:`marl.algo.normalized_advantages`; an estimator with a keyword-only
+``scale_rewards`` parameter receives ``--scale_rewards`` (see :func:`configured_estimator`).
 
 Layout: a rollout holds ``k`` completions for each of ``P`` prompts in **k-major** order: row ``j * P + i``
 is sample ``j`` of prompt ``i``, and ``tensor.view(k, P)`` puts the samples of one prompt in one column.
@@ -23,10 +25,13 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Protocol
 
 import torch
 
+from marl.algo.normalized_advantages import grpo_advantages, reinforce_pp_advantages
 from marl.algo.tensors import Gather
 from marl.registry import Registry
 
@@ -122,7 +127,7 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
     "advantage estimator",
     "--advantage_estimator",
     "marl.algo.advantages.register_advantage_estimator",
-    {"rloo": rloo_advantages},
+    {"rloo": rloo_advantages, "grpo": grpo_advantages, "reinforce_pp": reinforce_pp_advantages},
 )
 
 
@@ -147,3 +152,30 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
         True
     """
     return ADVANTAGE_ESTIMATORS.lookup(name)
+
+
+def configured_estimator(name: str, scale_rewards: str | None) -> AdvantageEstimator:
+    """The estimator registered as ``name``, with ``scale_rewards`` bound when it takes that keyword (GRPO).
+
+    Example:
+        >>> rewards = torch.tensor([1.0, 2.0, 3.0, 6.0])
+        >>> configured_estimator("grpo", "none")(rewards, ~rewards.isnan(), 2, None)
+        tensor([-1., -2.,  1.,  2.])
+    """
+    estimator = get_advantage_estimator(name)
+    if scale_rewards is not None and takes_scale_rewards(estimator):
+        return functools.partial(estimator, scale_rewards=scale_rewards)
+    return estimator
+
+
+def takes_scale_rewards(estimator: AdvantageEstimator) -> bool:
+    """Whether ``estimator`` takes the keyword ``scale_rewards``.
+
+    Example:
+        >>> takes_scale_rewards(rloo_advantages), takes_scale_rewards(get_advantage_estimator("grpo"))
+        (False, True)
+    """
+    try:
+        return "scale_rewards" in inspect.signature(estimator).parameters
+    except (TypeError, ValueError):
+        return False

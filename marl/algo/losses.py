@@ -31,11 +31,13 @@ def clipped_policy_loss(
     old_seq_logprob: torch.Tensor,
     advantages: torch.Tensor,
     cliprange: float,
+    cliprange_high: float | None = None,
 ) -> PolicyLoss:
     """PPO clipped surrogate on the sequence ratio ``ρ = exp(Σ new_logp − Σ old_logp)``.
 
-    ``loss = mean(max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)))``. With ``ρ = 1`` (one epoch, one mini-batch) clipping
-    is inactive and the gradient equals REINFORCE's ``−A · ∇ log π(completion)``.
+    ``loss = mean(max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε_high)))`` with ``ε_high = cliprange_high`` (TRL 1.x's
+    ``epsilon_high``; ``None``: ``cliprange``, TRL v0.21's symmetric clip). With ``ρ = 1`` (one epoch, one
+    mini-batch) clipping is inactive and the gradient equals REINFORCE's ``−A · ∇ log π(completion)``.
 
     ``clipped[b]`` is True where the clipped branch is strictly larger (that sample gives no gradient).
 
@@ -48,7 +50,8 @@ def clipped_policy_loss(
     log_ratio = new_seq_logprob - old_seq_logprob
     ratio = torch.exp(log_ratio)
     unclipped_loss = -advantages * ratio
-    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    high = cliprange if cliprange_high is None else cliprange_high
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     loss = torch.max(unclipped_loss, clipped_loss).mean()
     return PolicyLoss(
         loss=loss,

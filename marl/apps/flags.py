@@ -25,7 +25,6 @@ TRL_FLAG_HINTS: dict[str, str] = {
     "beta": "marl's flag is --kl_coef (weight of the KL penalty)",
     "num_iterations": "marl's flag is --num_ppo_epochs (passes over each rollout)",
     "epsilon": "marl's flag is --cliprange (PPO clip range)",
-    "epsilon_high": "marl's clip range is symmetric: --cliprange",
     "normalize_advantages": "marl's flag is --normalize_advantage",
     "steps_per_generation": "marl's flag is --num_mini_batches (optimizer steps per rollout and epoch)",
     "reward_funcs": "marl's flags are --reward_fn module:function and --reward_adapter DIR",
@@ -118,6 +117,8 @@ def parse_flags(dataclass_types: list[type], prog: str, words: Sequence[str]) ->
     from trl import TrlParser
 
     parser = TrlParser([*dataclass_types, CommonArguments], prog=prog)
+    # No abbreviations: TRL's --epsilon would otherwise be taken as marl's --epsilon_high, not get its hint.
+    parser.allow_abbrev = False
     _describe_negative_flags(parser)
     _check_config_file(words, parser)
     *parsed, _common, unknown = parser.parse_args_and_config(list(words), return_remaining_strings=True)

@@ -1,7 +1,8 @@
 """The builder of an RLOO run: reads the config once and returns the ready parts the trainer's loop uses.
 
-:func:`check_components` resolves every registry name of a config (advantage estimator, sampler, parallelism)
-and refuses an unknown one before any model work; the command line calls it right after parsing,
+:func:`check_components` resolves every registry name of a config (advantage estimator, sampler, parallelism),
+checks the loss and its combination with the other algorithm settings (:mod:`marl.algo.selection`), and
+refuses what cannot run before any model work; the command line calls it right after parsing,
 :func:`build_training_parts` calls it first. :func:`build_training_parts` then makes, in order: the reward,
 the :class:`Parallelism` (which owns the ``accelerate.Accelerator``), the scorer, the tokenised prompts and
 the batch arithmetic, the policy's starting weights on every process, the sampler, and the
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 from transformers import get_scheduler
 
-from marl.algo.advantages import AdvantageEstimator, get_advantage_estimator
+from marl.algo.advantages import AdvantageEstimator
+from marl.algo.selection import advantage_estimator, check_algorithm
 from marl.batch_sizes import BatchSizes
 from marl.config import RLOOConfig
 from marl.cpu_threads import apply_threads
@@ -62,11 +64,11 @@ def check_components(config: RLOOConfig) -> None:
 
     Example:
         >>> check_components(RLOOConfig())
-        >>> check_components(RLOOConfig(advantage_estimator="grpo"))
+        >>> check_components(RLOOConfig(advantage_estimator="ppo"))
         Traceback (most recent call last):
-        marl.errors.ConfigError: --advantage_estimator 'grpo' is not a registered advantage estimator; ...
+        marl.errors.ConfigError: --advantage_estimator 'ppo' is not a registered advantage estimator; ...
     """
-    get_advantage_estimator(config.advantage_estimator)
+    check_algorithm(config)  # the estimator's name, the loss and their combinations
     get_sampler(config.sampler)
     get_parallelism(config.parallelism)
 
@@ -157,7 +159,7 @@ def build_training_parts(
         eval_prompts=eval_prompts,
         sizes=sizes,
         sample_every=sample_every,
-        advantage_estimator=get_advantage_estimator(config.advantage_estimator),
+        advantage_estimator=advantage_estimator(config),
         policy_update=PolicyUpdate(
             config, model, policy, sampler, scorer, parallelism, optimizer, scheduler, sizes, parameters
         ),

@@ -1,8 +1,9 @@
-"""The update step of RLOO: PPO-clip epochs over one rollout, and the optimizer steps they take.
+"""The update step of RLOO: clipped policy-loss epochs over one rollout, and the optimizer steps they take.
 
 ``num_ppo_epochs`` × ``num_mini_batches`` optimizer steps per rollout, each accumulating micro-batches of
-``per_device_train_batch_size`` completions: PPO-clip on the sequence ratio (plus the token-level k3 KL when
-asked), gradients averaged over processes, clipped to ``max_grad_norm``, one step of the LR schedule. A step
+``per_device_train_batch_size`` completions: the config's clipped policy loss (:mod:`marl.algo.selection`:
+the sequence ratio of TRL v0.21's RLOO or a TRL 1.x token-level loss, with the k3 KL when it is in the
+loss), gradients averaged over processes, clipped to ``max_grad_norm``, one step of the LR schedule. A step
 whose loss or gradient is not finite on any process is skipped on every process; the schedule still moves on.
 
 Example:
@@ -19,9 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.algo.losses import clipped_policy_loss, token_level_k3_kl
 from marl.algo.metrics import UpdateStats
-from marl.algo.tensors import masked_sum
+from marl.algo.selection import loss_mask, policy_loss
 
 if TYPE_CHECKING:
     from marl.batch_sizes import BatchSizes
@@ -80,7 +80,7 @@ class PolicyUpdate:
         when a step fails."""
         config, sizes = self.config, self.sizes
         reuse_samples = config.num_ppo_epochs > 1 or config.num_mini_batches > 1
-        old_seq_logprob = masked_sum(rollout.logprobs, rollout.response_mask)
+        mask = loss_mask(rollout.response_mask, rollout.contains_stop, config)
         stats, skipped = UpdateStats(), 0
         self.model.train()
         try:
@@ -88,6 +88,7 @@ class PolicyUpdate:
                 order = self.shuffled_rows(rollout)
                 for mini_start in range(0, sizes.local_batch_size, sizes.local_mini_batch_size):
                     mini_batch = order[mini_start : mini_start + sizes.local_mini_batch_size]
+                    num_items = self._tokens_per_micro_batch(mask[mini_batch])
                     loss_finite = True
                     for micro_start in range(
                         0, sizes.local_mini_batch_size, config.per_device_train_batch_size
@@ -100,14 +101,17 @@ class PolicyUpdate:
                             new_logprobs, entropy = self.scorer.completion_logprobs(
                                 batch, packed, with_entropy=True
                             )
-                        new_seq_logprob = masked_sum(new_logprobs, batch.response_mask)
                         # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
-                        old = old_seq_logprob[rows] if reuse_samples else new_seq_logprob.detach()
-                        policy = clipped_policy_loss(new_seq_logprob, old, advantages[rows], config.cliprange)
-                        loss = policy.loss
-                        if config.token_level_kl:
-                            k3 = token_level_k3_kl(new_logprobs, batch.ref_logprobs, batch.response_mask)
-                            loss = loss + config.kl_coef * k3.sum(dim=1).mean()
+                        old = batch.logprobs if reuse_samples else new_logprobs.detach()
+                        policy, loss = policy_loss(
+                            config,
+                            new_logprobs,
+                            old,
+                            batch.ref_logprobs,
+                            advantages[rows],
+                            mask[rows],
+                            num_items,
+                        )
                         if torch.isfinite(loss):
                             self.parallelism.backward(loss / config.gradient_accumulation_steps)
                         else:
@@ -124,6 +128,14 @@ class PolicyUpdate:
         finally:
             self.model.eval()
         return stats, skipped
+
+    def _tokens_per_micro_batch(self, mini_batch_mask: torch.Tensor) -> torch.Tensor | None:
+        """The ``dapo`` normaliser: the optimizer step's loss tokens over every process, divided by
+        processes × accumulation steps (the step's gradient: the token mean of the step); else None."""
+        if self.config.loss_type != "dapo":
+            return None
+        tokens = self.parallelism.gather(mini_batch_mask.sum().reshape(1).float()).sum()
+        return tokens / (self.parallelism.num_processes * self.config.gradient_accumulation_steps)
 
     def skip(self) -> int:
         """Skip every optimizer step of an update (the schedule moves on); returns how many."""

@@ -1,0 +1,168 @@
+"""From a config's algorithm settings to the estimator and the loss, and the combinations that are refused.
+
+:func:`check_algorithm` runs in :func:`marl.train.build.check_components`, right after the command line is
+parsed: an unknown loss, one of TRL 1.16's losses that marl does not implement, or settings that would do
+nothing with the chosen loss or estimator are a :class:`~marl.errors.ConfigError` naming the fields and the
+fix. :func:`policy_loss` computes one micro-batch's loss as the config asks.
+
+Example:
+    >>> from marl.config import RLOOConfig
+    >>> check_algorithm(RLOOConfig(algorithm="grpo", loss_type="cispo"))
+    Traceback (most recent call last):
+    ...
+    marl.errors.ConfigError: --loss_type 'cispo' is one of TRL 1.16's losses marl does not implement ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from marl.algo.advantages import (
+    AdvantageEstimator,
+    configured_estimator,
+    get_advantage_estimator,
+    takes_scale_rewards,
+)
+from marl.algo.losses import PolicyLoss, clipped_policy_loss, token_level_k3_kl
+from marl.algo.normalized_advantages import SCALE_REWARDS
+from marl.algo.tensors import masked_sum
+from marl.algo.token_losses import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    SEQUENCE_LOSS,
+    TRL_LOSS_TYPES_NOT_IMPLEMENTED,
+    token_policy_loss,
+)
+from marl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from marl.config import RLOOConfig
+
+
+def check_algorithm(config: RLOOConfig) -> None:
+    """Refuse an unknown or unimplemented loss and the invalid combinations (see the module docstring).
+
+    Example:
+        >>> from marl.config import RLOOConfig
+        >>> check_algorithm(RLOOConfig(algorithm="gspo"))
+        >>> check_algorithm(RLOOConfig(importance_sampling_level="sequence"))
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: importance_sampling_level='sequence' applies to token-level losses, ...
+    """
+    loss_type = config.loss_type
+    if loss_type in TRL_LOSS_TYPES_NOT_IMPLEMENTED:
+        raise ConfigError(
+            f"--loss_type {loss_type!r} is one of TRL 1.16's losses marl does not implement "
+            f"({', '.join(TRL_LOSS_TYPES_NOT_IMPLEMENTED)}). Use one of {list(LOSS_TYPES)}"
+        )
+    if loss_type not in LOSS_TYPES:
+        raise ConfigError(f"--loss_type {loss_type!r} is not a policy loss. Use one of {list(LOSS_TYPES)}")
+    estimator = get_advantage_estimator(config.advantage_estimator)
+    if config.scale_rewards is not None:
+        if not takes_scale_rewards(estimator):
+            raise ConfigError(
+                f"scale_rewards={config.scale_rewards!r} is set but the advantage estimator "
+                f"{config.advantage_estimator!r} does not scale rewards. Drop --scale_rewards, or use "
+                "--advantage_estimator grpo"
+            )
+        if config.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(
+                f"--scale_rewards {config.scale_rewards!r} is not one of {SCALE_REWARDS}. Use one of them"
+            )
+    if loss_type == SEQUENCE_LOSS:
+        for name in ("importance_sampling_level", "use_bias_correction_kl"):
+            if getattr(config, name) is not None:
+                raise ConfigError(
+                    f"{name}={getattr(config, name)!r} applies to token-level losses, but "
+                    "loss_type='sequence' takes the ratio of the summed log-probs. Drop "
+                    f"--{name}, or pick a token-level --loss_type (grpo, bnpo, dr_grpo, dapo)"
+                )
+    elif config.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ConfigError(
+            f"--importance_sampling_level {config.importance_sampling_level!r} is not one of "
+            f"{IMPORTANCE_SAMPLING_LEVELS}. Use token, or sequence (GSPO)"
+        )
+    if config.mask_truncated_completions and config.stop_token is None and config.stop_token_id is None:
+        raise ConfigError(
+            "mask_truncated_completions=true without a stop token: every completion counts as truncated and "
+            "none would train. Add --stop_token eos (or --stop_token_id ID), or drop "
+            "--mask_truncated_completions"
+        )
+
+
+def advantage_estimator(config: RLOOConfig) -> AdvantageEstimator:
+    """The config's estimator, with ``--scale_rewards`` bound when it takes it.
+
+    Example:
+        >>> from marl.config import RLOOConfig
+        >>> advantage_estimator(RLOOConfig(algorithm="dr_grpo")).keywords
+        {'scale_rewards': 'none'}
+    """
+    return configured_estimator(config.advantage_estimator, config.scale_rewards)
+
+
+def loss_mask(response_mask: torch.Tensor, contains_stop: torch.Tensor, config: RLOOConfig) -> torch.Tensor:
+    """The tokens the loss sees: the valid tokens, without the truncated completions' when
+    ``mask_truncated_completions``.
+
+    Example:
+        >>> from marl.config import RLOOConfig
+        >>> config = RLOOConfig(stop_token="eos", mask_truncated_completions=True)
+        >>> loss_mask(torch.ones(2, 1, dtype=torch.bool), torch.tensor([True, False]), config).flatten()
+        tensor([ True, False])
+    """
+    if not config.mask_truncated_completions:
+        return response_mask
+    return response_mask & contains_stop.unsqueeze(1)
+
+
+def policy_loss(
+    config: RLOOConfig,
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    num_items: torch.Tensor | float | None = None,
+) -> tuple[PolicyLoss, torch.Tensor]:
+    """One micro-batch's policy loss and the loss to back-propagate (before the division by the accumulation
+    steps), KL term included when ``kl_placement='loss'``: the sequence loss of TRL v0.21's RLOO with its
+    ``kl_coef · Σ_t k3`` per completion, or :func:`marl.algo.token_losses.token_policy_loss` with
+    ``beta = kl_coef``. ``num_items``: the ``dapo`` normaliser. The sequence loss's record leaves its KL term
+    out (as the ``loss/policy_avg`` metric always did); a token-level loss's record holds the loss it
+    back-propagates.
+
+    Example:
+        >>> from marl.config import RLOOConfig
+        >>> zero, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+        >>> policy_loss(RLOOConfig(), zero, zero, zero, torch.tensor([-1.0]), mask)[1].item()
+        1.0
+    """
+    in_loss = config.kl_placement == "loss"
+    if config.loss_type == SEQUENCE_LOSS:
+        new_seq, old_seq = masked_sum(new_logprobs, mask), masked_sum(old_logprobs, mask)
+        out = clipped_policy_loss(new_seq, old_seq, advantages, config.cliprange, config.epsilon_high)
+        loss = out.loss
+        if in_loss:
+            k3 = token_level_k3_kl(new_logprobs, ref_logprobs, mask)
+            loss = loss + config.kl_coef * k3.sum(dim=1).mean()
+        return out, loss
+    out = token_policy_loss(
+        new_logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        loss_type=config.loss_type,
+        epsilon=config.cliprange,
+        epsilon_high=config.epsilon_high,
+        importance_sampling_level=config.importance_sampling_level,
+        ref_logprobs=ref_logprobs,
+        beta=config.kl_coef if in_loss else 0.0,
+        bias_correction_kl=bool(config.use_bias_correction_kl),
+        max_completion_length=config.response_length,
+        num_items=num_items,
+    )
+    return out, out.loss
