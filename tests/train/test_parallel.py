@@ -16,15 +16,16 @@ from support.tiny import tiny_rloo_config
 
 
 class CountingParallelism(ReplicatedParallelism):
-    """Today's parallelism, counting the gradient averages the trainer asks for."""
+    """The replicated parallelism, counting the backward passes (where gradients are averaged) the trainer
+    asks for."""
 
     def __init__(self, model, config) -> None:
         super().__init__(model, config)
-        self.averages = 0
+        self.backward_passes = 0
 
-    def average_gradients(self, parameters) -> None:
-        self.averages += 1
-        super().average_gradients(parameters)
+    def backward(self, loss) -> None:
+        self.backward_passes += 1
+        super().backward(loss)
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def counting_parallelism():
 
 
 def test_an_unknown_parallelism_is_refused_with_the_known_names():
-    with pytest.raises(ConfigError, match=r"--parallelism 'nope' .*\['replicated'\]"):
+    with pytest.raises(ConfigError, match=r"--parallelism 'nope' .*\['fsdp2', 'replicated'\]"):
         get_parallelism("nope")
     assert get_parallelism("replicated") is ReplicatedParallelism
 
@@ -66,6 +67,7 @@ def test_a_parallelism_registered_outside_the_package_runs_every_optimizer_step(
     assert isinstance(trainer.parallelism, CountingParallelism)
     history = trainer.train()
     assert [record["update"] for record in history] == [1, 2]
-    # 2 updates × 2 epochs × 2 mini-batches: one gradient average per optimizer step, none skipped
+    # 2 updates × 2 epochs × 2 mini-batches, none skipped; each step accumulates 2 micro-batches, and every
+    # micro-batch's backward goes through the parallelism (which averages its gradients over processes)
     assert trainer.global_step == 8 and trainer.state.skipped_optimizer_steps == 0
-    assert trainer.parallelism.averages == 8
+    assert trainer.parallelism.backward_passes == 16
