@@ -232,6 +232,9 @@ def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
     import torch
     from safetensors.torch import load_file
 
+    # safetensors refuses "cpu:0", the CPU device of each process of a multi-process CPU run
+    place = "cpu" if torch.device(device).type == "cpu" else str(device)
+
     def read(name: str, load: Any) -> Any:
         file = path / name
         if not file.is_file():
@@ -250,7 +253,7 @@ def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
     return Checkpoint(
         path=path,
         trainer_state=read(TRAINER_STATE_FILE, _read_trainer_state),
-        adapter=read(SAFETENSORS_WEIGHTS_NAME, lambda file: load_file(str(file), device=str(device))),
+        adapter=read(SAFETENSORS_WEIGHTS_NAME, lambda file: load_file(str(file), device=place)),
         # Not mapped to the device: torch's load_state_dict moves the moments to their parameter's device
         # and keeps AdamW's `step` counters where a stepped optimizer holds them, on the CPU (unless fused or
         # capturable); a `step` on the GPU would cost a device sync at every optimizer step.
