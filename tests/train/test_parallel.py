@@ -71,3 +71,30 @@ def test_a_parallelism_registered_outside_the_package_runs_every_optimizer_step(
     # micro-batch's backward goes through the parallelism (which averages its gradients over processes)
     assert trainer.global_step == 8 and trainer.state.skipped_optimizer_steps == 0
     assert trainer.parallelism.backward_passes == 16
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_the_accelerate_configs_load_and_name_a_registered_parallelism(name):
+    import re
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "accelerate" / f"{name}.yaml"
+    config = load_config_from_file(str(path))
+    assert config.num_processes >= 2 and config.num_machines == 1
+    # the launch command in the file's comment names a registered --parallelism
+    named = re.findall(r"--parallelism (\S+)", path.read_text())
+    assert named and all(get_parallelism(value) for value in named)
+
+
+def test_a_bitsandbytes_base_is_refused_under_fsdp2():
+    from marl.train.parallel import ShardedParallelism
+
+    class QuantizedRecord:  # what check_model reads: the loaded model's quantization
+        quantization = "4bit"
+
+    with pytest.raises(
+        ConfigError, match=r"--parallelism fsdp2 cannot shard a 4bit .*bnb_4bit_quant_storage"
+    ):
+        ShardedParallelism.check_model(None, QuantizedRecord())

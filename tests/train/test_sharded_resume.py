@@ -1,5 +1,5 @@
-"""A sharded run (``--parallelism fsdp2``, 2 CPU processes) killed after its second checkpoint (of 4) resumes to
-the adapter and the metrics of the run that was never stopped."""
+"""A sharded run (``--parallelism fsdp2``, 2 CPU processes) killed after its second checkpoint (of 4)
+resumes to the adapter and the metrics of the run that was never stopped."""
 
 from __future__ import annotations
 
