@@ -84,7 +84,7 @@ def test_the_accelerate_configs_load_and_name_a_registered_parallelism(name):
     config = load_config_from_file(str(path))
     assert config.num_processes >= 2 and config.num_machines == 1
     # the launch command in the file's comment names a registered --parallelism
-    named = re.findall(r"--parallelism (\S+)", path.read_text())
+    named = re.findall(r"--parallelism ([a-z0-9_-]+) ", path.read_text())
     assert named and all(get_parallelism(value) for value in named)
 
 
