@@ -362,9 +362,16 @@ def same_model(recorded: str, loaded: str) -> bool:
     return recorded_path.name == loaded_path.name
 
 
-def save_adapter(peft_model: PeftModel, adapter_name: str, directory: Path, base_name_or_path: str) -> None:
+def save_adapter(
+    peft_model: PeftModel,
+    adapter_name: str,
+    directory: Path,
+    base_name_or_path: str,
+    state: dict[str, Any] | None = None,
+) -> None:
     """Write one adapter of ``peft_model`` as a standard PEFT folder (config + safetensors), loadable with
-    ``PeftModel.from_pretrained(base, directory)``."""
+    ``PeftModel.from_pretrained(base, directory)``. ``state``: its tensors when they were gathered already
+    (a sharded model's), else read from ``peft_model``."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
@@ -373,7 +380,8 @@ def save_adapter(peft_model: PeftModel, adapter_name: str, directory: Path, base
     config.inference_mode = True
     config.base_model_name_or_path = base_name_or_path
     config.save_pretrained(str(directory))
-    state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
+    if state is None:
+        state = get_peft_model_state_dict(peft_model, adapter_name=adapter_name)
     state = {key: tensor.detach().to("cpu").contiguous() for key, tensor in state.items()}
     # The weights last, and renamed into place: a folder with the weights file holds a complete adapter even
     # if the process is killed while saving (a run's output folder counts as finished by that file).

@@ -3,7 +3,8 @@
 Pure functions over tensors, modules and configs, so that the memory card of a loaded ``MultiAdapterModel``
 and the "physical floor" of a benchmark are computed the same way. Bytes are bytes as stored: a 4-bit NF4
 weight counts its packed bytes plus its quantization constants (absmax, nested absmax, code books), an 8-bit
-weight its int8 bytes plus its per-row scales.
+weight its int8 bytes plus its per-row scales. A tensor sharded over processes (a ``DTensor``, under
+``--parallelism fsdp2``) counts the shard this process holds: the card shows one process's memory.
 
 Example:
     >>> lora_parameter_count(4096, 4096, r=16)
@@ -74,7 +75,15 @@ def release_freed_memory() -> bool:
     return True
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of ``tensor`` this process holds: a ``DTensor``'s local shard, any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _tensor_bytes(tensor: torch.Tensor) -> int:
+    tensor = local_tensor(tensor)
     return tensor.numel() * tensor.element_size()
 
 
@@ -107,7 +116,7 @@ def stored_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) 
     seen = set() if seen is None else seen
     total = 0
     for tensor in tensors:
-        for part in [tensor, *_quantization_tensors(tensor)]:
+        for part in [local_tensor(tensor), *_quantization_tensors(tensor)]:
             key = part.untyped_storage().data_ptr() if part.numel() else id(part)
             if key in seen:
                 continue
@@ -310,7 +319,7 @@ def build_memory_report(model: Any, policy: str | None = None) -> MemoryReport:
     adapter_parameters = {name: sum(t.numel() for t in tensors) for name, tensors in adapter_tensors.items()}
     head_bytes = sum(stored_bytes(reward.head.parameters(), seen) for reward in model.rewards.values())
     trainable = model.policy_parameters(policy)
-    trainable_parameters = sum(p.numel() for p in trainable)
+    trainable_parameters = sum(local_tensor(p).numel() for p in trainable)
     trainable_bytes = sum(_tensor_bytes(p) for p in trainable)
     # Gradients match the parameters' dtype; AdamW keeps two float32 moments.
     optimizer_state_bytes = trainable_bytes + 8 * trainable_parameters

@@ -1,8 +1,10 @@
 """Checkpoints of a run: what a ``checkpoint-N`` folder holds, how it is written so that it is always
 complete, and how it is read back and checked against the run that resumes from it.
 
-A checkpoint holds the policy adapter, the optimizer and scheduler states, the fp16 loss scaler's state
-(only in fp16 runs), the trainer state and one RNG state per process. It is written into a staging folder
+A checkpoint holds the policy adapter (a standard PEFT folder, whole, written by the main process also when
+the policy is sharded), the optimizer state (``optimizer.pt``; under FSDP2 one file per process with that
+process's shards, ``optimizer_<process>.pt``), the scheduler state, the fp16 loss scaler's state (only in
+fp16 runs), the trainer state and one RNG state per process. It is written into a staging folder
 and renamed to ``checkpoint-N`` once complete, so a kill at any moment leaves either no ``checkpoint-N`` or a
 complete one. Every file that cannot be read is named in the error.
 
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from marl.errors import CheckpointError, MissingPathError
 from marl.model.adapters import SAFETENSORS_WEIGHTS_NAME
+from marl.train import sharding
 from marl.train.run_dir import TRAINER_STATE_FILE, checkpoint_name, list_checkpoints, remove_files
 
 if TYPE_CHECKING:
@@ -41,6 +44,11 @@ TRAINER_STATE_FIELDS = ("update", "skipped_optimizer_steps", "world_size", "batc
 
 def rng_state_file(process_index: int) -> str:
     return f"rng_state_{process_index}.pt"
+
+
+def optimizer_file(process_index: int) -> str:
+    """The optimizer file of one process when the optimizer's state is sharded (FSDP2)."""
+    return f"optimizer_{process_index}.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -105,20 +113,29 @@ def save_checkpoint(
     save_total_limit: int | None,
 ) -> None:
     """Write ``output_dir/checkpoint-N`` (N = ``update``) atomically: a staging folder renamed once complete.
-    Every process calls it: the main process writes the shared files, each process its RNG state."""
+    Every process calls it: the main process writes the shared files, each process its RNG state (and its
+    optimizer shards when the policy is FSDP2's)."""
+    import torch
+
     staging = staging_folder(output_dir, update)
+    adapter_state = sharding.full_policy_state(model, policy)  # gathers the shards: every process
+    per_process = sharding.is_distributed(model.policy_parameters(policy))
     if parallelism.is_main_process:
         write_checkpoint(
             staging,
             model=model,
             policy=policy,
-            optimizer=optimizer,
+            optimizer=None if per_process else optimizer,
             scheduler=scheduler,
             scaler=parallelism.accelerator.scaler,
             trainer_state=trainer_state,
+            adapter_state=adapter_state,
         )
     parallelism.wait()
     write_rng_state(staging, parallelism.process_index)
+    if per_process:
+        local = sharding.local_optimizer_state(optimizer.state_dict())
+        torch.save(local, staging / optimizer_file(parallelism.process_index))
     parallelism.wait()
     if parallelism.is_main_process:
         publish_checkpoint(output_dir, update, save_total_limit)
@@ -137,7 +154,7 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore the policy adapter, optimizer, schedule, loss scaler and RNG of the checkpoint at ``path``
     after :func:`check_resumable` (``planned`` as there); returns its trainer state."""
-    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
 
     saved = read_checkpoint(path, parallelism.process_index, parallelism.device)
     policy_state = get_peft_model_state_dict(model.peft_model, adapter_name=policy)
@@ -147,8 +164,13 @@ def load_checkpoint(
         planned=planned,
         adapter_shapes={key: tuple(tensor.shape) for key, tensor in policy_state.items()},
     )
-    set_peft_model_state_dict(model.peft_model, saved.adapter, adapter_name=policy)
-    optimizer.load_state_dict(saved.optimizer)
+    sharding.load_policy_state(model, policy, saved.adapter)
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    if sharding.is_distributed(parameters):
+        check_optimizer_shards(saved, parameters)
+        optimizer.load_state_dict(sharding.distributed_optimizer_state(saved.optimizer, parameters))
+    else:
+        optimizer.load_state_dict(saved.optimizer)
     scheduler.load_state_dict(saved.scheduler)
     restore_loss_scaler(saved, parallelism.accelerator.scaler)
     set_rng_state(saved.rng)
@@ -164,16 +186,21 @@ def write_checkpoint(
     scheduler: Any,
     trainer_state: dict[str, Any],
     scaler: Any = None,
+    adapter_state: dict[str, Any] | None = None,
 ) -> None:
-    """The shared files of a checkpoint (written by the main process): the policy adapter, the optimizer and
-    scheduler states, the loss scaler's state when there is one (``accelerator.scaler``: fp16 only) and the
-    trainer state. Each process adds its RNG state with :func:`write_rng_state`."""
+    """The shared files of a checkpoint (written by the main process): the policy adapter (``adapter_state``:
+    its tensors already gathered from the shards), the optimizer state (``None``: each process writes its own
+    shards), the scheduler state, the loss scaler's state when there is one (``accelerator.scaler``: fp16
+    only) and the trainer state. Each process adds its RNG state with :func:`write_rng_state`."""
     import torch
+
+    from marl.model.adapters import save_adapter
 
     remove_files([folder])
     folder.mkdir(parents=True)
-    model.save_policy_adapter(folder, policy)
-    torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
+    save_adapter(model.peft_model, policy, folder, model.name_or_path, state=adapter_state)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), folder / OPTIMIZER_FILE)
     torch.save(scheduler.state_dict(), folder / SCHEDULER_FILE)
     if scaler is not None:
         torch.save(scaler.state_dict(), folder / SCALER_FILE)
@@ -205,6 +232,9 @@ def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
     import torch
     from safetensors.torch import load_file
 
+    # safetensors refuses "cpu:0", the CPU device of each process of a multi-process CPU run
+    place = "cpu" if torch.device(device).type == "cpu" else str(device)
+
     def read(name: str, load: Any) -> Any:
         file = path / name
         if not file.is_file():
@@ -223,11 +253,14 @@ def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
     return Checkpoint(
         path=path,
         trainer_state=read(TRAINER_STATE_FILE, _read_trainer_state),
-        adapter=read(SAFETENSORS_WEIGHTS_NAME, lambda file: load_file(str(file), device=str(device))),
+        adapter=read(SAFETENSORS_WEIGHTS_NAME, lambda file: load_file(str(file), device=place)),
         # Not mapped to the device: torch's load_state_dict moves the moments to their parameter's device
         # and keeps AdamW's `step` counters where a stepped optimizer holds them, on the CPU (unless fused or
         # capturable); a `step` on the GPU would cost a device sync at every optimizer step.
-        optimizer=read(OPTIMIZER_FILE, lambda file: torch.load(file, map_location="cpu")),
+        optimizer=read(
+            OPTIMIZER_FILE if (path / OPTIMIZER_FILE).is_file() else optimizer_file(process_index),
+            lambda file: torch.load(file, map_location="cpu"),
+        ),
         scheduler=read(SCHEDULER_FILE, lambda file: torch.load(file, weights_only=False)),
         rng=read(rng_state_file(process_index), lambda file: torch.load(file, weights_only=False)),
         scaler=read(SCALER_FILE, torch.load) if (path / SCALER_FILE).is_file() else None,
@@ -253,6 +286,19 @@ def restore_loss_scaler(saved: Checkpoint, scaler: Any) -> None:
         )
         return
     scaler.load_state_dict(saved.scaler)
+
+
+def check_optimizer_shards(saved: Checkpoint, parameters: list[Any]) -> None:
+    """Refuse optimizer shards that do not fit this process's shards of the policy (a checkpoint written by
+    another parallelism with the same number of processes)."""
+    for index, slots in saved.optimizer["state"].items():
+        local_shape = tuple(parameters[int(index)].to_local().shape)
+        moments = [tuple(v.shape) for v in slots.values() if hasattr(v, "shape") and v.dim() > 0]
+        if any(shape != local_shape for shape in moments):
+            raise CheckpointError(
+                f"the optimizer state in {saved.path} was sharded another way (shards {moments[0]}, this "
+                f"run's {local_shape}); resume with the --parallelism of the original run"
+            )
 
 
 def _read_trainer_state(file: Path) -> dict[str, Any]:

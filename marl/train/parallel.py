@@ -1,19 +1,27 @@
-"""How training runs over processes: the :class:`Parallelism` a run uses owns the ``accelerate.Accelerator``
-and every collective, so that the trainer never calls one itself.
+"""How training runs over processes: the :class:`Parallelism` a run uses owns the ``accelerate.Accelerator``,
+puts the base under torch's FSDP2 and does every collective, so that the trainer never calls one itself.
 
 A parallelism is chosen by name (``RLOOConfig.parallelism``, flag ``--parallelism``) from
 :data:`PARALLELISMS`; :func:`register_parallelism` adds one. Its factory is called as ``factory(model,
-config)`` with the :class:`marl.MultiAdapterModel` and the :class:`marl.RLOOConfig` of the run.
+config)`` with the :class:`marl.MultiAdapterModel` and the :class:`marl.RLOOConfig` of the run, and prepares
+the model in place: afterwards every process holds process 0's policy, and ``model.policy_parameters()``
+are the tensors the optimizer trains.
 
-``"replicated"`` (:class:`ReplicatedParallelism`): every process holds the whole base and its own copy of the
-policy adapter; each process samples and scores its own prompts, and the policy gradients are averaged before
-each optimizer step. Each collective runs on ONE flat buffer: one collective per step instead of one per LoRA
-tensor (about 450 for an all-linear LoRA on a 32-layer model). With one process every collective returns at
-once.
+``"replicated"`` (:class:`ReplicatedParallelism`): every process holds the whole base and samples and scores
+its own prompts; only the policy LoRAs are FSDP2's, on a ``(N, 1)`` mesh (HSDP with shards of one process), so
+their gradients are all-reduced in the backward pass by FSDP2 and the base stays as it was loaded (quantized
+bases included).
+
+``"fsdp2"`` (:class:`ShardedParallelism`): the base's decoder layers, its embeddings, its LM head and every
+adapter are sharded over the processes (a ``(1, N)`` mesh); each process holds about ``1/N`` of the base, and
+each layer is gathered for its forward and freed after it (see :mod:`marl.train.sharding`).
+
+With one process (no process group) nothing is wrapped: there is nothing to average or shard over. The only
+collectives marl issues itself are the metric reductions, through accelerate's ``reduce`` and ``gather``.
 
 Example:
     >>> sorted(PARALLELISMS)
-    ['replicated']
+    ['fsdp2', 'replicated']
     >>> get_parallelism("replicated") is ReplicatedParallelism
     True
 """
@@ -24,15 +32,17 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
-from accelerate.utils import broadcast
 
 from marl.errors import ConfigError
+from marl.model.adapters import save_adapter
 from marl.registry import Registry
+from marl.train import sharding
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
@@ -44,7 +54,8 @@ Record = TypeVar("Record")
 class Parallelism(Protocol):
     """What the trainer needs from the processes it runs on. ``accelerator`` is the run's
     ``accelerate.Accelerator``, for what does not depend on how the model is spread over processes: the
-    trackers and the fp16 loss scaler."""
+    trackers and the fp16 loss scaler. Gradients are averaged over processes inside :meth:`backward` (every
+    process calls it for every micro-batch, finite loss or not, so that the collectives pair up)."""
 
     accelerator: Accelerator
 
@@ -68,23 +79,25 @@ class Parallelism(Protocol):
     def device(self) -> torch.device:
         """The device this process computes on."""
 
+    @property
+    def shards_base(self) -> bool:
+        """Whether each process holds only part of the base: every forward pass is then a collective, so
+        every process runs the same forward passes (sample tables included)."""
+
     def autocast(self) -> contextlib.AbstractContextManager:
         """The mixed-precision context of the forward passes."""
 
     def prepare(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[Any, Any]:
         """The optimizer and LR scheduler as the training steps use them."""
 
-    def broadcast_initial(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        """Start every process from the same trainable ``parameters`` (a fresh LoRA is random)."""
-
     def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradients of ``loss`` into the trainable parameters."""
-
-    def average_gradients(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        """Make every process's gradients of ``parameters`` the mean over processes (before a step)."""
+        """Accumulate the gradients of ``loss``, averaged over processes, into the trainable parameters."""
 
     def clip_gradients(self, parameters: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         """Clip the gradients of ``parameters`` to the global norm ``max_norm``; returns the norm before."""
+
+    def save_policy_adapter(self, model: MultiAdapterModel, directory: Path, policy: str) -> None:
+        """Write ``policy`` as a standard PEFT folder from the main process; every process calls it."""
 
     def any_process(self, flag: bool) -> bool:
         """Whether ``flag`` is true on at least one process."""
@@ -106,13 +119,16 @@ ParallelismFactory = Callable[["MultiAdapterModel", "RLOOConfig"], Parallelism]
 
 
 class ReplicatedParallelism:
-    """Every process holds the whole base and its own copy of the policy adapter (today's data parallelism):
-    accelerate without a wrapped model, gradients averaged in one collective per optimizer step.
+    """Every process holds the whole base and its own copy of the policy adapter (data parallelism): the
+    policy LoRAs are FSDP2's on a ``(N, 1)`` mesh, so FSDP2 starts them from process 0's values and
+    all-reduces their gradients in the backward pass; the frozen base is left as loaded.
 
     Args:
         model: the run's model; a model on the CPU trains on the CPU.
         config: the run's config (mixed precision, trackers, output folder).
     """
+
+    shard = False
 
     def __init__(self, model: MultiAdapterModel, config: RLOOConfig) -> None:
         # accelerate keeps one process-wide state whose mixed precision cannot change once set: a trainer that
@@ -129,6 +145,14 @@ class ReplicatedParallelism:
             step_scheduler_with_optimizer=False,
         )
         check_devices(model.device, self.accelerator)
+        self.check_model(model)
+        self.mesh = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.mesh = sharding.data_parallel_mesh(self.device.type, self.num_processes, shard=self.shard)
+            sharding.apply_fully_shard(model, self.mesh, shard_frozen=self.shard)
+
+    def check_model(self, model: MultiAdapterModel) -> None:
+        """Refuse a model this parallelism cannot spread over processes (every model replicates)."""
 
     @property
     def process_index(self) -> int:
@@ -150,23 +174,27 @@ class ReplicatedParallelism:
     def device(self) -> torch.device:
         return self.accelerator.device
 
+    @property
+    def shards_base(self) -> bool:
+        return self.shard and self.mesh is not None
+
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.accelerator.autocast()
 
     def prepare(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> tuple[Any, Any]:
         return self.accelerator.prepare(optimizer, scheduler)
 
-    def broadcast_initial(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        broadcast_from_main(parameters, self.accelerator)
-
     def backward(self, loss: torch.Tensor) -> None:
         self.accelerator.backward(loss)
 
-    def average_gradients(self, parameters: Sequence[torch.nn.Parameter]) -> None:
-        average_gradients(parameters, self.accelerator)
-
     def clip_gradients(self, parameters: Sequence[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        return self.accelerator.clip_grad_norm_(parameters, max_norm)
+        norm = self.accelerator.clip_grad_norm_(parameters, max_norm)
+        return sharding.full(norm) if isinstance(norm, torch.Tensor) else norm
+
+    def save_policy_adapter(self, model: MultiAdapterModel, directory: Path, policy: str) -> None:
+        state = sharding.full_policy_state(model, policy)  # a collective under FSDP2: every process
+        if self.is_main_process:
+            save_adapter(model.peft_model, policy, Path(directory), model.name_or_path, state=state)
 
     def any_process(self, flag: bool) -> bool:
         return any_process(flag, self.accelerator)
@@ -184,11 +212,35 @@ class ReplicatedParallelism:
         self.accelerator.end_training()
 
 
+class ShardedParallelism(ReplicatedParallelism):
+    """The base sharded over the processes with FSDP2 (``--parallelism fsdp2``): decoder layers, embeddings,
+    LM head and every adapter's tensors on a ``(1, N)`` mesh. Each process holds about ``1/N`` of the base;
+    a layer's weights are gathered for its forward (rollout, sampling, scoring, update) and freed after it,
+    so the peak adds one whole layer. Adapter views switch as without sharding: PEFT's flags live on the
+    modules, which FSDP2 changes in place.
+
+    A bitsandbytes base is refused: its 4-bit tensors keep their quantization state beside a ``uint8``
+    storage, which FSDP2's conversion to ``DTensor`` loses (see :meth:`check_model`).
+    """
+
+    shard = True
+
+    def check_model(self, model: MultiAdapterModel) -> None:
+        if model.quantization is not None:
+            raise ConfigError(
+                f"--parallelism fsdp2 cannot shard a {model.quantization} bitsandbytes base: marl loads "
+                "quantized weights in uint8 storage with their quantization state beside them, and FSDP2's "
+                "conversion to DTensor drops that state (sharding 4-bit weights needs a float "
+                "bnb_4bit_quant_storage, which marl does not load yet). Use --parallelism replicated with "
+                "--quantization, or --parallelism fsdp2 without --quantization"
+            )
+
+
 PARALLELISMS: Registry[ParallelismFactory] = Registry(
     "parallelism",
     "--parallelism",
     "marl.train.parallel.register_parallelism",
-    {"replicated": ReplicatedParallelism},
+    {"replicated": ReplicatedParallelism, "fsdp2": ShardedParallelism},
 )
 
 
@@ -215,7 +267,7 @@ def get_parallelism(name: str) -> ParallelismFactory:
     return PARALLELISMS.lookup(name)
 
 
-# ---------------------------------------------------------------------- the replicated collectives
+# ---------------------------------------------------------------------- checks and metric reductions
 
 
 def check_devices(model_device: torch.device, accelerator: Accelerator) -> None:
@@ -257,38 +309,6 @@ def same_device(first: torch.device, second: torch.device, current_cuda_index: i
     return (first.index if first.index is not None else current_cuda_index) == (
         second.index if second.index is not None else current_cuda_index
     )
-
-
-def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([tensor.detach().reshape(-1) for tensor in tensors])
-
-
-def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
-    offset = 0
-    for tensor in tensors:
-        tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-        offset += tensor.numel()
-
-
-def broadcast_from_main(parameters: Sequence[torch.nn.Parameter], accelerator: Any) -> None:
-    """Overwrite every process's ``parameters`` with the main process's, in one collective."""
-    if accelerator.num_processes == 1:
-        return
-    with torch.no_grad():
-        _unflatten_into(broadcast(_flatten(parameters), from_process=0), parameters)
-
-
-def average_gradients(parameters: Sequence[torch.nn.Parameter], accelerator: Any) -> None:
-    """Replace every parameter's gradient by its mean over processes (a missing gradient counts as zero), in
-    one collective."""
-    if accelerator.num_processes == 1:
-        return
-    gradients = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = accelerator.reduce(_flatten(gradients), reduction="mean")
-    for parameter, gradient in zip(parameters, gradients, strict=True):
-        parameter.grad = gradient
-    with torch.no_grad():
-        _unflatten_into(flat, gradients)
 
 
 def any_process(flag: bool, accelerator: Any) -> bool:

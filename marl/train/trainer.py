@@ -258,8 +258,11 @@ class RLOOTrainer:
 
     def _sample_table(self, rollout: Rollout) -> dict[str, float]:
         """Save a table of sample completions: of held-out prompts when given (sampled without disturbing the
-        training RNG), else of this rollout. Returns the held-out means to log (none without a judge)."""
-        if not self.parallelism.is_main_process:
+        training RNG), else of this rollout. Returns the held-out means to log (none without a judge). With a
+        sharded base every process samples with the main one (each forward pass gathers the layers)."""
+        if not self.parallelism.is_main_process and not (
+            self.parallelism.shards_base and self.eval_prompts is not None
+        ):
             return {}
         held_out = {}
         if self.eval_prompts is not None:
@@ -269,6 +272,8 @@ class RLOOTrainer:
                 samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
             with torch.no_grad(), self.parallelism.autocast():
                 scores = self.reward.score(self.scorer.scoring_batch(samples)).total.tolist()
+            if not self.parallelism.is_main_process:
+                return {}
             if self.judge is not None:
                 texts = [
                     self._judged_prompt_text(index) + completion
@@ -398,8 +403,8 @@ class RLOOTrainer:
         if self.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train
             self._start_writing(plan, resumed_update)
 
+        parallelism.save_policy_adapter(self.model, self.output_dir, self.policy)
         if parallelism.is_main_process:
-            self.model.save_policy_adapter(self.output_dir, self.policy)
             curves = training_curves_note(
                 self.output_dir / run_dir.METRICS_FILE, self.output_dir / run_dir.CURVES_FILE
             )

@@ -3,8 +3,9 @@
 ``num_ppo_epochs`` × ``num_mini_batches`` optimizer steps per rollout, each accumulating micro-batches of
 ``per_device_train_batch_size`` completions: the config's clipped policy loss (:mod:`marl.algo.selection`:
 the sequence ratio of TRL v0.21's RLOO or a TRL 1.x token-level loss, with the k3 KL when it is in the
-loss), gradients averaged over processes, clipped to ``max_grad_norm``, one step of the LR schedule. A step
-whose loss or gradient is not finite on any process is skipped on every process; the schedule still moves on.
+loss), gradients averaged over processes in the backward pass, clipped to ``max_grad_norm``, one step of
+the LR schedule. A step whose loss or gradient is not finite on any process is skipped on every process;
+the schedule still moves on.
 
 Example:
     >>> step = PolicyUpdate(  # doctest: +SKIP
@@ -112,10 +113,10 @@ class PolicyUpdate:
                             mask[rows],
                             num_items,
                         )
-                        if torch.isfinite(loss):
-                            self.parallelism.backward(loss / config.gradient_accumulation_steps)
-                        else:
-                            loss_finite = False
+                        # Every process runs every backward pass (gradients are averaged inside it); the
+                        # gradients of a step with a non-finite loss are thrown away below.
+                        loss_finite = loss_finite and bool(torch.isfinite(loss))
+                        self.parallelism.backward(loss / config.gradient_accumulation_steps)
                         with torch.no_grad():
                             stats.add(policy, entropy, batch.response_mask)
                     if self._optimizer_step(loss_finite):
@@ -154,8 +155,8 @@ class PolicyUpdate:
         return torch.cat([torch.nonzero(rollout.prompt_index == group).flatten() for group in groups])
 
     def _optimizer_step(self, loss_finite: bool) -> bool:
-        """Average gradients, clip, step; returns whether the step was skipped (anything not finite)."""
-        self.parallelism.average_gradients(self.parameters)
+        """Clip the (already averaged) gradients and step; returns whether the step was skipped (anything not
+        finite)."""
         skip = self.parallelism.any_process(not loss_finite)
         if not skip:
             max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")

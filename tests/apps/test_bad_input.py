@@ -306,7 +306,7 @@ CASES = [
     Case(RLOO, ["--epsilon_high", "0"], r"epsilon_high=0.0 must be > 0"),
     Case(RLOO, ["--kl_placement", "prompt"], r"--kl_placement 'prompt' is not one of"),
     Case(RLOO, ["--token_level_kl", "--kl_placement", "reward"], r"token_level_kl=true puts the KL in"),
-    Case(RLOO, ["--parallelism", "fsdp"], r"--parallelism 'fsdp' is not a registered .*\['replicated'\]"),
+    Case(RLOO, ["--parallelism", "fsdp"], r"--parallelism 'fsdp' is not .*\['fsdp2', 'replicated'\]"),
     # --- train-rloo: logging, checkpoints, seed
     Case(RLOO, ["--logging_steps", "0"], r"logging_steps=0 must be a positive integer"),
     Case(RLOO, ["--report_to", "wandbb"], r"unknown report_to \['wandbb'\]"),

@@ -16,15 +16,16 @@ from support.tiny import tiny_rloo_config
 
 
 class CountingParallelism(ReplicatedParallelism):
-    """Today's parallelism, counting the gradient averages the trainer asks for."""
+    """The replicated parallelism, counting the backward passes (where gradients are averaged) the trainer
+    asks for."""
 
     def __init__(self, model, config) -> None:
         super().__init__(model, config)
-        self.averages = 0
+        self.backward_passes = 0
 
-    def average_gradients(self, parameters) -> None:
-        self.averages += 1
-        super().average_gradients(parameters)
+    def backward(self, loss) -> None:
+        self.backward_passes += 1
+        super().backward(loss)
 
 
 @pytest.fixture
@@ -35,7 +36,7 @@ def counting_parallelism():
 
 
 def test_an_unknown_parallelism_is_refused_with_the_known_names():
-    with pytest.raises(ConfigError, match=r"--parallelism 'nope' .*\['replicated'\]"):
+    with pytest.raises(ConfigError, match=r"--parallelism 'nope' .*\['fsdp2', 'replicated'\]"):
         get_parallelism("nope")
     assert get_parallelism("replicated") is ReplicatedParallelism
 
@@ -66,6 +67,34 @@ def test_a_parallelism_registered_outside_the_package_runs_every_optimizer_step(
     assert isinstance(trainer.parallelism, CountingParallelism)
     history = trainer.train()
     assert [record["update"] for record in history] == [1, 2]
-    # 2 updates × 2 epochs × 2 mini-batches: one gradient average per optimizer step, none skipped
+    # 2 updates × 2 epochs × 2 mini-batches, none skipped; each step accumulates 2 micro-batches, and every
+    # micro-batch's backward goes through the parallelism (which averages its gradients over processes)
     assert trainer.global_step == 8 and trainer.state.skipped_optimizer_steps == 0
-    assert trainer.parallelism.averages == 8
+    assert trainer.parallelism.backward_passes == 16
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+def test_the_accelerate_configs_load_and_name_a_registered_parallelism(name):
+    import re
+    from pathlib import Path
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "accelerate" / f"{name}.yaml"
+    config = load_config_from_file(str(path))
+    assert config.num_processes >= 2 and config.num_machines == 1
+    # the launch command in the file's comment names a registered --parallelism
+    named = re.findall(r"--parallelism ([a-z0-9_-]+) ", path.read_text())
+    assert named and all(get_parallelism(value) for value in named)
+
+
+def test_a_bitsandbytes_base_is_refused_under_fsdp2():
+    from marl.train.parallel import ShardedParallelism
+
+    class QuantizedRecord:  # what check_model reads: the loaded model's quantization
+        quantization = "4bit"
+
+    with pytest.raises(
+        ConfigError, match=r"--parallelism fsdp2 cannot shard a 4bit .*bnb_4bit_quant_storage"
+    ):
+        ShardedParallelism.check_model(None, QuantizedRecord())

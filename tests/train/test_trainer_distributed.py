@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from support.processes import run_two_processes
 
 SCRIPT = textwrap.dedent(
     """
@@ -17,6 +16,7 @@ SCRIPT = textwrap.dedent(
     import datasets, torch
     from transformers import AutoTokenizer
     from marl import RLOOConfig, RLOOTrainer
+    from marl.train import sharding
 
     torch.set_num_threads(1)
     model_dir, output_dir = sys.argv[1], sys.argv[2]
@@ -39,31 +39,13 @@ SCRIPT = textwrap.dedent(
     prompts = datasets.Dataset.from_dict({"prompt": [f"prompt number {i}" for i in range(16)]})
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=reward_fn)
     trainer.train()
-    weights = torch.cat([p.detach().flatten() for p in model.policy_parameters()])
+    weights = torch.cat([sharding.full(p).detach().flatten() for p in model.policy_parameters()])
     report = {"rank": rank, "world": trainer.accelerator.num_processes, "prompts": sorted(set(seen)),
               "weights": weights.tolist(), "episode": trainer.episode}
     with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
         json.dump(report, handle)
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def run_two_processes(script: str, *arguments: str) -> None:
-    """``script ARGUMENTS`` under ``torchrun --nproc_per_node 2`` on the CPU (gloo), one thread each; fails
-    the test with the output's tail when the launch fails."""
-    environment = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), script, *arguments,
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=environment, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -114,66 +96,6 @@ def test_train_rloo_script_under_torchrun_uses_both_processes(tiny_llama_dir, tm
     assert [record["episode"] for record in records] == [8.0, 16.0]
 
 
-GRADIENT_SCRIPT = textwrap.dedent(
-    """
-    import json, os, sys
-    import datasets, torch
-    from transformers import AutoTokenizer
-    from marl import RLOOConfig, RLOOTrainer
-    from marl.train.parallel import average_gradients
-
-    torch.set_num_threads(1)
-    model_dir, output_dir = sys.argv[1], sys.argv[2]
-    rank = int(os.environ["RANK"])
-    config = RLOOConfig(output_dir=output_dir, model_name_or_path=model_dir, rloo_k=2, lora_r=4, lora_alpha=8,
-                        per_device_train_batch_size=4, total_episodes=8, num_sample_generations=0)
-    torch.manual_seed(rank)
-    model = config.load_model()
-    prompts = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
-    trainer = RLOOTrainer(config, model, AutoTokenizer.from_pretrained(model_dir), prompts,
-                          reward_funcs=lambda p, c: [0.0] * len(c))
-    with torch.no_grad():  # a policy away from the identity, the same on both processes after the broadcast
-        for parameter in trainer.policy_parameters:
-            values = torch.sin(torch.arange(parameter.numel(), dtype=torch.float32))
-            parameter.copy_(values.view_as(parameter))
-    rows = {0: [[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]], 1: [[11, 12, 13, 14, 15], [20, 21, 22, 23, 24]]}
-
-    def loss_of(batch):
-        ids = torch.tensor(batch)
-        with model.policy():
-            logprobs = model.token_logprobs(ids, torch.ones_like(ids), response_start=2)
-        return -logprobs.sum(dim=1).mean()
-
-    def gradient():
-        return torch.cat([parameter.grad.flatten() for parameter in trainer.policy_parameters])
-
-    model.train()
-    loss_of(rows[0] + rows[1]).backward()  # one process, the concatenated batch
-    concatenated = gradient().clone()
-    trainer.optimizer.zero_grad(set_to_none=True)
-    loss_of(rows[rank]).backward()  # each process its own half, then the averaged gradient
-    average_gradients(trainer.policy_parameters, trainer.accelerator)
-    report = {"max_difference": float((gradient() - concatenated).abs().max()),
-              "gradient_norm": float(concatenated.norm())}
-    with open(os.path.join(output_dir, f"gradients_{rank}.json"), "w") as handle:
-        json.dump(report, handle)
-    """
-)
-
-
-@pytest.mark.slow
-def test_averaged_gradient_equals_one_process_on_the_concatenated_batch(tiny_llama_dir, tmp_path):
-    script = tmp_path / "gradients.py"
-    script.write_text(GRADIENT_SCRIPT)
-    output_dir = tmp_path / "run"
-    output_dir.mkdir()
-    run_two_processes(str(script), str(tiny_llama_dir), str(output_dir))
-    for rank in (0, 1):
-        report = json.loads((output_dir / f"gradients_{rank}.json").read_text())
-        assert report["gradient_norm"] > 1e-3
-        assert report["max_difference"] <= 1e-6
-
-
 NORMALISATION_SCRIPT = textwrap.dedent(
     """
     import json, math, os, sys
@@ -183,7 +105,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     from marl.algo.losses import clipped_policy_loss
     from marl.algo.shaping import shape_rewards
     from marl.algo.tensors import masked_sum
-    from marl.train.parallel import average_gradients
+    from marl.train import sharding
     from marl.rollout.records import Rollout, Samples
 
     torch.set_num_threads(1)
@@ -192,13 +114,13 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     config = RLOOConfig(output_dir=output_dir, model_name_or_path=model_dir, rloo_k=2, lora_r=4, lora_alpha=8,
                         per_device_train_batch_size=4, total_episodes=8, num_sample_generations=0)
     model = config.load_model()
+    with torch.no_grad():  # a policy away from the reference, the same on both processes
+        for parameter in model.policy_parameters():
+            values = torch.sin(torch.arange(parameter.numel(), dtype=torch.float32))
+            parameter.copy_(values.view_as(parameter))
     prompts = datasets.Dataset.from_dict({"prompt": ["a", "b"]})
     trainer = RLOOTrainer(config, model, AutoTokenizer.from_pretrained(model_dir), prompts,
                           reward_funcs=lambda p, c: [0.0] * len(c))
-    with torch.no_grad():  # a policy away from the reference, the same on both processes
-        for parameter in trainer.policy_parameters:
-            values = torch.sin(torch.arange(parameter.numel(), dtype=torch.float32))
-            parameter.copy_(values.view_as(parameter))
 
     # One rollout of 4 prompts x k=2, k-major (row j * 4 + prompt); process r holds prompts 2r and 2r + 1.
     # Process 1's scores are far higher, and one of its completions is not judged.
@@ -224,8 +146,9 @@ NORMALISATION_SCRIPT = textwrap.dedent(
         with model.policy():
             new_logprobs = trainer.scorer.completion_logprobs(rollout, None)
         new = masked_sum(new_logprobs, rollout.response_mask)
-        clipped_policy_loss(new, new.detach(), advantages, 0.2).loss.backward()
-        return [parameter.grad for parameter in trainer.policy_parameters]
+        # the gradients are averaged over processes in the backward pass
+        trainer.parallelism.backward(clipped_policy_loss(new, new.detach(), advantages, 0.2).loss)
+        return [sharding.full(parameter.grad) for parameter in trainer.policy_parameters]
 
     def flat(gradients):
         return torch.cat([g.flatten() for g in gradients])
@@ -240,11 +163,10 @@ NORMALISATION_SCRIPT = textwrap.dedent(
             k=2, kl_coef=config.kl_coef, normalize_reward=config.normalize_reward,
             normalize_advantage=config.normalize_advantage,
         )
+        # both processes compute the whole rollout: the average of the two equal gradients is the whole's
         concatenated = flat(gradient(whole, one_process.advantages)).clone()
         two_processes = trainer._shaped_rewards(local)
-        gradient(local, two_processes.advantages)
-        average_gradients(trainer.policy_parameters, trainer.accelerator)
-        averaged = flat(parameter.grad for parameter in trainer.policy_parameters)
+        averaged = flat(gradient(local, two_processes.advantages))
         advantage_difference = two_processes.advantages - one_process.advantages[local_rows]
         report[flag] = {
             "advantage_difference": float(advantage_difference.abs().max()),

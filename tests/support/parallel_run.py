@@ -1,0 +1,104 @@
+"""One fixed RLOO batch trained for 2 updates, in one process or under ``torchrun`` with a ``--parallelism``;
+``tests/train/test_parallel_equality.py`` compares the two.
+
+Usage: ``python parallel_run.py MODEL_DIR REWARD_DIR OUTPUT_DIR PARALLELISM`` (one process: the whole batch of
+8 completions; N processes: each its 8 / N rows, the same global batch). It writes ``report_<rank>.json``:
+this process's rows' policy and reference log-probs and reward scores, the policy gradient of the first step
+(whole), the policy adapter after 2 updates (whole), and the bytes of the base's parameters this process
+holds (measured from its local shards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import datasets
+import torch
+from transformers import AutoTokenizer
+
+from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
+from marl.model.memory import stored_bytes
+from marl.rollout.records import Rollout, Samples
+from marl.train import sharding
+
+PROMPTS, K = 4, 2
+
+
+def fixed_samples() -> Samples:
+    """4 prompts × 2 completions, k-major (row j * 4 + prompt), 3 response tokens each."""
+    prompt_ids = torch.tensor([[5, 6], [7, 8], [9, 10], [11, 12]]).repeat(K, 1)
+    response_ids = torch.arange(8 * 3).view(8, 3) % 29 + 1
+    return Samples(
+        prompt_texts=["p"] * 8, prompt_messages=[None] * 8, completions=["c"] * 8,
+        prompt_ids=prompt_ids, prompt_mask=torch.ones_like(prompt_ids),
+        response_ids=response_ids, response_mask=torch.ones(8, 3, dtype=torch.bool),
+        contains_stop=torch.ones(8, dtype=torch.bool), contains_eos=torch.ones(8, dtype=torch.bool),
+        prompt_index=torch.arange(PROMPTS).repeat(K),
+    )  # fmt: skip
+
+
+def base_parameter_bytes(model: MultiAdapterModel) -> int:
+    """Bytes of the base's parameters (no adapter tensor) this process holds, measured on its local shards."""
+    return stored_bytes(p for name, p in model.peft_model.named_parameters() if "lora_" not in name)
+
+
+def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str) -> None:
+    torch.set_num_threads(1)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rows_per_process = PROMPTS * K // world
+    config = RLOOConfig(
+        output_dir=output_dir, model_name_or_path=model_dir, reward_adapter=reward_dir, rloo_k=K,
+        lora_r=4, lora_alpha=8, per_device_train_batch_size=rows_per_process, total_episodes=16,
+        num_ppo_epochs=1, num_mini_batches=1, gradient_accumulation_steps=1, learning_rate=1e-2,
+        num_sample_generations=0, parallelism=parallelism, seed=0,
+    )  # fmt: skip
+    model = MultiAdapterModel.from_config(config)
+    with torch.no_grad():  # a policy away from the identity; process 1 differs until process 0's is broadcast
+        for parameter in model.policy_parameters():
+            values = torch.sin(torch.arange(parameter.numel(), dtype=torch.float32) + 10.0 * rank)
+            parameter.copy_(values.view_as(parameter) * 0.1)
+    base_bytes = base_parameter_bytes(model)
+    prompts = datasets.Dataset.from_dict({"prompt": ["a", "b", "c", "d"]})
+    trainer = RLOOTrainer(config, model, AutoTokenizer.from_pretrained(model_dir), prompts)
+    local_rows = torch.cat([torch.arange(j * PROMPTS, (j + 1) * PROMPTS) for j in range(K)]).view(K, PROMPTS)
+    local_rows = local_rows[:, rank * PROMPTS // world : (rank + 1) * PROMPTS // world].reshape(-1)
+    samples = fixed_samples().select(local_rows)
+    samples.prompt_index = torch.arange(PROMPTS // world).repeat(K)
+    logprobs, ref_logprobs = trainer.scorer.logprobs(samples)
+    scores = trainer.reward.score(trainer.scorer.scoring_batch(samples)).total
+    rollout = Rollout(**vars(samples), logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores,
+                      source_scores=scores[:, None])  # fmt: skip
+    advantages = torch.linspace(-1.0, 1.0, PROMPTS * K)[local_rows]
+
+    # the first step's gradient, averaged over processes in the backward pass
+    model.train()
+    with model.policy():
+        new = trainer.scorer.completion_logprobs(rollout, None)
+    trainer.parallelism.backward(-(new.sum(dim=1) * advantages).mean())
+    gradient = torch.cat([sharding.full(p.grad).flatten() for p in trainer.policy_parameters])
+    trainer.optimizer.zero_grad(set_to_none=True)
+    model.eval()
+
+    for update in (1, 2):
+        trainer.policy_update.run(rollout, advantages, update=update)
+    adapter = sharding.full_policy_state(model, trainer.policy)
+    report = {
+        "world": trainer.parallelism.num_processes,
+        "rows": local_rows.tolist(),
+        "logprobs": logprobs.tolist(),
+        "ref_logprobs": ref_logprobs.tolist(),
+        "scores": scores.tolist(),
+        "gradient": gradient.tolist(),
+        "adapter": torch.cat([adapter[key].flatten() for key in sorted(adapter)]).tolist(),
+        "bytes_before": base_bytes,
+        "bytes_held": base_parameter_bytes(model),
+    }
+    with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
+        json.dump(report, handle)
+    trainer.parallelism.finish()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])
