@@ -281,5 +281,6 @@ def test_learning_jobs_of_both_systems_agree_on_every_mapped_field(modules, algo
     assert theirs.max_steps // theirs.steps_per_generation * rollout == ours.total_episodes == 256
     assert theirs.seed == ours.seed == 3 and theirs.generation_kwargs == {"min_new_tokens": 20}
     assert ours.kl_coef == 0.15  # the demo's β in both, whatever the preset's own default
+    assert [(Path(folder) / "adapter_config.json").is_file() for folder in ours.reward_adapter] == [True]
     if algorithm == "grpo":
         assert (ours.loss_type, ours.scale_rewards, ours.kl_placement) == ("dapo", "group", "loss")

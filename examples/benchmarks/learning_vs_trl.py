@@ -112,14 +112,14 @@ class Job:
 
 
 def demo_settings(job: Job):
-    from marl.apps.demo import REWARD_ADAPTER_NAME, SHIPPED_ADAPTERS_DIR, DemoArguments, demo_rloo_config
+    from marl.apps.demo import REWARD_ADAPTER_NAME, DemoArguments, demo_rloo_config
 
     arguments = DemoArguments(seed=job.seed)
     if job.total_episodes is not None:
         arguments = dataclasses.replace(arguments, total_episodes=job.total_episodes)
     if job.num_eval_prompts is not None:
         arguments = dataclasses.replace(arguments, num_eval_prompts=job.num_eval_prompts)
-    reward_adapter = str(SHIPPED_ADAPTERS_DIR / REWARD_ADAPTER_NAME)
+    reward_adapter = str(REPO_ROOT / "adapters" / REWARD_ADAPTER_NAME)  # the shipped one, in this checkout
     return (
         arguments,
         demo_rloo_config(arguments, Path(job.output_dir) / "run", reward_adapter, algorithm=job.algorithm),
