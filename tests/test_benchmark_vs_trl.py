@@ -1,5 +1,6 @@
 """The pure parts of the marl-vs-TRL benchmark harness (examples/benchmarks): floor, KV tokens, memory
-parsing and sampling, throughput clock, summaries, the time estimate, prompts and the results file."""
+parsing and sampling, throughput clock, summaries, the time estimate, prompts and the results file; the
+learning comparison's job configs of both systems."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 _HERE = Path(__file__).resolve().parents[1] / "examples" / "benchmarks"
-_MODULES = ("measure", "setups", "report_markdown", "vs_trl")
+_MODULES = ("measure", "setups", "report_markdown", "vs_trl", "learning_report", "learning_vs_trl")
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +262,25 @@ def dataclasses_config(setups) -> dict:
     import dataclasses
 
     return dataclasses.asdict(setups.BenchConfig(setup="cpu-short", **setups.SETUPS["cpu-short"]))
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "grpo"])
+def test_learning_jobs_of_both_systems_agree_on_every_mapped_field(modules, algorithm, tmp_path):
+    pytest.importorskip("trl")
+    learning = modules["learning_vs_trl"]
+    job = learning.Job("trl", 3, str(tmp_path), total_episodes=256, algorithm=algorithm)
+    _, ours, _ = learning.demo_settings(job)
+    theirs = learning.trl_config(job, ours)
+    assert type(theirs).__name__ == {"rloo": "RLOOConfig", "grpo": "GRPOConfig"}[algorithm]
+    same = [(a, b) for a, b in learning.CONFIG_MAPPING[algorithm] if a.isidentifier() and b.isidentifier()]
+    assert len(same) == {"rloo": 8, "grpo": 14}[algorithm]
+    for marl_field, trl_field in same:
+        assert getattr(ours, marl_field) == getattr(theirs, trl_field), (marl_field, trl_field)
+    rollout = ours.per_device_train_batch_size * ours.num_mini_batches
+    assert theirs.generation_batch_size == rollout and theirs.steps_per_generation == ours.num_mini_batches
+    assert theirs.max_steps // theirs.steps_per_generation * rollout == ours.total_episodes == 256
+    assert theirs.seed == ours.seed == 3 and theirs.generation_kwargs == {"min_new_tokens": 20}
+    assert ours.kl_coef == 0.15  # the demo's β in both, whatever the preset's own default
+    assert [(Path(folder) / "adapter_config.json").is_file() for folder in ours.reward_adapter] == [True]
+    if algorithm == "grpo":
+        assert (ours.loss_type, ours.scale_rewards, ours.kl_placement) == ("dapo", "group", "loss")

@@ -1,15 +1,17 @@
-"""Does marl learn as well as TRL's RLOOTrainer on the same job? Both trained, both evaluated by the same
-code.
+"""Does marl learn as well as TRL's RLOOTrainer (or GRPOTrainer) on the same job? Both trained, both
+evaluated by the same code.
 
 The job is the demo's: the bundled SmolLM2-135M-Instruct in 4-bit NF4, a fresh LoRA policy (r=16, alpha=32,
 all linear layers), the shipped Rotten Tomatoes reward adapter, the bundled "continue the review" prompts,
 k completions per prompt of a fixed length, the demo's learning rate, KL coefficient, temperature, batch and
 number of updates, and the same seed.
 
-- marl: :func:`marl.apps.demo.demo_rloo_config` on one base; the reward adapter scores prompt + completion +
-EOS
+- marl: :func:`marl.apps.demo.demo_rloo_config` on one base under ``--algorithm`` (``rloo``, the default, or
+  ``grpo``: group-mean advantages scaled by the group's std, DAPO token loss, k3 KL in the loss with the
+  demo's β); the reward adapter scores prompt + completion + EOS
   (:class:`marl.rewards.EosTerminatedAdapterReward`), as it was trained.
-- TRL 1.16 ``RLOOTrainer``: the policy is the base + ``peft_config`` (reference = adapters disabled); the
+- TRL 1.16 ``RLOOTrainer`` (``GRPOTrainer`` with ``--algorithm grpo``, the same settings through
+  CONFIG_MAPPING): the policy is the base + ``peft_config`` (reference = adapters disabled); the
   reward is what a TRL user loads, ``AutoModelForSequenceClassification`` + ``PeftModel.from_pretrained``,
   called from a reward function that scores prompt + completion + EOS with the padding id the adapter was
   trained with (its ``marl_reward.json``), so both read the score where the adapter was trained to read it.
@@ -21,6 +23,7 @@ VADER score, mean reward-adapter score, KL to the base, wall time. The results g
 with the configuration mapping, and a PNG overlays the two systems' training curves.
 
     python examples/benchmarks/learning_vs_trl.py --seeds 0 1 2
+    python examples/benchmarks/learning_vs_trl.py --algorithm grpo --seeds 0 1 2 --side_by_side
 """
 
 from __future__ import annotations
@@ -29,52 +32,132 @@ import argparse
 import dataclasses
 import datetime
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from learning_report import SYSTEMS, plot, report
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SYSTEMS = ("marl", "trl")
-CONFIG_MAPPING = (
+TRAINERS = {"rloo": "RLOOTrainer", "grpo": "GRPOTrainer"}  # --algorithm -> TRL 1.16's trainer of it
+# marl -> TRL 1.16, per algorithm. Rows whose two sides are field names are the same setting under two names:
+# tests/test_benchmark_vs_trl.py checks that both job configs hold the same value there.
+_COMMON_MAPPING = (
     ("rloo_k", "num_generations"),
     ("kl_coef", "beta"),
     ("cliprange", "epsilon"),
     ("num_ppo_epochs", "num_iterations"),
+    ("learning_rate", "learning_rate"),
+    ("temperature", "temperature"),
+    ("response_length", "max_completion_length"),
+    ("per_device_train_batch_size", "per_device_train_batch_size"),
     ("per_device_train_batch_size x num_mini_batches (completions per rollout)", "generation_batch_size"),
-    ("per_device_train_batch_size (completions per optimizer step)", "per_device_train_batch_size"),
-    ("response_length, no stop token", "max_completion_length, generation_kwargs min_new_tokens"),
+    ("num_mini_batches (optimizer steps per rollout)", "steps_per_generation"),
+    ("no stop token (every completion response_length long)", "generation_kwargs min_new_tokens"),
     ("total_episodes / batch (updates)", "max_steps / steps_per_generation"),
-    ("learning_rate, linear schedule, no warm-up", "learning_rate, linear schedule, no warm-up"),
-    ("temperature, top_k=0, top_p=1", "temperature, top_k=0, top_p=1"),
+    ("linear schedule, no warm-up", "lr_scheduler_type linear, warmup_steps 0"),
+    ("top_k=0, top_p=1 (plain temperature sampling)", "top_k=0, top_p=1"),
 )
+CONFIG_MAPPING = {
+    "rloo": _COMMON_MAPPING,
+    "grpo": (
+        *_COMMON_MAPPING,
+        ("advantage_estimator grpo", "GRPOTrainer's group-mean advantage"),
+        ("scale_rewards", "scale_rewards"),
+        ("loss_type", "loss_type"),
+        ("epsilon_high", "epsilon_high"),
+        ("importance_sampling_level", "importance_sampling_level"),
+        ("mask_truncated_completions", "mask_truncated_completions"),
+        ("use_bias_correction_kl", "use_bias_correction_kl"),
+        ("kl_placement loss (k3 term, weight kl_coef)", "beta > 0 (k3 term in the loss)"),
+    ),
+}
+_COMMON_DIFFERENCES = (
+    "TRL keeps the LoRA weights, their gradients and Adam's state in bf16 when the base is quantized; marl "
+    "keeps them in float32.",
+    "marl's optimizer steps hold whole prompt groups (so that each prompt is computed once); TRL shuffles "
+    "the rollout and draws the completions of a step at random.",
+    "TRL samples with `min_new_tokens` (EOS masked while sampling, not when scoring); marl samples with no "
+    "stop token and keeps EOS in the distribution it scores.",
+)
+DIFFERENCES = {
+    "rloo": _COMMON_DIFFERENCES,
+    "grpo": (
+        *_COMMON_DIFFERENCES,
+        "Advantages, loss and KL are the same computation (marl's parity tests against TRL 1.16's "
+        "GRPOTrainer code): group mean, divided by the group's std; DAPO token loss; k3 KL in the loss "
+        "weighted by β and the importance ratio (use_bias_correction_kl). The DAPO normaliser is the same "
+        "number in both: TRL divides by the rollout's completion tokens / steps_per_generation, marl by the "
+        "optimizer step's tokens, and every completion has the same length.",
+        "The advantages of a marl step are those of whole groups (each step's advantages sum to zero with "
+        "scale_rewards group); TRL's random steps mix groups.",
+        "The curves' KL differs in kind: marl logs the sum over tokens of log π/π_ref of the sampled tokens "
+        "(k1); TRL logs the mean per-token k3, scaled here by the completion length. The held-out KL in the "
+        "tables is computed by the same code for both.",
+    ),
+}
 
 
 @dataclasses.dataclass
 class Job:
-    """One training run: the demo's settings for one system and seed."""
+    """One training run: the demo's settings for one system and seed, under an ``--algorithm`` preset."""
 
     system: str
     seed: int
     output_dir: str
     total_episodes: int | None = None  # None: the demo's
     num_eval_prompts: int | None = None  # None: the demo's
+    algorithm: str = "rloo"
 
 
 def demo_settings(job: Job):
-    from marl.apps.demo import REWARD_ADAPTER_NAME, SHIPPED_ADAPTERS_DIR, DemoArguments, demo_rloo_config
+    from marl.apps.demo import REWARD_ADAPTER_NAME, DemoArguments, demo_rloo_config
 
     arguments = DemoArguments(seed=job.seed)
     if job.total_episodes is not None:
         arguments = dataclasses.replace(arguments, total_episodes=job.total_episodes)
     if job.num_eval_prompts is not None:
         arguments = dataclasses.replace(arguments, num_eval_prompts=job.num_eval_prompts)
-    reward_adapter = str(SHIPPED_ADAPTERS_DIR / REWARD_ADAPTER_NAME)
+    reward_adapter = str(REPO_ROOT / "adapters" / REWARD_ADAPTER_NAME)  # the shipped one, in this checkout
     return (
         arguments,
-        demo_rloo_config(arguments, Path(job.output_dir) / "run", reward_adapter),
+        demo_rloo_config(arguments, Path(job.output_dir) / "run", reward_adapter, algorithm=job.algorithm),
         reward_adapter,
+    )
+
+
+def trl_config(job: Job, config):
+    """TRL 1.16's config of ``job``: its ``RLOOConfig`` or ``GRPOConfig`` set as the marl ``config`` is (see
+    CONFIG_MAPPING)."""
+    from setups import trl_sampling_and_objective
+    from trl import GRPOConfig
+    from trl import RLOOConfig as TrlRLOOConfig
+
+    loss = {}
+    if job.algorithm == "grpo":
+        loss = dict(
+            loss_type=config.loss_type,
+            scale_rewards=config.scale_rewards,
+            epsilon_high=config.epsilon_high,
+            importance_sampling_level=config.importance_sampling_level,
+            mask_truncated_completions=config.mask_truncated_completions,
+            use_bias_correction_kl=config.use_bias_correction_kl,
+        )
+    updates = config.batch_sizes(1, 10**6).num_total_batches
+    return (GRPOConfig if job.algorithm == "grpo" else TrlRLOOConfig)(
+        output_dir=str(Path(job.output_dir) / "trl"),
+        per_device_train_batch_size=config.per_device_train_batch_size,
+        steps_per_generation=config.num_mini_batches,
+        max_steps=updates * config.num_mini_batches,
+        **trl_sampling_and_objective(config, seed=job.seed),
+        **loss,
+        bf16=False,
+        use_cpu=True,
+        logging_steps=config.num_mini_batches,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
     )
 
 
@@ -109,11 +192,9 @@ def train_marl(job: Job) -> dict:
 
 def train_trl(job: Job) -> dict:
     import torch
+    import trl
     from peft import LoraConfig, PeftModel
-    from setups import trl_sampling_and_objective
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    from trl import RLOOConfig as TrlRLOOConfig
-    from trl import RLOOTrainer as TrlRLOOTrainer
 
     from marl.data.assets import resolve_model_path
     from marl.data.prompts import rotten_tomatoes_prompts
@@ -145,24 +226,11 @@ def train_trl(job: Job) -> dict:
             )
 
     rollout = config.per_device_train_batch_size * config.num_mini_batches
-    updates = config.batch_sizes(1, 10**6).num_total_batches
-    args = TrlRLOOConfig(
-        output_dir=str(Path(job.output_dir) / "trl"),
-        per_device_train_batch_size=config.per_device_train_batch_size,
-        steps_per_generation=config.num_mini_batches,
-        max_steps=updates * config.num_mini_batches,
-        **trl_sampling_and_objective(config, seed=job.seed),
-        bf16=False,
-        use_cpu=True,
-        logging_steps=config.num_mini_batches,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
+    args = trl_config(job, config)
     lora = LoraConfig(
         r=config.lora_r, lora_alpha=config.lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM"
     )
-    trainer = TrlRLOOTrainer(
+    trainer = getattr(trl, TRAINERS[job.algorithm])(
         model=path,
         reward_funcs=[sentiment],
         args=args,
@@ -256,118 +324,20 @@ def run(jobs: list[Job]) -> list[dict]:
     return [json.loads((Path(job.output_dir) / "result.json").read_text()) for job in jobs]
 
 
-def median_spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f}–{max(values):.3f})"
-
-
-def report(results: dict[str, list[dict]], settings: dict, command: str) -> str:
-    from marl.environment import machine_description, package_versions
-
-    rows = []
-    for system in SYSTEMS:
-        runs = results[system]
-        evaluations = [run["evaluation"] for run in runs]
-        rows.append(
-            f"| {system} | {len(runs)} | {median_spread([e['comparison']['win_rate'] for e in evaluations])} "
-            "| "
-            f"{median_spread([e['policy']['judge_score'] - e['base']['judge_score'] for e in evaluations])} "
-            "| "
-            f"{median_spread([e['policy']['judge_score'] for e in evaluations])} | "
-            f"{median_spread([e['policy']['reward_score'] for e in evaluations])} | "
-            f"{median_spread([e['policy']['kl'] for e in evaluations])} | "
-            f"{median_spread([run['train_seconds'] / 60 for run in runs])} |"
-        )
-    per_seed = [
-        f"| {system} | {run['seed']} | {run['evaluation']['comparison']['win_rate']:.1%} | "
-        f"{run['evaluation']['base']['judge_score']:.3f} → {run['evaluation']['policy']['judge_score']:.3f} "
-        "| "
-        f"{run['evaluation']['base']['reward_score']:.3f} → "
-        f"{run['evaluation']['policy']['reward_score']:.3f} | "
-        f"{run['evaluation']['policy']['kl']:.2f} | {run['train_seconds'] / 60:.1f} |"
-        for system in SYSTEMS
-        for run in results[system]
-    ]
-    machine = machine_description()
-    versions = package_versions()
-    return "\n".join(
-        [
-            f"# Learning against TRL's RLOOTrainer ({datetime.date.today().isoformat()})",
-            "",
-            "Same job for both (the demo's), evaluated by the same code "
-            "(`marl.apps.evaluate.generate_and_score`) on "
-            f"{settings['num_eval_prompts']} held-out prompts; medians over seeds with min–max.",
-            "",
-            f"Command: `{command}`",
-            "",
-            "| system | seeds | VADER win rate over the base | VADER gain | VADER score | reward-adapter "
-            "score | "
-            "KL to the base | training minutes |",
-            "|---|---|---|---|---|---|---|---|",
-            *rows,
-            "",
-            "Per seed:",
-            "",
-            "| system | seed | win rate | VADER base → policy | adapter base → policy | KL | training "
-            "minutes |",
-            "|---|---|---|---|---|---|---|",
-            *per_seed,
-            "",
-            "## Settings",
-            "",
-            "```json",
-            json.dumps(settings, indent=2),
-            "```",
-            "",
-            "## Configuration mapping (marl → TRL 1.16)",
-            "",
-            "| marl | TRL |",
-            "|---|---|",
-            *[f"| {ours} | {theirs} |" for ours, theirs in CONFIG_MAPPING],
-            "",
-            "## Machine and versions",
-            "",
-            "| | |",
-            "|---|---|",
-            *[f"| {key} | {value} |" for key, value in {**machine, **versions}.items()],
-            "",
-        ]
-    )
-
-
-def plot(results: dict[str, list[dict]], output: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(1, 2, figsize=(10, 3.6), constrained_layout=True)
-    for system, color in zip(SYSTEMS, ("tab:blue", "tab:orange"), strict=True):
-        for index, run in enumerate(results[system]):
-            episodes = [point["episode"] for point in run["curve"]]
-            label = system if index == 0 else None
-            axes[0].plot(
-                episodes, [point["score"] for point in run["curve"]], color=color, alpha=0.7, label=label
-            )
-            axes[1].plot(
-                episodes, [point["kl"] for point in run["curve"]], color=color, alpha=0.7, label=label
-            )
-    axes[0].set_title("reward-adapter score (training batches)")
-    axes[1].set_title("KL to the reference (sum over tokens)")
-    for axis in axes:
-        axis.set_xlabel("episode (completions)")
-        axis.grid(alpha=0.3)
-        axis.legend()
-    figure.savefig(output, dpi=110)
-    plt.close(figure)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--algorithm",
+        choices=list(TRAINERS),
+        default="rloo",
+        help="marl's --algorithm preset, against TRL 1.16's trainer of it (rloo: RLOOTrainer, grpo: "
+        "GRPOTrainer); the demo's k, batch, learning rate, KL coefficient, epochs and episodes either way.",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--total_episodes", type=int, default=None, help="Default: the demo's.")
     parser.add_argument("--num_eval_prompts", type=int, default=None, help="Default: the demo's.")
-    parser.add_argument("--work_dir", default="runs/learning-vs-trl")
+    parser.add_argument("--work_dir", default=None, help="Default: runs/learning-vs-trl[-<algorithm>].")
     parser.add_argument(
         "--side_by_side",
         action="store_true",
@@ -380,13 +350,16 @@ def main() -> None:
     if options.worker:
         worker(options.worker)
         return
+    suffix = "" if options.algorithm == "rloo" else f"-{options.algorithm}"
+    work_dir = options.work_dir or f"runs/learning-vs-trl{suffix}"
     stamp = datetime.date.today().isoformat()
-    output = Path(options.output or REPO_ROOT / "benchmarks" / "results" / f"{stamp}-learning-vs-trl.md")
+    name = f"{stamp}-learning-vs-trl{suffix}.md"
+    output = Path(options.output or REPO_ROOT / "benchmarks" / "results" / name)
     results: dict[str, list[dict]] = {system: [] for system in SYSTEMS}
     for seed in options.seeds:
         jobs = [
-            Job(system, seed, str(Path(options.work_dir) / f"{system}-seed{seed}"), options.total_episodes,
-                options.num_eval_prompts)
+            Job(system, seed, str(Path(work_dir) / f"{system}-seed{seed}"), options.total_episodes,
+                options.num_eval_prompts, options.algorithm)
             for system in SYSTEMS
         ]  # fmt: skip
         # Both systems of a seed at once (side by side) or one after the other: either way a slower period of
@@ -399,12 +372,21 @@ def main() -> None:
                 results[job.system].append(result)
                 win, minutes = result["evaluation"]["comparison"]["win_rate"], result["train_seconds"] / 60
                 print(f"  {job.system}: win rate {win:.1%}, {minutes:.1f} min", flush=True)
-    first = Job("marl", options.seeds[0], options.work_dir, options.total_episodes, options.num_eval_prompts)
+    first = Job("marl", options.seeds[0], work_dir, options.total_episodes, options.num_eval_prompts)
     arguments, _, _ = demo_settings(first)
-    settings = {**dataclasses.asdict(arguments), "seeds": options.seeds, "side_by_side": options.side_by_side}
+    settings = {
+        **dataclasses.asdict(arguments),
+        "algorithm": options.algorithm,
+        "seeds": options.seeds,
+        "side_by_side": options.side_by_side,
+    }
     command = " ".join(["python", "examples/benchmarks/learning_vs_trl.py", *sys.argv[1:]])
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(report(results, settings, command))
+    trainer = TRAINERS[options.algorithm]
+    text = report(
+        results, settings, command, trainer, CONFIG_MAPPING[options.algorithm], DIFFERENCES[options.algorithm]
+    )
+    output.write_text(text)
     plot(results, output.with_suffix(".png"))
     (output.with_suffix(".json")).write_text(json.dumps(results, indent=2) + "\n")
     print(f"results: {output}")

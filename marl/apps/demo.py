@@ -92,13 +92,18 @@ class DemoArguments:
         demo_rloo_config(self, Path("."), self.reward_adapter)
 
 
-def demo_rloo_config(arguments: DemoArguments, output_dir: Path, reward_adapter: str):
-    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token."""
+def demo_rloo_config(
+    arguments: DemoArguments, output_dir: Path, reward_adapter: str, algorithm: str = "rloo"
+):
+    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token; the
+    demo's k, batch, learning rate, KL coefficient and epochs under the ``algorithm`` preset's other settings
+    (:mod:`marl.algorithms`)."""
     from marl.config import RLOOConfig
     from marl.data.assets import EMBEDDED_MODEL_ID
 
     return RLOOConfig(
         output_dir=str(output_dir),
+        algorithm=algorithm,
         seed=arguments.seed,
         threads=arguments.threads,
         model_name_or_path=EMBEDDED_MODEL_ID,
