@@ -124,7 +124,8 @@ def sample_static(
     _repeat_rows(cache, copies)
     logits = logits[:, -1].float().repeat_interleave(copies, dim=0)
 
-    # Positions and mask of every row; the mask grows by one attended column per step, as generate's does.
+    # Positions and mask of every row over the whole cache: the columns of the response are attended once
+    # written (the causal mask hides those not written yet), so the mask keeps one shape for every step.
     next_position = positions[:, -1].repeat_interleave(copies) + 1
     mask = torch.cat(
         [
@@ -155,6 +156,5 @@ def sample_static(
             _keep_rows(cache, kept)
             active = active[kept]
         tokens = completions[active, index : index + 1]
-        step_mask = mask[active, : prompt_length + index + 1]
-        logits = step(tokens, step_mask, next_position[active, None] + index, cache)[:, -1].float()
+        logits = step(tokens, mask[active], next_position[active, None] + index, cache)[:, -1].float()
     return completions
