@@ -208,10 +208,11 @@ class RLOOConfig:
         default=0.7, metadata={"help": "Sampling temperature; log-probs use the same temperature."}
     )
     sampler: str = field(
-        default="transformers",
+        default="static",
         metadata={
-            "help": "What draws the completions: 'transformers' (generate on the training model) or a name "
-            "registered with marl.rollout.samplers.register_sampler."
+            "help": "What draws the completions: 'static' (a decode loop over a static KV cache, the same "
+            "tokens as 'transformers' for the same seed), 'transformers' (generate on the training model) or "
+            "a name registered with marl.rollout.samplers.register_sampler."
         },
     )
     response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})

@@ -126,6 +126,8 @@ def flat_metrics(result: Mapping[str, Any]) -> dict[str, float]:
             flat[f"{phase}_{kind}_rise"] = rise[kind]
         for point, samples in memory["points"].items():
             flat[f"{point}_{kind}_above_baseline"] = samples[-1][kind] - baseline[kind]
+    for phase, seconds in memory.get("seconds", {}).items():
+        flat[f"{phase}_seconds"] = seconds
     for key in ("cuda_max_allocated_mib", "cuda_max_reserved_mib", "cpu_seconds", "wall_seconds"):
         if key in result:
             flat[key] = result[key]
@@ -220,6 +222,8 @@ class MemorySampler:
         self.rises: dict[str, dict[str, float]] = {}  # largest rise within one pass through a phase
         self.points: dict[str, list[dict[str, float]]] = {}
         self._stack = [LOAD_PHASE]
+        self.seconds: dict[str, float] = {}  # wall seconds per phase, the innermost phase only
+        self._switched = time.perf_counter()
         self._passes: list[tuple[dict[str, float], dict[str, float]]] = []  # (start, peak) of open phases
         self._interval, self._pss_interval = interval, pss_interval
         self._last_pss = 0.0
@@ -255,9 +259,17 @@ class MemorySampler:
             self._record(phase, values)
             return values
 
+    def _charge(self) -> None:
+        """The wall time since the last phase change goes to the phase that was innermost."""
+        now = time.perf_counter()
+        phase = self._stack[-1]
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._switched
+        self._switched = now
+
     def push(self, phase: str) -> None:
         start = self.sample(full=True)
         with self._lock:
+            self._charge()
             self._stack.append(phase)
             self._passes.append((start, dict(start)))
 
@@ -265,6 +277,7 @@ class MemorySampler:
         self.sample(full=True)  # a phase often peaks just before it returns
         with self._lock:
             if len(self._stack) > 1:
+                self._charge()
                 phase = self._stack.pop()
                 start, peak = self._passes.pop()
                 rise = self.rises.setdefault(phase, {kind: 0.0 for kind in MEMORY_KINDS})
@@ -275,6 +288,7 @@ class MemorySampler:
         """Label everything outside a labelled phase from now on (``"load"`` until the model is built)."""
         self.sample(full=True)
         with self._lock:
+            self._charge()
             self._stack[0] = phase
 
     @contextlib.contextmanager
@@ -302,6 +316,7 @@ class MemorySampler:
             "phases": self.phases,
             "rises": self.rises,
             "points": self.points,
+            "seconds": self.seconds,
         }
 
 

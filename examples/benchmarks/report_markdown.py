@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from floors import efficiency_rows, floor_seconds
 from measure import PHASES, ratio
 
 MIB = 2**20
@@ -166,6 +167,39 @@ def floor_table(entry: dict[str, Any]) -> list[str]:
     return lines
 
 
+def efficiency_table(entry: dict[str, Any], systems: list[str]) -> list[str]:
+    """Per phase of one update (medians over runs, the warm-up update included): seconds, the floor of this
+    machine (probed in the same run and thread count) and the achieved FLOP/s and weight bytes/s."""
+    lines = []
+    updates = entry["config"]["updates"]
+    for quantization, block in entry["blocks"].items():
+        floors, work = block.get("machine_floors"), block.get("work")
+        if not floors or not work:
+            continue
+        lines += [
+            f"{quantization}: probes {floors['flops_per_s'] / 1e9:.1f} GFLOP/s (fp32 matmul), "
+            f"{floors['bytes_per_s'] / 1e9:.1f} GB/s (copy); floors per update: "
+            + ", ".join(f"{part} {floor_seconds(w, floors):.2f} s" for part, w in work.items()),
+            "",
+            "| system | phase | s / update | floor s | × floor | GFLOP/s | weight GB/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for system in systems:
+            mine = block.get("summary", {}).get(system, {})
+            seconds = {
+                phase: mine[f"{phase}_seconds"]["median"] / updates
+                for phase in ("generation", "scoring", "update")
+                if f"{phase}_seconds" in mine
+            }
+            for phase, spent, floor, gflops, gbytes in efficiency_rows(work, floors, seconds):
+                lines.append(
+                    f"| {system} | {phase} | {spent:.2f} | {floor:.2f} | {spent / floor:.1f} | "
+                    f"{gflops:.1f} | {gbytes:.2f} |"
+                )
+        lines.append("")
+    return lines
+
+
 def runs_table(entry: dict[str, Any]) -> list[str]:
     gpu = entry["config"]["device"] == "cuda"
     lines = [
@@ -253,6 +287,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             "",
             *checkpoint_table(entry, entry.get("systems", systems)),
             "",
+            "Time against this machine's floors (per update; see `floors.py`):",
+            "",
+            *efficiency_table(entry, entry.get("systems", systems)),
             "Physical floor (tensors only; the interpreter and libraries are in the import baseline):",
             "",
             *floor_table(entry),

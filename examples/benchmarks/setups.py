@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from floors import phase_work
 from measure import memory_floor, rollout_kv_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +64,9 @@ SETUPS = {
         _SMOLLM2_CPU, prompts_per_update=1, response_length=32, updates=2, context_tokens=128,
         compare_sharing=True,
     ),
+    "cpu-long4": dict(
+        _SMOLLM2_CPU, prompts_per_update=4, response_length=32, updates=2, context_tokens=128,
+    ),
     "cpu-weights": dict(
         _SMOLLM2_CPU, model=RANDOM_QWEN2, prompts_per_update=1, response_length=16, updates=2
     ),
@@ -71,7 +75,7 @@ SETUPS = {
         response_length=128, updates=6,
     ),
 }  # fmt: skip
-SETUP_GROUPS = {"cpu": ("cpu-short", "cpu-long", "cpu-weights"), "gpu": ("gpu-qwen2",)}
+SETUP_GROUPS = {"cpu": ("cpu-short", "cpu-long", "cpu-long4", "cpu-weights"), "gpu": ("gpu-qwen2",)}
 # Seconds of one run (process start to exit) on the reference machine when it is otherwise idle (2 cores, one
 # torch thread), by (setup, quantization) and system, for the estimate printed at the start. From the 5-run
 # results of 2026-11-21 (cpu-short) and the CPU seconds of single runs on a shared machine (the others).
@@ -246,6 +250,28 @@ def compute_floor(
         policy_adapter_bytes=adamw_training_bytes(policy_params),
         frozen_adapter_bytes=reward_params * dtype_bytes,
         kv_bytes=kv_cache_bytes(model_config, kv_tokens, dtype),
+    )
+
+
+def phase_work_of(
+    config: BenchConfig, base_weight_bytes: float, model_path: str, prompts: list[str]
+) -> dict[str, dict[str, int]]:
+    """FLOPs and weight bytes of each phase of one update (:func:`floors.phase_work`): the parameters of a
+    meta-device model, the weights as stored, the mean prompt length."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    params = sum(parameter.numel() for parameter in model.parameters())
+    lengths = [len(ids) for ids in AutoTokenizer.from_pretrained(model_path)(prompts)["input_ids"]]
+    return phase_work(
+        params=params,
+        weight_bytes=int(base_weight_bytes),
+        prompt_tokens=round(sum(lengths) / len(lengths)),
+        prompts=config.prompts_per_update,
+        rows=config.batch_size,
+        steps=config.response_length,
     )
 
 

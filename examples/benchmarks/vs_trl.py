@@ -19,6 +19,7 @@ Setups (``--setup``, a comma list; ``cpu`` = the three CPU setups, each in fp32 
     cpu-short    bundled SmolLM2-135M-Instruct, 4-word review openings, 16-token completions, k = 4
     cpu-long     the same model, prompts of >= 128 tokens (review snippets as context + an instruction),
                  32-token completions, k = 4
+    cpu-long4    the long prompts with 4 prompts x k = 4 per update (closer to RLHF shapes)
     cpu-weights  a Qwen2.5-0.5B-shaped model from a config (random weights, SmolLM2 tokenizer), short prompts
     gpu-qwen2    one CUDA GPU, the 0.5B Qwen2 shapes in bf16, 32 prompts x k = 4, 128-token completions
 
@@ -53,6 +54,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers next to this script
+from floors import probe_in_subprocess
 from measure import MemorySampler, UpdateClock, estimate_minutes, label_calls, mapped_file_memory, summarize
 from report_markdown import render_markdown
 from setups import (
@@ -64,6 +66,7 @@ from setups import (
     SETUPS,
     BenchConfig,
     compute_floor,
+    phase_work_of,
     prepare_model,
     prepare_prompts,
     prepare_reward_adapter,
@@ -74,11 +77,13 @@ from setups import (
 
 
 def marl_systems() -> tuple[str, ...]:
-    """``marl`` (and ``marl-unshared`` when this marl can turn prompt-prefix sharing off)."""
+    """``marl`` (and ``marl-unshared`` when this marl can turn prompt-prefix sharing off, ``marl-generate``
+    when its default sampler is not ``generate``: marl sampling with ``--sampler transformers``)."""
     from marl import RLOOConfig
 
     names = {field.name for field in dataclasses.fields(RLOOConfig)}
-    return ("marl", "marl-unshared") if "share_prompt_prefix" in names else ("marl",)
+    systems = ("marl", "marl-unshared") if "share_prompt_prefix" in names else ("marl",)
+    return (*systems, "marl-generate") if RLOOConfig(output_dir="x").sampler != "transformers" else systems
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -253,6 +258,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
             save_steps=0,
             report_to=["none"],
             **sharing,
+            **({"sampler": "transformers"} if job["system"] == "marl-generate" else {}),
         )
         trainer = RLOOTrainer(
             config=rloo_config,
@@ -470,6 +476,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             block["runs"] = run_block(jobs, args.runs, work_dir, f"{setup}-{quantization}")
             block["summary"] = summarize(block["runs"])
             block["floor"] = compute_floor(config, quantization, model_path, reward_adapter, prompts)
+            block["machine_floors"] = probe_in_subprocess(config.threads)
+            block["work"] = phase_work_of(
+                config, block["floor"]["base weights (as stored)"], model_path, prompts
+            )
             # Written after every block, so that an interrupted benchmark keeps what it measured.
             report["wall_minutes"] = (time.perf_counter() - started) / 60
             (work_dir / "report.json").write_text(json.dumps(report, indent=1))

@@ -22,6 +22,7 @@ from marl.model.families import LogitHead, backbone
 from marl.model.generation import SamplingSettings, sample
 from marl.model.logprobs import logprobs_from_hidden
 from marl.model.packing import PackedRows, read_slots
+from marl.model.static_decode import sample_static
 from marl.model.views import AdapterViews
 
 
@@ -227,3 +228,20 @@ class ForwardPasses(AdapterViews):
         """
         with self._inference():
             return sample(self.peft_model, input_ids, attention_mask, settings, past_key_values)
+
+    def sample_static(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        settings: SamplingSettings,
+        copies: int = 1,
+    ) -> torch.Tensor:
+        """:meth:`sample` over a static KV cache, each prompt prefilled once for its ``copies`` samples
+        (prompt-major rows, see :func:`marl.model.static_decode.sample_static`), in eval mode without grad.
+
+        Example:
+            >>> with model.policy():  # doctest: +SKIP
+            ...     rows = model.sample_static(ids, mask, SamplingSettings(0.7, 16, (eos,), pad), copies=4)
+        """
+        with self._inference():
+            return sample_static(self.peft_model, input_ids, attention_mask, settings, copies)

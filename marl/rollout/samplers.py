@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from marl.registry import Registry
+from marl.rollout.static_sampler import StaticSampler
 from marl.rollout.transformers_sampler import TransformersSampler
 
 if TYPE_CHECKING:
@@ -77,7 +78,10 @@ class Sampler(Protocol):
 SamplerFactory = Callable[["MultiAdapterModel", Any, SamplerSettings], Sampler]
 
 SAMPLERS: Registry[SamplerFactory] = Registry(
-    "sampler", "--sampler", "marl.rollout.samplers.register_sampler", {"transformers": TransformersSampler}
+    "sampler",
+    "--sampler",
+    "marl.rollout.samplers.register_sampler",
+    {"transformers": TransformersSampler, "static": StaticSampler},
 )
 
 

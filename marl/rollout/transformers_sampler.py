@@ -1,4 +1,4 @@
-"""The ``transformers`` sampler (``--sampler transformers``, the default): ``generate`` on the training model.
+"""The ``transformers`` sampler (``--sampler transformers``): ``generate`` on the training model.
 
 It samples with :meth:`marl.MultiAdapterModel.sample` (exactly ``softmax(logits / T)``, see
 :mod:`marl.model.generation`) under the policy or the reference view of the one shared base, prefilling each

@@ -280,7 +280,7 @@ CASES = [
     Case(
         RLOO,
         ["--sampler", "nope"],
-        r"--sampler 'nope' is not a registered .*\['transformers'\]",
+        r"--sampler 'nope' is not a registered .*\['static', 'transformers'\]",
     ),
     Case(RLOO, ["--response_length", "0"], r"response_length=0 must be a positive integer"),
     Case(RLOO, ["--stop_token", "bos"], r"stop_token='bos' is not supported"),

@@ -1,0 +1,160 @@
+"""Sampling with a static KV cache: one prefill per prompt, then a plain decode loop, drawing exactly what
+``generate`` draws.
+
+:func:`sample_static` prefills each prompt ONCE into a transformers ``StaticCache`` sized prompt + response,
+repeats that cache for the prompt's ``copies`` samples, and decodes one token per step for every unfinished
+row: no logits processors, stopping criteria or cache bookkeeping run per token, and rows that have ended
+leave the batch (their KV rows are dropped), so they stop costing compute.
+
+Its random stream is ``generate``'s: each step draws ``torch.multinomial(softmax(logits / T), 1)`` over ALL
+rows of the chunk, finished ones included (``multinomial`` consumes the same random numbers whatever the
+probabilities, so a finished row gets a placeholder distribution), and the loop ends when every row has
+stopped or the length limit is reached, as ``generate``'s does. With the same seed and the same rows it draws
+the same tokens as :func:`marl.model.generation.sample`, up to floating-point rounding of the logits (a
+static and a growing cache add the attention terms in another order).
+
+:func:`static_decode_problem` says why a model cannot use it (recurrent layers in the cache: the sampler then
+samples with ``generate``).
+
+Example:
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    ...     num_attention_heads=4, vocab_size=32))
+    >>> static_decode_problem(llama) is None
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from marl.model.generation import SamplingSettings
+
+# A decode step: (input ids [A, 1], attention mask [A, S], position ids [A, 1], cache) -> logits [A, 1, V].
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+
+
+def static_decode_problem(causal_lm: nn.Module) -> str | None:
+    """Why ``causal_lm`` cannot decode over a ``StaticCache`` of attention keys and values, or ``None``.
+
+    Layers whose cache holds something else (Mamba / linear-attention states of hybrid models such as
+    Falcon-H1) cannot be repeated for k samples nor have finished rows dropped, so those models sample with
+    ``generate``.
+
+    Example:
+        >>> from transformers import GPT2Config, GPT2LMHeadModel
+        >>> static_decode_problem(GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2))) is None
+        True
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    try:
+        cache = StaticCache(config=causal_lm.config, max_cache_len=8)
+    except (KeyError, ValueError, TypeError, NotImplementedError) as error:
+        return f"transformers has no static cache for model_type {causal_lm.config.model_type!r} ({error})"
+    others = sorted({type(layer).__name__ for layer in cache.layers} - {"StaticLayer"})
+    if any(type(layer) not in (StaticLayer, StaticSlidingWindowLayer) for layer in cache.layers):
+        return f"its cache has {others} layers, which hold states other than attention keys and values"
+    return None
+
+
+def _forward_step(peft_model: nn.Module) -> DecodeStep:
+    def step(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        return peft_model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
+
+    return step
+
+
+def _repeat_rows(cache: Any, copies: int) -> None:
+    """Each row of every layer of ``cache`` repeated ``copies`` times (row ``i`` becomes ``i * copies`` to
+    ``i * copies + copies - 1``): the prompt's keys and values for its samples."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.repeat_interleave(copies, dim=0)
+        layer.values = layer.values.repeat_interleave(copies, dim=0)
+        layer.batch_size = layer.keys.shape[0]
+
+
+def _keep_rows(cache: Any, rows: torch.Tensor) -> None:
+    """Only ``rows`` of every layer of ``cache`` stay (finished rows leave the decode batch)."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, rows)
+        layer.values = layer.values.index_select(0, rows)
+        layer.batch_size = layer.keys.shape[0]
+
+
+def sample_static(
+    peft_model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    settings: SamplingSettings,
+    copies: int = 1,
+    decode_step: DecodeStep | None = None,
+    scores: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``copies`` completions of each left-padded prompt under the ACTIVE adapter view, prompt-major (row
+    ``i * copies + j`` is sample ``j`` of prompt ``i``, as ``generate`` on ``input_ids.repeat_interleave``
+    orders them): ``[P * copies, settings.max_new_tokens]`` ids, ``settings.pad_token_id`` after a row
+    stopped. The caller chooses eval mode and ``torch.no_grad``; ``decode_step`` replaces the model call of
+    the decode steps (e.g. a compiled one). ``scores``: a list that receives each step's ``logits / T``
+    ``[P * copies, V]`` (zeros on rows that had stopped), as ``generate(..., output_scores=True)`` returns
+    them.
+    """
+    from transformers import StaticCache
+
+    prompts, prompt_length = input_ids.shape
+    steps = settings.max_new_tokens
+    rows = prompts * copies
+    device = input_ids.device
+    step = decode_step or _forward_step(peft_model)
+    cache = StaticCache(config=peft_model.get_base_model().config, max_cache_len=prompt_length + steps)
+    positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    logits = _forward_step(peft_model)(input_ids, attention_mask, positions, cache)
+    _repeat_rows(cache, copies)
+    logits = logits[:, -1].float().repeat_interleave(copies, dim=0)
+
+    # Positions and mask of every row over the whole cache: the columns of the response are attended once
+    # written (the causal mask hides those not written yet), so the mask keeps one shape for every step.
+    next_position = positions[:, -1].repeat_interleave(copies) + 1
+    mask = torch.cat(
+        [
+            attention_mask.repeat_interleave(copies, dim=0),
+            torch.ones(rows, steps, dtype=attention_mask.dtype, device=device),
+        ],
+        dim=1,
+    )
+    stop_ids = torch.tensor(settings.stop_token_ids, dtype=torch.long, device=device)
+    completions = torch.full((rows, steps), settings.pad_token_id, dtype=torch.long, device=device)
+    # One distribution per row of the chunk, whatever has finished: finished rows keep a placeholder.
+    probs = torch.full((rows, logits.shape[-1]), 1.0 / logits.shape[-1], device=device)
+    active = torch.arange(rows, device=device)  # rows still decoding, in the order of the decode batch
+    for index in range(steps):
+        scaled = logits / settings.temperature
+        probs[active] = torch.softmax(scaled, dim=-1)
+        if scores is not None:
+            scores.append(torch.zeros_like(probs).index_copy_(0, active, scaled))
+        drawn = torch.multinomial(probs, num_samples=1).squeeze(1)
+        completions[active, index] = drawn[active]
+        if index == steps - 1:
+            break
+        running = ~torch.isin(drawn[active], stop_ids)
+        if not bool(running.all()):
+            if not bool(running.any()):
+                break
+            kept = running.nonzero().squeeze(1)
+            _keep_rows(cache, kept)
+            active = active[kept]
+        tokens = completions[active, index : index + 1]
+        logits = step(tokens, mask[active], next_position[active, None] + index, cache)[:, -1].float()
+    return completions

@@ -1,0 +1,62 @@
+"""The ``static`` sampler (``--sampler static``): a decode loop over a static KV cache, built for rollouts.
+
+Each prompt is prefilled once; its cache is repeated for its k samples inside a ``StaticCache`` sized prompt
++ response, then every step runs the model on the unfinished rows only and draws from exactly
+``softmax(logits / T)`` (:func:`marl.model.static_decode.sample_static`). Rows are chunked and ordered as the
+``transformers`` sampler chunks and orders them and the random stream is consumed as ``generate`` consumes
+it, so the same seed gives the same completions as ``--sampler transformers`` (up to floating-point rounding
+of the logits).
+
+A model whose cache holds other states than attention keys and values (Falcon-H1's Mamba layers) samples with
+``generate``; the reason is logged once, when the sampler is built.
+
+Example:
+    >>> sampler = StaticSampler(model, tokenizer, SamplerSettings(0.7, 16))  # doctest: +SKIP
+    >>> samples = sampler.sample(sampler.batch(prompts), k=4)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from marl.model.static_decode import static_decode_problem
+from marl.rollout.transformers_sampler import TransformersSampler
+
+if TYPE_CHECKING:
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rollout.prompts import PromptBatch
+    from marl.rollout.samplers import SamplerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class StaticSampler(TransformersSampler):
+    """Samples with :meth:`marl.MultiAdapterModel.sample_static` (:class:`marl.rollout.samplers.Sampler`).
+
+    Attributes:
+        fallback_reason: why this model samples with ``generate`` instead (``None``: it does not).
+    """
+
+    def __init__(self, model: MultiAdapterModel, tokenizer: Any, settings: SamplerSettings) -> None:
+        super().__init__(model, tokenizer, settings)
+        self.fallback_reason = static_decode_problem(model.peft_model.get_base_model())
+        if self.fallback_reason is not None:
+            logger.warning("--sampler static samples with generate for this model: %s", self.fallback_reason)
+
+    def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
+        """Completion ids ``[k * P, response_length]``, k-major, in the transformers sampler's chunks."""
+        if self.fallback_reason is not None:
+            return super()._generate(prompts, k, view)
+        prompts_per_chunk = max(1, self.settings.rows_per_pass // k)
+        pieces = []
+        for start in range(0, prompts.ids.shape[0], prompts_per_chunk):
+            ids = prompts.ids[start : start + prompts_per_chunk]
+            mask = prompts.mask[start : start + prompts_per_chunk]
+            with self._view(view), self.settings.autocast():
+                responses = self.model.sample_static(ids, mask, self.sampling, copies=k)
+            # prompt-major (row i * k + j) to the rollout's k-major layout (row j * P + i)
+            pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
+        return torch.cat(pieces, dim=1).reshape(k * prompts.ids.shape[0], -1)
