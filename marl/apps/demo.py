@@ -1,13 +1,15 @@
 """``marl demo``: the whole pipeline, offline, on the embedded SmolLM2-135M-Instruct loaded in 4-bit.
 
 1. Reward: the reward adapter shipped in ``adapters/smollm2-135m-rotten-tomatoes-reward`` (LoRA + score head
-   trained on fresh-vs-rotten critic snippets), or rebuilt with ``--train_reward``.
+   trained on fresh-vs-rotten critic snippets), or rebuilt with ``--train_reward``; with ``--rewards
+   sentiment,topic`` also the on-topic adapter, weighted as measured (:mod:`marl.apps.demo_rewards`).
 2. RLOO: a policy LoRA on the same 4-bit base learns to continue Rotten Tomatoes review openings ("The film
    is a ...") so that the reward adapter likes them; the reference is the base with adapters disabled.
 3. Evaluation on held-out prompts from other movies: base vs policy under the reward adapter and under VADER,
    a rule-based judge that no model here was trained on, so a policy that fools the reward adapter without
    becoming more positive shows up as a missed target.
-4. A PNG of the training curves next to the policy adapter, and a verdict table against the targets.
+4. A PNG of the training curves next to the policy adapter, and a verdict table against the targets, with
+   two checks no reward sees: the share of completions naming the film, and distinct-2.
 
 Prompts for RL, prompts for evaluation and the reward pairs come from three disjoint sets of movies
 (:func:`marl.data.assets.split_rotten_tomatoes`).
@@ -23,12 +25,24 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marl.apps.demo_rewards import (
+    REWARD_CHOICES,
+    SENTIMENT_ADAPTER_NAME,
+    SHIPPED_ADAPTERS_DIR,
+    TOPIC_ADAPTER_NAME,
+    WEIGHT_PROBE_PROMPTS,
+    parse_rewards,
+    reward_adapter_entries,
+    reward_means_by_name,
+    topicality_rows,
+    topicality_summary,
+    weigh_rewards,
+)
 from marl.cpu_threads import threads_field
 from marl.errors import ConfigError, MissingPathError
 from marl.validation import check_fields
 
-REWARD_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-reward"
-SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parent.parent / "adapters"
+REWARD_ADAPTER_NAME = SENTIMENT_ADAPTER_NAME
 DEMO_SUMMARY_FILE = "demo_summary.json"
 
 # Targets of the demo: total under 15 minutes; VADER win rate >= 80% on >= 200 held-out prompts.
@@ -63,7 +77,26 @@ class DemoArguments:
     )
     reward_adapter: str = field(
         default=str(SHIPPED_ADAPTERS_DIR / REWARD_ADAPTER_NAME),
-        metadata={"help": "Reward adapter folder (ignored with --train_reward)."},
+        metadata={"help": "Sentiment reward adapter folder (ignored with --train_reward)."},
+    )
+    rewards: str = field(
+        default="sentiment",
+        metadata={
+            "help": f"Rewards to train against, comma-separated from {list(REWARD_CHOICES)}: 'sentiment' "
+            "(one reward adapter) or 'sentiment,topic' (also the on-topic adapter, on the same base)."
+        },
+    )
+    topic_reward_adapter: str = field(
+        default=str(SHIPPED_ADAPTERS_DIR / TOPIC_ADAPTER_NAME),
+        metadata={"help": "On-topic reward adapter folder (with --rewards sentiment,topic)."},
+    )
+    topic_weight: float | None = field(
+        default=None,
+        metadata={
+            "help": "Weight of the on-topic reward (the sentiment reward weighs 1). Default: measured at the "
+            f"start on base completions of {WEIGHT_PROBE_PROMPTS} training prompts, so that both rewards "
+            "spread equally."
+        },
     )
     total_episodes: int = field(default=1536, metadata={"help": "Completions to train on (RLOO episodes)."})
     rloo_k: int = field(default=4, metadata={"help": "Completions per prompt."})
@@ -86,6 +119,7 @@ class DemoArguments:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        parse_rewards(self.rewards)
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
         # The RLOO settings are checked where they are checked for train-rloo.
@@ -93,7 +127,11 @@ class DemoArguments:
 
 
 def demo_rloo_config(
-    arguments: DemoArguments, output_dir: Path, reward_adapter: str, algorithm: str = "rloo"
+    arguments: DemoArguments,
+    output_dir: Path,
+    reward_adapter: str | list[str],
+    reward_weights: list[float] | None = None,
+    algorithm: str = "rloo",
 ):
     """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token; the
     demo's k, batch, learning rate, KL coefficient and epochs under the ``algorithm`` preset's other settings
@@ -109,6 +147,7 @@ def demo_rloo_config(
         model_name_or_path=EMBEDDED_MODEL_ID,
         quantization="4bit",
         reward_adapter=reward_adapter,
+        reward_weights=reward_weights,
         rloo_k=arguments.rloo_k,
         per_device_train_batch_size=arguments.per_device_train_batch_size,
         num_mini_batches=arguments.num_mini_batches,
@@ -186,7 +225,8 @@ def _rebuild_reward_adapter(output_dir: Path) -> str:
 def verdict_rows(
     summary: dict[str, Any], seconds: float, num_prompts: int
 ) -> list[tuple[str, str, str, bool]]:
-    """``(check, target, measured, passed)`` rows of the demo's verdict.
+    """``(check, target, measured, passed)`` rows of the demo's verdict; with a ``topicality`` entry in
+    ``summary`` (:func:`marl.apps.demo_rewards.topicality_summary`) also its two rows.
 
     Example:
         >>> summary = {"base": {"reward_score": 0.1, "judge_score": 0.0},
@@ -215,13 +255,8 @@ def verdict_rows(
             f"correlation {summary['judge_reward_correlation']:+.2f}",
             reward_gain > 0 and judge_gain > 0,
         ),
+        *(topicality_rows(summary["topicality"]) if "topicality" in summary else []),
     ]
-
-
-def _correlation(first: list[float], second: list[float]) -> float:
-    import numpy as np
-
-    return float(np.corrcoef(np.asarray(first), np.asarray(second))[0, 1])
 
 
 def run_demo(arguments: DemoArguments) -> dict[str, Any]:
@@ -230,6 +265,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     Example:
         >>> run_demo(DemoArguments(output_dir="marl-demo/first"))  # doctest: +SKIP
     """
+    import numpy as np
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -257,6 +293,15 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
             f"no reward adapter in {arguments.reward_adapter}. Run `marl demo --train_reward` to build one, "
             "or pass --reward_adapter DIR"
         )
+    reward_names = parse_rewards(arguments.rewards)
+    if (
+        "topic" in reward_names
+        and not (Path(arguments.topic_reward_adapter) / "adapter_config.json").is_file()
+    ):
+        raise MissingPathError(
+            f"no on-topic reward adapter in {arguments.topic_reward_adapter}. Pass --topic_reward_adapter "
+            "DIR, or --rewards sentiment for the single-reward demo"
+        )
     console.rule(
         "[bold]marl demo[/bold]: RLOO on SmolLM2-135M-Instruct (4-bit) with a reward adapter, offline"
     )
@@ -274,11 +319,28 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     eval_prompts = rotten_tomatoes_prompts("test", seed=arguments.seed)["prompt"][
         : arguments.num_eval_prompts
     ]
-    config = demo_rloo_config(arguments, output_dir / "policy", reward_adapter)
+    folders = {"sentiment": reward_adapter, "topic": arguments.topic_reward_adapter}
+    adapter_entries = reward_adapter_entries(reward_names, folders)
+    config = demo_rloo_config(
+        arguments, output_dir / "policy", adapter_entries if len(adapter_entries) > 1 else reward_adapter
+    )
     console.print("[bold]2/4[/bold] loading the base in 4-bit with the policy and reward adapters")
     model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
     console.print(model.memory_report())
+    weighing = None
+    if "topic" in reward_names:
+        weighing = weigh_rewards(
+            model,
+            tokenizer,
+            train_prompts["prompt"][:WEIGHT_PROBE_PROMPTS],
+            arguments.topic_weight,
+            console.print,
+            response_length=config.response_length,
+            temperature=config.temperature,
+            seed=arguments.seed,
+        )
+        config.reward_weights = weighing["weights"]
 
     sizes = config.batch_sizes(1, len(train_prompts))
     console.print(
@@ -320,12 +382,16 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         batch_size=100,
         seed=arguments.seed,
         stop_at_eos=False,
+        reward_names=list(config.reward_adapter_folders()) if len(reward_names) > 1 else None,
     )
     summary = summarize(samples)
+    summary["topicality"] = topicality_summary(samples["base"].completions, samples["policy"].completions)
+    if weighing is not None:
+        summary["reward_weights"] = weighing
+        summary["reward_scores_by_name"] = reward_means_by_name(samples)
     both = [*samples["base"].reward_scores, *samples["policy"].reward_scores]
-    summary["judge_reward_correlation"] = _correlation(
-        both, [*samples["base"].judge_scores, *samples["policy"].judge_scores]
-    )
+    judged = [*samples["base"].judge_scores, *samples["policy"].judge_scores]
+    summary["judge_reward_correlation"] = float(np.corrcoef(np.asarray(both), np.asarray(judged))[0, 1])
     # The trainer drew this file untitled at the end of training; the demo redraws it with its title.
     curves = plot_training_curves(
         Path(config.output_dir) / METRICS_FILE,
@@ -336,6 +402,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     settings = {
         **asdict(arguments),
         "reward_adapter": reward_adapter,
+        "reward_adapters": adapter_entries,
         "num_prompts": len(eval_prompts),
         "judge": "vader",
         "train_seconds": round(train_seconds, 1),

