@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -120,6 +121,11 @@ class DemoArguments:
     def __post_init__(self) -> None:
         check_fields(self)
         parse_rewards(self.rewards)
+        if self.topic_weight is not None and not (math.isfinite(self.topic_weight) and self.topic_weight > 0):
+            raise ConfigError(
+                f"--topic_weight={self.topic_weight} must be a positive finite number; leave it out to have "
+                "it measured"
+            )
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
         # The RLOO settings are checked where they are checked for train-rloo.
