@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import shlex
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,8 @@ from marl.apps.demo_rewards import (
     SHIPPED_ADAPTERS_DIR,
     TOPIC_ADAPTER_NAME,
     WEIGHT_PROBE_PROMPTS,
+    check_topic_weight,
+    chosen_rewards,
     parse_rewards,
     reward_adapter_entries,
     reward_means_by_name,
@@ -121,11 +122,7 @@ class DemoArguments:
     def __post_init__(self) -> None:
         check_fields(self)
         parse_rewards(self.rewards)
-        if self.topic_weight is not None and not (math.isfinite(self.topic_weight) and self.topic_weight > 0):
-            raise ConfigError(
-                f"--topic_weight={self.topic_weight} must be a positive finite number; leave it out to have "
-                "it measured"
-            )
+        check_topic_weight(self.topic_weight)
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
         # The RLOO settings are checked where they are checked for train-rloo.
@@ -299,15 +296,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
             f"no reward adapter in {arguments.reward_adapter}. Run `marl demo --train_reward` to build one, "
             "or pass --reward_adapter DIR"
         )
-    reward_names = parse_rewards(arguments.rewards)
-    if (
-        "topic" in reward_names
-        and not (Path(arguments.topic_reward_adapter) / "adapter_config.json").is_file()
-    ):
-        raise MissingPathError(
-            f"no on-topic reward adapter in {arguments.topic_reward_adapter}. Pass --topic_reward_adapter "
-            "DIR, or --rewards sentiment for the single-reward demo"
-        )
+    reward_names = chosen_rewards(arguments.rewards, arguments.topic_reward_adapter)
     console.rule(
         "[bold]marl demo[/bold]: RLOO on SmolLM2-135M-Instruct (4-bit) with a reward adapter, offline"
     )

@@ -12,12 +12,13 @@ scores (:func:`balancing_weight`), so that neither reward drowns the other in th
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from marl.errors import ConfigError
+from marl.errors import ConfigError, MissingPathError
 
 # The repository's adapters/ folder (this file is marl/apps/demo_rewards.py).
 SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "adapters"
@@ -55,6 +56,32 @@ def parse_rewards(value: str) -> tuple[str, ...]:
     return names
 
 
+def check_topic_weight(weight: float | None) -> None:
+    """``--topic_weight`` is unset (measured) or a positive finite number.
+
+    Example:
+        >>> check_topic_weight(-1.0)
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --topic_weight=-1.0 must be a positive finite number; ...
+    """
+    if weight is not None and not (math.isfinite(weight) and weight > 0):
+        raise ConfigError(
+            f"--topic_weight={weight} must be a positive finite number; leave it out to have it measured"
+        )
+
+
+def chosen_rewards(rewards: str, topic_reward_adapter: str) -> tuple[str, ...]:
+    """The rewards of ``--rewards``, checked against the folders they need before any work."""
+    names = parse_rewards(rewards)
+    if "topic" in names and not (Path(topic_reward_adapter) / "adapter_config.json").is_file():
+        raise MissingPathError(
+            f"no on-topic reward adapter in {topic_reward_adapter}. Pass --topic_reward_adapter DIR, or "
+            "--rewards sentiment for the single-reward demo"
+        )
+    return names
+
+
 def reward_adapter_entries(rewards: Sequence[str], folders: dict[str, str]) -> list[str]:
     """``--reward_adapter`` entries of the demo's rewards: the sentiment folder bare (named ``reward``, as in
     the single-reward demo), the others as ``NAME=DIR``.
@@ -71,14 +98,15 @@ def reward_adapter_entries(rewards: Sequence[str], folders: dict[str, str]) -> l
 
 def balancing_weight(reference: Sequence[float], other: Sequence[float]) -> float:
     """The weight that gives ``other`` the standard deviation of ``reference`` (both measured on the same
-    completions); 1.0 if ``other`` does not vary.
+    completions); 1.0 if either does not vary (no ratio of spreads to match, and a weight of 0 would drop
+    ``other``).
 
     Example:
         >>> balancing_weight([0.0, 2.0, 4.0], [1.0, 2.0, 3.0])
         2.0
     """
-    spread = statistics.pstdev(other)
-    return statistics.pstdev(reference) / spread if spread > 0 else 1.0
+    spread, reference_spread = statistics.pstdev(other), statistics.pstdev(reference)
+    return reference_spread / spread if spread > 0 and reference_spread > 0 else 1.0
 
 
 def measure_topic_weight(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,11 +61,12 @@ def test_the_balancing_weight_equalises_the_spreads(reference, other):
     import statistics
 
     weight = balancing_weight(reference, other)
-    if statistics.pstdev(other) > 1e-6:
+    assert weight > 0 and math.isfinite(weight)
+    if statistics.pstdev(other) > 1e-6 and statistics.pstdev(reference) > 0:
         scaled = [weight * value for value in other]
         assert statistics.pstdev(scaled) == pytest.approx(statistics.pstdev(reference), rel=1e-6, abs=1e-9)
-    else:
-        assert weight > 0
+    elif statistics.pstdev(reference) == 0 or statistics.pstdev(other) == 0:
+        assert weight == 1.0
 
 
 def test_a_given_topic_weight_is_used_as_given():
