@@ -50,13 +50,9 @@ class StaticSampler(TransformersSampler):
         """Completion ids ``[k * P, response_length]``, k-major, in the transformers sampler's chunks."""
         if self.fallback_reason is not None:
             return super()._generate(prompts, k, view)
-        prompts_per_chunk = max(1, self.settings.rows_per_pass // k)
-        pieces = []
-        for start in range(0, prompts.ids.shape[0], prompts_per_chunk):
-            ids = prompts.ids[start : start + prompts_per_chunk]
-            mask = prompts.mask[start : start + prompts_per_chunk]
-            with self._view(view), self.settings.autocast():
-                responses = self.model.sample_static(ids, mask, self.sampling, copies=k)
-            # prompt-major (row i * k + j) to the rollout's k-major layout (row j * P + i)
-            pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
-        return torch.cat(pieces, dim=1).reshape(k * prompts.ids.shape[0], -1)
+        return self._in_chunks(
+            prompts,
+            k,
+            view,
+            lambda ids, mask, k: self.model.sample_static(ids, mask, self.sampling, copies=k),
+        )

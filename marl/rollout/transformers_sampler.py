@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,21 +94,34 @@ class TransformersSampler:
         Each prompt is prefilled ONCE: its KV cache is copied to its k samples, instead of running the prompt
         through the model k times.
         """
+        return self._in_chunks(prompts, k, view, self._sample_chunk)
+
+    def _in_chunks(
+        self,
+        prompts: PromptBatch,
+        k: int,
+        view: str,
+        sample_chunk: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+    ) -> torch.Tensor:
+        """``sample_chunk(ids, mask, k)`` (prompt-major rows ``i * k + j``) over chunks of ``rows_per_pass``
+        sampled rows under ``view``, put in the rollout's k-major layout (row ``j * P + i``)."""
         prompts_per_chunk = max(1, self.settings.rows_per_pass // k)
         pieces = []
         for start in range(0, prompts.ids.shape[0], prompts_per_chunk):
             ids = prompts.ids[start : start + prompts_per_chunk]
             mask = prompts.mask[start : start + prompts_per_chunk]
             with self._view(view), self.settings.autocast():
-                responses = self.model.sample(
-                    ids.repeat_interleave(k, dim=0),
-                    mask.repeat_interleave(k, dim=0),
-                    self.sampling,
-                    past_key_values=self._shared_prompt_cache(ids, mask, k),
-                )
-            # generate ran prompt-major (row i * k + j); the rollout layout is k-major (row j * P + i)
+                responses = sample_chunk(ids, mask, k)
             pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
         return torch.cat(pieces, dim=1).reshape(k * prompts.ids.shape[0], -1)
+
+    def _sample_chunk(self, ids: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+        return self.model.sample(
+            ids.repeat_interleave(k, dim=0),
+            mask.repeat_interleave(k, dim=0),
+            self.sampling,
+            past_key_values=self._shared_prompt_cache(ids, mask, k),
+        )
 
     def _view(self, view: str) -> contextlib.AbstractContextManager:
         if view == "reference":
