@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import statistics
 import threading
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-MEMORY_KINDS = ("pss", "rss", "anon")
+MEMORY_KINDS = ("pss", "rss", "anon", "heap")
 LOAD_PHASE = "load"
 OTHER_PHASE = "other"
 # Display order of the phases a run labels (anything else follows).
@@ -172,9 +173,40 @@ def read_status() -> dict[str, float]:
 
 
 def read_memory() -> dict[str, float]:
-    """PSS, RSS and anonymous RSS of this process now, in MiB (one read of /proc/self/smaps_rollup)."""
+    """PSS, RSS and anonymous RSS of this process now (one read of /proc/self/smaps_rollup) and the C heap's
+    bytes in use, in MiB."""
     rollup = parse_proc_fields(Path("/proc/self/smaps_rollup").read_text())
-    return {"pss": rollup["Pss"], "rss": rollup["Rss"], "anon": rollup["Anonymous"]}
+    return {"pss": rollup["Pss"], "rss": rollup["Rss"], "anon": rollup["Anonymous"], "heap": heap_in_use()}
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                     "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+@functools.cache
+def _mallinfo2():
+    try:
+        function = ctypes.CDLL(None).mallinfo2
+    except AttributeError:  # not glibc >= 2.33
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+def heap_in_use() -> float:
+    """MiB the C allocator has handed out and not taken back (glibc ``mallinfo2``: bytes in use in every
+    arena plus mmapped blocks), NaN without glibc. CPU tensors are allocated there, so this is the allocator
+    statistic of the tensors alive (with the runtime's own allocations), without the freed memory glibc keeps
+    (which RSS and PSS include)."""
+    function = _mallinfo2()
+    if function is None:
+        return float("nan")
+    info = function()
+    return (info.uordblks + info.hblkhd) / 2**20
 
 
 def mapped_file_memory(directory: str) -> dict[str, float]:
@@ -249,7 +281,7 @@ class MemorySampler:
         with self._lock:
             phase = self._stack[-1]
             status = read_status()
-            values = {"rss": status["VmRSS"], "anon": status["RssAnon"]}
+            values = {"rss": status["VmRSS"], "anon": status["RssAnon"], "heap": heap_in_use()}
             phase_peak_rss = self.phases.get(phase, {}).get("rss", 0.0)
             now = time.perf_counter()
             new_high = values["rss"] > phase_peak_rss + self.pss_step

@@ -50,6 +50,7 @@ def _glibc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018  (only glibc has it)
         libc.malloc_trim  # noqa: B018
+        libc.mallopt  # noqa: B018
     except (OSError, AttributeError):
         return None
     return libc
@@ -73,6 +74,31 @@ def release_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+# glibc's mallopt parameter number of M_MMAP_THRESHOLD (malloc.h), and the value marl sets on CPU.
+_M_MMAP_THRESHOLD = -3
+CPU_MMAP_THRESHOLD_BYTES = 2**20
+
+
+def return_large_blocks_to_os() -> bool:
+    """Make every C allocation of 1 MiB or more its own memory map, given back to the operating system when
+    freed; returns whether it could (glibc only). Process-wide, from the next allocation on.
+
+    glibc raises its map threshold to the size of each large block freed (up to 32 MiB), so after the first
+    update nearly every activation of a CPU training step comes from the heap, and a heap that held the
+    update's peak once keeps it fragmented: measured on SmolLM2-135M, an update whose tensors peak at
+    1.9 GiB held 3.8 GiB of anonymous memory, 2.3 GiB with a fixed 1 MiB threshold, at the same speed
+    (``benchmarks/results/*-memory-plan.md``). A fixed threshold also switches the adjustment off.
+
+    Example:
+        >>> return_large_blocks_to_os() in (True, False)
+        True
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD_BYTES))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -217,6 +243,8 @@ class MemoryReport:
     num_policies: int = 1
     num_rewards: int = 1
     notes: list[str] = field(default_factory=list)
+    # The run's predicted peak per phase (``marl.plan``), when a trainer's shapes are known.
+    predicted_peaks: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -272,11 +300,28 @@ class MemoryReport:
             ("as separate copies", f"{format_bytes(self.separate_rloo_bytes)}  ({ratio_rloo:.2f}x: RLOO)")
         )
         rows.append(("  + value model", f"{format_bytes(self.separate_ppo_bytes)}  ({ratio_ppo:.2f}x: PPO)"))
+        if self.predicted_peaks:
+            phase = max(self.predicted_peaks, key=self.predicted_peaks.__getitem__)
+            others = ", ".join(
+                f"{name} {format_bytes(size)}" for name, size in self.predicted_peaks.items() if name != phase
+            )
+            rows.append(
+                (
+                    "predicted peak",
+                    f"{format_bytes(self.predicted_peaks[phase])} in the {phase} ({others}; marl plan)",
+                )
+            )
         return rows
+
+    @property
+    def _scope(self) -> str:
+        if self.predicted_peaks:
+            return "the predicted peak includes activations and KV cache"
+        return "activations and KV cache not included"
 
     def __str__(self) -> str:
         width = max(len(label) for label, _ in self.rows())
-        lines = ["memory card (weights and training state; activations and KV cache not included)"]
+        lines = [f"memory card (weights and training state; {self._scope})"]
         lines += [f"  {label.ljust(width)}  {value}" for label, value in self.rows()]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -284,7 +329,7 @@ class MemoryReport:
     def __rich__(self):
         from rich.table import Table
 
-        table = Table(title="memory card", caption="activations and KV cache not included", show_header=False)
+        table = Table(title="memory card", caption=self._scope, show_header=False)
         table.add_column("part")
         table.add_column("bytes")
         for label, value in self.rows():

@@ -47,6 +47,7 @@ from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, update
 from marl.algo.shaping import ShapedRewards, shape_rewards
 from marl.config import RLOOConfig
 from marl.data.prompts import prompt_text
+from marl.model.memory import release_freed_memory, return_large_blocks_to_os
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout
 from marl.rollout.prompts import prompts_for_update
@@ -144,6 +145,8 @@ class RLOOTrainer:
         self.state = TrainerState()
         self.log_history: list[dict[str, float]] = []
         self.output_dir = Path(config.output_dir)
+        if self.parallelism.device.type == "cpu":
+            return_large_blocks_to_os()
 
     # ------------------------------------------------------------------ derived counters
 
@@ -164,7 +167,9 @@ class RLOOTrainer:
         self.model.eval()
         config, process = self.config, self.parallelism.process_index
         prompts = prompts_for_update(self.train_prompts, self.state.update, process, self.sizes, config.seed)
-        return collect_rollout(self.sampler, self.scorer, prompts, config.rloo_k, self.reward)
+        rollout = collect_rollout(self.sampler, self.scorer, prompts, config.rloo_k, self.reward)
+        release_freed_memory()
+        return rollout
 
     def _shaped_rewards(self, rollout: Rollout) -> ShapedRewards:
         """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
@@ -190,6 +195,9 @@ class RLOOTrainer:
         """The policy update on ``rollout``; returns this process's sums for the policy metrics."""
         stats, skipped = self.policy_update.run(rollout, advantages, update=self.state.update + 1)
         self.state.skipped_optimizer_steps += skipped
+        # The C heap keeps what the update's CPU tensors freed (on SmolLM2-135M: GBs); without this the
+        # process holds the update's peak through the next rollout.
+        release_freed_memory()
         return stats
 
     def _update_unless_unjudged(self, rollout: Rollout, shaped: ShapedRewards) -> UpdateStats | None:

@@ -1,0 +1,112 @@
+"""Which setting to change when a run does not fit: each change planned, those that fit listed cheapest first.
+
+The changes are tried in the order of what they cost the run, least first:
+
+1. ``--share_prompt_prefix`` back on (each prompt computed once: faster, not slower);
+2. a smaller ``--local_rollout_forward_batch_size`` (sampling and scoring in more, smaller chunks);
+3. ``--gradient_checkpointing`` (the update recomputes activations: about a third more update compute);
+4. a smaller ``--per_device_train_batch_size`` with a larger ``--gradient_accumulation_steps`` (the same
+   optimizer step in more passes);
+5. ``--quantization 4bit`` (another base: its numbers change);
+6. ``--parallelism fsdp2`` over 2, 4 or 8 GPUs (the base sharded; unquantized bases only).
+
+Each is planned alone; when none fits alone, they are combined in that order until the run fits.
+
+Example:
+    >>> from transformers import LlamaConfig
+    >>> from marl.config import RLOOConfig
+    >>> from marl.plan.planner import PlanTarget
+    >>> model = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...     num_attention_heads=4, vocab_size=256)
+    >>> config = RLOOConfig(rloo_k=4, per_device_train_batch_size=8, response_length=16)
+    >>> changes = changes_that_fit(config, model, PlanTarget(device="cpu", prompt_length=32, memory_gb=64))
+    >>> changes[0].flags
+    '(none: it fits as it is)'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from marl.plan.planner import MemoryPlan, PlanTarget, plan_memory, with_changes
+
+GPU_COUNTS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of settings, what it costs, and the run's plan with it."""
+
+    flags: str
+    why: str
+    plan: MemoryPlan
+
+
+def _candidates(config: Any, target: PlanTarget) -> Iterator[tuple[str, str, dict, PlanTarget]]:
+    """(flags, what it costs, config changes, target) of each change that applies to ``config``."""
+    if not config.share_prompt_prefix:
+        yield "--share_prompt_prefix", "faster too", {"share_prompt_prefix": True}, target
+    rows = config.local_rollout_forward_batch_size
+    smaller_rows = max(config.rloo_k, rows // 4)
+    if smaller_rows < rows:
+        yield (
+            f"--local_rollout_forward_batch_size {smaller_rows}",
+            "sampling and scoring in smaller chunks",
+            {"local_rollout_forward_batch_size": smaller_rows},
+            target,
+        )
+    if not config.gradient_checkpointing:
+        yield (
+            "--gradient_checkpointing",
+            "about 1/3 more update compute",
+            {"gradient_checkpointing": True},
+            target,
+        )
+    micro = config.per_device_train_batch_size
+    smaller_micro = max(config.rloo_k if micro % config.rloo_k == 0 else 1, micro // 4)
+    if smaller_micro < micro and micro % smaller_micro == 0:
+        accumulation = config.gradient_accumulation_steps * micro // smaller_micro
+        yield (
+            f"--per_device_train_batch_size {smaller_micro} --gradient_accumulation_steps {accumulation}",
+            "the same step in more passes",
+            {"per_device_train_batch_size": smaller_micro, "gradient_accumulation_steps": accumulation},
+            target,
+        )
+    if config.quantization != "4bit":
+        yield "--quantization 4bit", "a 4-bit base (other numbers)", {"quantization": "4bit"}, target
+    if config.quantization is None and target.num_processes == 1:
+        for gpus in GPU_COUNTS:
+            yield (
+                f"--parallelism fsdp2 on {gpus} GPUs",
+                f"{gpus} GPUs, the base sharded",
+                {"parallelism": "fsdp2"},
+                dataclasses.replace(target, num_processes=gpus),
+            )
+
+
+def changes_that_fit(config: Any, model_config: Any, target: PlanTarget) -> list[Change]:
+    """The changes (alone, else combined in order) whose plan fits ``target.memory_gb``; the first is "no
+    change" when the run fits as it is. Empty when nothing tried fits."""
+    plan = plan_memory(config, model_config, target)
+    if plan.fits is None or plan.fits:
+        return [Change("(none: it fits as it is)", "", plan)]
+    candidates = list(_candidates(config, target))
+    fitting = []
+    for words, why, changes, changed_target in candidates:
+        candidate = plan_memory(with_changes(config, **changes), model_config, changed_target)
+        if candidate.fits:
+            fitting.append(Change(words, why, candidate))
+    if fitting:
+        return fitting
+    combined: dict[str, Any] = {}
+    flags: dict[str, str] = {}  # by flag: a larger GPU count replaces a smaller one
+    for words, _, changes, changed_target in candidates:
+        combined.update(changes)
+        flags[words.split()[0]] = words
+        together = plan_memory(with_changes(config, **combined), model_config, changed_target)
+        if together.fits:
+            return [Change(" ".join(flags.values()), "these together", together)]
+    return []

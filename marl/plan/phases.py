@@ -1,0 +1,308 @@
+"""The phases of an RLOO update, run on a meta-device model with the shapes of a run: what each one makes.
+
+Each program calls the same code the trainer calls (the family's forward, PEFT's LoRA layers, the static
+KV cache, :func:`marl.model.packing.pack_rows`, :func:`marl.model.logprobs.logprobs_from_hidden`) on
+tensors of the run's shapes, and :class:`marl.plan.trace.LiveBytes` records the largest sum of what they
+hold at once: the working set of that phase, above the weights and the training state.
+
+- **sampling**: one chunk of the sampler: its prompts prefilled into a ``StaticCache`` sized prompt +
+  response, the cache repeated for the k samples, the float32 distribution of every row, one decode step;
+- **scoring**: one chunk of rows through the policy (then the reference) with no gradient, each prompt once
+  when packed, the LM head and log-softmax per chunk of positions; and the reward adapter's pass (the
+  backbone and a score head, no LM head);
+- **update**: one micro-batch forward with gradients, its log-probs and entropies, a loss, the backward
+  pass (with gradient checkpointing when the run has it), the LoRA gradients it leaves.
+
+Quantized bases: every ``nn.Linear`` but the LM head becomes a :class:`QuantizedLinearStandIn`, which makes
+what bitsandbytes makes (the weight dequantized to the compute dtype for each product, in the forward and
+again in the backward pass, never kept) and which keeps the input's dtype as bitsandbytes does; the
+parameters transformers leaves unquantized are float32, as after ``prepare_model_for_kbit_training``.
+
+Example:
+    >>> shapes = PhaseShapes(prompt_length=32, response_length=16, rloo_k=4, rows_per_pass=8,
+    ...     micro_batch_rows=8, share_prompt_prefix=True, gradient_checkpointing=False, temperature=0.7)
+    >>> shapes.packed_length, shapes.groups_per_micro_batch
+    (96, 2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from marl.model.families import LogitHead, backbone
+from marl.model.logprobs import logprobs_from_hidden
+from marl.model.packing import pack_rows
+from marl.model.static_decode import _repeat_rows
+from marl.plan.trace import LiveBytes
+
+
+@dataclass(frozen=True)
+class PhaseShapes:
+    """The shapes of one run that decide what its phases hold (one process)."""
+
+    prompt_length: int  # tokens of the longest prompt of a batch
+    response_length: int
+    rloo_k: int
+    rows_per_pass: int  # local_rollout_forward_batch_size: rows per sampling / scoring chunk
+    micro_batch_rows: int  # per_device_train_batch_size
+    share_prompt_prefix: bool
+    gradient_checkpointing: bool
+    temperature: float = 1.0
+
+    @property
+    def prompts_per_pass(self) -> int:
+        return max(1, self.rows_per_pass // self.rloo_k)
+
+    @property
+    def packed_length(self) -> int:
+        """One prompt and its k completions in one sequence."""
+        return self.prompt_length + self.rloo_k * self.response_length
+
+    @property
+    def micro_batch_packs(self) -> bool:
+        """The update packs a micro-batch when it holds whole prompt groups (as the trainer decides)."""
+        return self.share_prompt_prefix and self.micro_batch_rows % self.rloo_k == 0
+
+    @property
+    def groups_per_micro_batch(self) -> int:
+        return max(1, self.micro_batch_rows // self.rloo_k)
+
+
+class _DequantizedProduct(torch.autograd.Function):
+    """``x @ W.T`` where W exists in the compute dtype only during the product (bitsandbytes' 4-bit and
+    8-bit matmuls on a frozen weight): dequantized in the forward pass, again in the backward pass, and
+    nothing but the packed weight kept in between."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_features: int) -> torch.Tensor:
+        weight = torch.empty(out_features, x.shape[-1], dtype=x.dtype, device=x.device)
+        ctx.in_features, ctx.out_features = x.shape[-1], out_features
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = torch.empty(ctx.out_features, ctx.in_features, dtype=grad.dtype, device=grad.device)
+        return grad @ weight, None
+
+
+class QuantizedLinearStandIn(nn.Linear):
+    """A meta ``nn.Linear`` that computes as bitsandbytes' ``Linear4bit`` / ``Linear8bitLt`` does: the input
+    cast to the compute dtype, a product with a weight dequantized for it, the output cast back."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, quantization: str) -> None:
+        super().__init__(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            device="meta",
+            dtype=compute_dtype,
+        )
+        self.weight.requires_grad_(False)
+        self.quantization = quantization
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        compute = x.to(self.weight.dtype)
+        out = _DequantizedProduct.apply(compute, self.out_features)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+def quantize_stand_in(causal_lm: nn.Module, quantization: str, compute_dtype: torch.dtype) -> int:
+    """Replace every ``nn.Linear`` but the LM head by a :class:`QuantizedLinearStandIn` and make the other
+    floating parameters float32 (``prepare_model_for_kbit_training``); returns how many layers."""
+    head = causal_lm.get_output_embeddings()
+    replaced = 0
+    for module in list(causal_lm.modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child is not head:
+                setattr(module, child_name, QuantizedLinearStandIn(child, compute_dtype, quantization))
+                replaced += 1
+    for module in causal_lm.modules():
+        if isinstance(module, QuantizedLinearStandIn):
+            continue
+        for parameter in module.parameters(recurse=False):
+            if parameter.dtype in (torch.float16, torch.bfloat16):
+                parameter.data = parameter.data.float()
+    return replaced
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where the phases run: the model's device (``meta`` when planning; a real one to check the counts)."""
+    return next(model.parameters()).device
+
+
+def _zeros(device: torch.device, *shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _packed(groups: int, shapes: PhaseShapes, mask_dtype: torch.dtype, device: torch.device):
+    """marl's packed rows for ``groups`` prompts of ``prompt_length`` tokens and k full completions, made by
+    :func:`pack_rows` on small CPU index tensors and moved to ``device``."""
+    k, prompt, steps = shapes.rloo_k, shapes.prompt_length, shapes.response_length
+    rows = groups * k
+    packed = pack_rows(
+        torch.ones(rows, prompt, dtype=torch.long),
+        torch.ones(rows, prompt, dtype=torch.long),
+        torch.ones(rows, steps, dtype=torch.long),
+        torch.ones(rows, steps, dtype=torch.bool),
+        torch.arange(groups).repeat(k),
+        mask_dtype,
+    )
+    names = ("input_ids", "attention_mask", "position_ids", "predictors")
+    return {name: getattr(packed, name).to(device) for name in names}
+
+
+def _hidden_for_logprobs(model: nn.Module, rows: int, shapes: PhaseShapes, packed: bool) -> torch.Tensor:
+    """Final hidden states ``[rows * T, H]`` that predict the completions' tokens."""
+    body, device = backbone(model.get_base_model()), _device(model)
+    if packed:
+        groups = max(1, rows // shapes.rloo_k)
+        inputs = _packed(groups, shapes, torch.bool, device)
+        hidden = body(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            position_ids=inputs["position_ids"],
+            use_cache=False,
+        ).last_hidden_state
+        return hidden.reshape(-1, hidden.shape[-1])[inputs["predictors"].reshape(-1)]
+    length = shapes.prompt_length + shapes.response_length
+    hidden = body(
+        input_ids=_zeros(device, rows, length),
+        attention_mask=_causal_mask(device, rows, length, length),
+        position_ids=_zeros(device, rows, length),
+        use_cache=False,
+    ).last_hidden_state
+    return hidden[:, shapes.prompt_length - 1 : -1].reshape(-1, hidden.shape[-1])
+
+
+def _logprobs(
+    hidden: torch.Tensor,
+    logit_head: Callable,
+    shapes: PhaseShapes,
+    full_logits: bool,
+    with_entropy: bool = False,
+    recompute: bool = False,
+):
+    """Log-probs of the predicted tokens: marl's chunked head and float32 log-softmax, or (``full_logits``,
+    as TRL computes them) the logits of every position at once, divided by the temperature, then a
+    log-softmax."""
+    targets = _zeros(hidden.device, hidden.shape[0])
+    if not full_logits:
+        return logprobs_from_hidden(hidden, targets, logit_head, shapes.temperature,
+                                    with_entropy=with_entropy, recompute=recompute)  # fmt: skip
+    logits = logit_head(hidden) / shapes.temperature
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return (logprobs, None) if with_entropy else logprobs
+
+
+def _causal_mask(device: torch.device, rows: int, queries: int, keys: int) -> torch.Tensor:
+    """The 4-D boolean mask SDPA receives for ``rows`` padded rows (transformers builds it from the 2-D
+    padding mask; here it is given, so that no data-dependent check runs on the meta device)."""
+    return torch.ones(rows, 1, queries, keys, dtype=torch.bool, device=device)
+
+
+def sampling_peak(model: nn.Module, shapes: PhaseShapes, shared_prefill: bool = True) -> int:
+    """Bytes the static sampler holds at most for one chunk: prefill, cache of every row, distributions.
+    Without ``shared_prefill`` every row prefills its own copy of its prompt (``generate`` on repeated
+    prompts)."""
+    from transformers import StaticCache
+
+    prompts, k = shapes.prompts_per_pass, shapes.rloo_k
+    if not shared_prefill:
+        prompts, k = prompts * k, 1
+    rows, width = prompts * k, shapes.prompt_length + shapes.response_length
+    device = _device(model)
+    with LiveBytes() as live, torch.no_grad():
+        cache = StaticCache(config=model.get_base_model().config, max_cache_len=width)
+        logits = model(
+            input_ids=_zeros(device, prompts, shapes.prompt_length),
+            attention_mask=_causal_mask(device, prompts, shapes.prompt_length, width),
+            position_ids=_zeros(device, prompts, shapes.prompt_length),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
+        _repeat_rows(cache, k)
+        logits = logits[:, -1].float().repeat_interleave(k, dim=0)
+        mask = _zeros(device, rows, width)
+        completions = _zeros(device, rows, shapes.response_length)
+        probs = torch.softmax(logits / shapes.temperature, dim=-1)
+        drawn = torch.multinomial(probs, num_samples=1)
+        step = model(
+            input_ids=drawn,
+            attention_mask=_causal_mask(device, rows, 1, width),
+            position_ids=_zeros(device, rows, 1),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
+        torch.softmax(step[:, -1].float() / shapes.temperature, dim=-1)
+        del cache, mask, completions
+    return live.peak
+
+
+def scoring_peak(
+    model: nn.Module,
+    logit_head: Callable,
+    shapes: PhaseShapes,
+    score_head_outputs: int,
+    full_logits: bool = False,
+) -> int:
+    """Bytes one scoring chunk holds at most: the policy's and the reference's log-probs (no gradient), then
+    a reward adapter's pass (backbone + score head)."""
+    rows = shapes.prompts_per_pass * shapes.rloo_k
+    peaks = []
+    for view in (contextlib.nullcontext, model.disable_adapter):
+        with LiveBytes() as live, torch.no_grad(), view():
+            hidden = _hidden_for_logprobs(model, rows, shapes, shapes.share_prompt_prefix)
+            _logprobs(hidden, logit_head, shapes, full_logits)
+            del hidden
+        peaks.append(live.peak)
+    with LiveBytes() as live, torch.no_grad():
+        hidden = _hidden_for_logprobs(model, rows, shapes, shapes.share_prompt_prefix)
+        head = _zeros(hidden.device, score_head_outputs, hidden.shape[-1], dtype=hidden.dtype)
+        score = torch.nn.functional.linear(hidden, head)
+        del hidden, score
+    peaks.append(live.peak)
+    return max(peaks)
+
+
+def update_peak(
+    model: nn.Module,
+    logit_head: Callable,
+    shapes: PhaseShapes,
+    full_logits: bool = False,
+    value_pass: bool = False,
+) -> int:
+    """Bytes one micro-batch of the update holds at most: forward with gradients, log-probs and entropies,
+    the backward pass, and the LoRA gradients it leaves (which stay until the optimizer step).
+    ``value_pass``: a second backbone pass with gradients alive at the same time (PPO's value model)."""
+    rows = shapes.micro_batch_rows
+    model.train()
+    try:
+        with LiveBytes() as live:
+            hidden = _hidden_for_logprobs(model, rows, shapes, shapes.micro_batch_packs)
+            logprobs, _ = _logprobs(hidden, logit_head, shapes, full_logits, with_entropy=True,
+                                    recompute=shapes.gradient_checkpointing)  # fmt: skip
+            del hidden
+            loss = logprobs.sum()
+            if value_pass:
+                loss = loss + _hidden_for_logprobs(model, rows, shapes, shapes.micro_batch_packs).sum()
+            loss.backward()
+            del logprobs, loss
+        return live.peak
+    finally:
+        model.eval()
+        for parameter in model.parameters():
+            parameter.grad = None
+
+
+def logit_head_of(model: nn.Module) -> LogitHead:
+    """The LM head with the family's logit transform (as the trainer applies it)."""
+    return LogitHead.of(model.get_base_model())

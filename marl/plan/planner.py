@@ -1,0 +1,404 @@
+"""Predicting the peak memory of an RLOO run from its config and the model's ``config.json``, no weights read.
+
+The plan of one process is, per phase of the run:
+
+    peak(phase) = resident + working set of the phase (traced, :mod:`marl.plan.phases`) + runtime
+
+- **resident**: the base as stored (NF4 / int8 layers counted as bitsandbytes stores them, the rest in the
+  compute dtype, float32 next to a quantized base), every adapter (policy LoRA in float32, reward LoRAs and
+  score heads, the reference copy when the reference is the initial policy) and AdamW's two float32 moments
+  of the policy LoRA, which exist from the first optimizer step on and stay;
+- **working set**: what the phase makes and holds at once, traced by running the family's own code on the
+  meta device with the run's shapes: the sampling chunk's KV cache, the scoring chunk's activations and
+  log-softmax pieces, the update micro-batch's saved activations, transients and LoRA gradients;
+- **runtime**: what the framework itself takes once it has run a model: on CUDA the context and library
+  workspaces (:data:`CUDA_RUNTIME_BYTES`, an assumption, not measured here), on CPU the kernels' pages and
+  thread buffers above the imports (:data:`CPU_RUNTIME_BYTES`, measured: see
+  ``benchmarks/results/*-memory-plan.md``).
+
+``load`` is the resident base plus what loading holds besides: on CPU the checkpoint file's pages, read
+through a memory map, until a quantized load has copied what it keeps; on CUDA the largest tensor in the
+checkpoint's dtype on its way to the device.
+
+Example:
+    >>> from transformers import LlamaConfig
+    >>> from marl.config import RLOOConfig
+    >>> model = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...     num_attention_heads=4, vocab_size=256)
+    >>> config = RLOOConfig(rloo_k=4, per_device_train_batch_size=8, response_length=16)
+    >>> plan = plan_memory(config, model, PlanTarget(device="cpu", prompt_length=32))
+    >>> [phase.name for phase in plan.phases]
+    ['load', 'sampling', 'scoring', 'update']
+    >>> plan.phase("update").parts["activations + gradients (micro-batch)"] > 0
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from marl.errors import ConfigError
+from marl.model.memory import NF4_DOUBLE_QUANT_BITS_PER_PARAMETER
+from marl.plan.phases import (
+    PhaseShapes,
+    QuantizedLinearStandIn,
+    logit_head_of,
+    quantize_stand_in,
+    sampling_peak,
+    scoring_peak,
+    update_peak,
+)
+from marl.plan.trace import meta_causal_lm
+
+MiB = 2**20
+# CUDA context, cuBLAS/cuDNN workspaces and kernels of a PyTorch process once it has run a model: an
+# assumption from public reports (500-700 MiB on recent GPUs), not measured by this project.
+CUDA_RUNTIME_BYTES = 600 * MiB
+# CPU: pages of the math kernels, thread pools and allocator arenas a training process touches after its
+# imports; measured on the validation runs (see the module docstring).
+CPU_RUNTIME_BYTES = 160 * MiB
+# The caching allocator keeps freed blocks and splits them: what a process reserves is above what its
+# tensors hold at the peak. The planner's "fits" keeps this share of the card free.
+ALLOCATOR_MARGIN = 0.10
+DEVICES = ("cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class PlanTarget:
+    """Where and on what the run is planned: the device, its memory, the prompts' length, the processes."""
+
+    device: str = "cuda"
+    memory_gb: float | None = None  # the card's (or machine's) memory, decimal GB
+    prompt_length: int = 512  # tokens of the longest prompt of a batch
+    num_processes: int = 1
+    compute_dtype: torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU (marl's default)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    @property
+    def runtime_bytes(self) -> int:
+        return CUDA_RUNTIME_BYTES if self.device == "cuda" else CPU_RUNTIME_BYTES
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """One phase's predicted peak, as the parts that make it up (bytes, display order)."""
+
+    name: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The predicted peak of every phase of a run on one process, and what went into it."""
+
+    system: str
+    model: str
+    settings: dict[str, Any]
+    resident: dict[str, int]
+    phases: list[PhasePlan]
+    target: PlanTarget
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(phase.total for phase in self.phases)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda phase: phase.total).name
+
+    def phase(self, name: str) -> PhasePlan:
+        return next(phase for phase in self.phases if phase.name == name)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """What the run may use of ``memory_gb``: the card less the allocator margin."""
+        if self.target.memory_gb is None:
+            return None
+        return int(self.target.memory_gb * 1e9 * (1 - ALLOCATOR_MARGIN))
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget_bytes is None else self.peak <= self.budget_bytes
+
+    def __str__(self) -> str:
+        from marl.plan.report import plan_text
+
+        return plan_text(self)
+
+
+def _linear_parameter_bytes(parameter: torch.Tensor, layer: QuantizedLinearStandIn) -> int:
+    if layer.quantization == "4bit":
+        return round(parameter.numel() * NF4_DOUBLE_QUANT_BITS_PER_PARAMETER / 8)
+    return parameter.numel() + 4 * layer.out_features  # int8 + one float32 scale per output row
+
+
+def stored_base_bytes(causal_lm: torch.nn.Module) -> tuple[int, int]:
+    """(bytes as stored, parameters) of a meta base built by :func:`meta_base`; tied tensors once."""
+    total, count, seen = 0, 0, set()
+    for module in causal_lm.modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen:
+                continue
+            seen.add(id(parameter))
+            count += parameter.numel()
+            if isinstance(module, QuantizedLinearStandIn) and name == "weight":
+                total += _linear_parameter_bytes(parameter, module)
+            else:
+                total += parameter.numel() * parameter.element_size()
+    return total, count
+
+
+def meta_base(model_config: Any, quantization: str | None, dtype: torch.dtype) -> torch.nn.Module:
+    """The base of ``model_config`` on the meta device as marl loads it (quantized layers stood in for)."""
+    causal_lm = meta_causal_lm(model_config, dtype)
+    if quantization is not None:
+        quantize_stand_in(causal_lm, quantization, dtype)
+    return causal_lm
+
+
+def _adapter_config(directory: str | None, fallback: Any) -> Any:
+    """The LoraConfig of a reward adapter folder (its ``adapter_config.json`` only), else ``fallback``."""
+    if directory is None:
+        return fallback
+    from marl.model.adapters import read_adapter_config
+
+    directory = directory.split("=", 1)[1] if "=" in directory and not Path(directory).exists() else directory
+    saved = read_adapter_config(Path(directory), role="reward")
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=saved.get("r", fallback.r),
+        lora_alpha=saved.get("lora_alpha", fallback.lora_alpha),
+        target_modules=saved.get("target_modules") or fallback.target_modules,
+    )
+
+
+def _parameter_count(peft_model: Any, adapter: str) -> int:
+    return sum(p.numel() for n, p in peft_model.named_parameters() if f".{adapter}." in n and "lora_" in n)
+
+
+def _checkpoint_bytes(model_config: Any, parameters: int) -> int:
+    """Bytes of the model's safetensors checkpoint: its parameters in the dtype ``config.json`` names."""
+    name = str(
+        getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
+    )
+    dtype = getattr(torch, name.removeprefix("torch."), torch.float32)
+    return parameters * torch.empty((), dtype=dtype).element_size()
+
+
+def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str = "marl") -> MemoryPlan:
+    """The :class:`MemoryPlan` of an ``RLOOConfig`` (``config``) on the model of ``model_config`` (a
+    transformers config, e.g. from :func:`load_model_config`) for ``target``; ``system`` plans the same job
+    as another system would run it (:data:`marl.plan.systems.SYSTEMS`: ``trl-rloo``, ``ppo``)."""
+    from peft import LoraConfig, get_peft_model
+
+    from marl.batch_sizes import local_batch_size
+    from marl.model.build import enable_gradient_checkpointing
+    from marl.plan.systems import SYSTEMS, check_plannable
+
+    layout = SYSTEMS[system]
+    dtype, quantization = target.dtype, config.quantization
+    shards = target.num_processes if config.parallelism == "fsdp2" else 1
+    base = meta_base(model_config, quantization, dtype)
+    check_plannable(base)
+    base_bytes, base_parameters = stored_base_bytes(base)
+    head_bytes = _untied_head_bytes(base)
+    targets = config.lora_target_modules
+    policy_lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        target_modules=targets[0] if targets == ["all-linear"] else targets,
+    )
+    try:
+        peft_model = get_peft_model(base, policy_lora)
+    except ValueError as error:
+        raise ConfigError(f"--lora_target_modules {' '.join(targets)}: {error}") from error
+    policy_parameters = _parameter_count(peft_model, "default")
+    rewards = config.reward_adapter or [None]
+    reward_parameters = 0
+    for index, directory in enumerate(rewards):
+        name = f"reward{index}"
+        peft_model.add_adapter(name, _adapter_config(directory, policy_lora))
+        reward_parameters += _parameter_count(peft_model, name)
+        peft_model.delete_adapter(name)
+    peft_model.set_adapter("default")
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(base)
+    element = torch.empty((), dtype=dtype).element_size()
+    hidden = model_config.get_text_config().hidden_size
+    reference_copy = config.reference == "initial-policy" or (
+        config.reference == "auto" and config.policy_adapter is not None
+    )
+    resident = layout.resident(
+        base_bytes=base_bytes,
+        classifier_bytes=base_bytes - head_bytes,
+        policy_parameters=policy_parameters,
+        reward_bytes=(reward_parameters + len(rewards) * hidden) * element,
+        num_rewards=len(rewards),
+        reference_copy=reference_copy,
+    )
+    resident = {name: size // shards for name, size in resident.items()}
+    shapes = PhaseShapes(
+        prompt_length=target.prompt_length,
+        response_length=config.response_length,
+        rloo_k=config.rloo_k,
+        rows_per_pass=config.local_rollout_forward_batch_size,
+        micro_batch_rows=config.per_device_train_batch_size,
+        share_prompt_prefix=config.share_prompt_prefix and layout.packs,
+        gradient_checkpointing=config.gradient_checkpointing,
+        temperature=config.temperature,
+    )
+    sampling_shapes, scoring_shapes = shapes, shapes
+    if not layout.packs:  # generates the whole rollout at once, scores it micro-batch by micro-batch
+        sampling_shapes = dataclasses.replace(shapes, rows_per_pass=local_batch_size(config))
+        scoring_shapes = dataclasses.replace(shapes, rows_per_pass=config.per_device_train_batch_size)
+    head = logit_head_of(peft_model)
+    with warnings.catch_warnings():
+        # transformers' deprecation notices about the arguments the sampler passes, once per traced call
+        warnings.simplefilter("ignore", FutureWarning)
+        sampling = sampling_peak(peft_model, sampling_shapes, shared_prefill=layout.packs)
+        scoring = scoring_peak(peft_model, head, scoring_shapes, 1, full_logits=layout.full_logits)
+        update = update_peak(
+            peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
+        )
+    common = {"resident": sum(resident.values()), **_gathered_layer_bytes(base, shards)}
+    runtime = {"runtime": target.runtime_bytes}
+    records = {"rollout records": _rollout_record_bytes(config, target)}
+    load = _load_extra(model_config, base, quantization, target, base_parameters)
+    sampling = sampling_peak(peft_model, sampling_shapes, shared_prefill=layout.packs)
+    scoring = scoring_peak(peft_model, head, scoring_shapes, 1, full_logits=layout.full_logits)
+    update = update_peak(
+        peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
+    )
+    phases = [
+        PhasePlan("load", {"base weights": resident["base weights"], **load, **runtime}),
+        PhasePlan("sampling", {**common, "KV cache + sampling": sampling, **runtime}),
+        PhasePlan(
+            "scoring", {**common, "activations + log-softmax (no grad)": scoring, **records, **runtime}
+        ),
+        PhasePlan(
+            "update", {**common, "activations + gradients (micro-batch)": update, **records, **runtime}
+        ),
+    ]
+    settings = {
+        "quantization": quantization or "none",
+        "dtype": str(dtype).removeprefix("torch."),
+        "rloo_k": config.rloo_k,
+        "prompt_length": target.prompt_length,
+        "response_length": config.response_length,
+        "per_device_train_batch_size": config.per_device_train_batch_size,
+        "local_rollout_forward_batch_size": config.local_rollout_forward_batch_size,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "share_prompt_prefix": shapes.share_prompt_prefix,
+        "parallelism": f"{config.parallelism} x {target.num_processes}",
+    }
+    notes = list(layout.notes)
+    if config.reward_adapter is None:
+        notes.append("no --reward_adapter given: one reward LoRA shaped like the policy's is assumed")
+    return MemoryPlan(layout.label, config.model_name_or_path, settings, resident, phases, target, notes)
+
+
+def plan_for_trainer(trainer: Any) -> MemoryPlan:
+    """The plan of a built ``RLOOTrainer``'s run: its config, its model's config, its device and processes,
+    and its longest training prompt."""
+    parallelism = trainer.parallelism
+    target = PlanTarget(
+        device="cuda" if parallelism.device.type == "cuda" else "cpu",
+        prompt_length=max(len(prompt.ids) for prompt in trainer.train_prompts),
+        num_processes=parallelism.num_processes,
+        compute_dtype=trainer.model.dtype,
+    )
+    return plan_memory(trainer.config, trainer.model.config, target)
+
+
+def _untied_head_bytes(causal_lm: torch.nn.Module) -> int:
+    """Bytes of an LM head that is not the input embedding (a sequence classifier has none)."""
+    head, embedding = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
+    if head is None or head.weight is embedding.weight:
+        return 0
+    return head.weight.numel() * head.weight.element_size()
+
+
+def _load_extra(model_config, base, quantization, target: PlanTarget, parameters: int) -> dict[str, int]:
+    if target.device == "cpu":
+        checkpoint = _checkpoint_bytes(model_config, parameters)
+        stored_dtype_differs = checkpoint != parameters * torch.empty((), dtype=target.dtype).element_size()
+        if quantization is not None or stored_dtype_differs:
+            return {"checkpoint pages (memory map)": checkpoint}
+        return {}
+    largest = max((p.numel() for p in base.parameters()), default=0)
+    return {"largest tensor in transit": _checkpoint_bytes(model_config, largest)}
+
+
+def _gathered_layer_bytes(base: torch.nn.Module, shards: int) -> dict[str, int]:
+    """Under fsdp2, a decoder layer's parameters are gathered whole while it runs (and the next one is
+    prefetched): two layers' worth."""
+    if shards == 1:
+        return {}
+    from marl.model.families import backbone
+
+    layers = getattr(backbone(base), "layers", None)
+    if layers is None or not len(layers):
+        return {}
+    layer_bytes = stored_base_bytes(layers[0])[0]
+    return {"gathered layers (fsdp2)": 2 * layer_bytes * (shards - 1) // shards}
+
+
+def _rollout_record_bytes(config: Any, target: PlanTarget) -> int:
+    """The rollout's tensors kept through scoring and the update: ids, masks and positions (int64) of every
+    row and its float32 log-probs, reference log-probs, scores and advantages."""
+    from marl.batch_sizes import local_batch_size
+
+    rows = local_batch_size(config)
+    width = target.prompt_length + config.response_length
+    return rows * (4 * width * 8 + 3 * config.response_length * 4 + 16)
+
+
+@functools.cache
+def load_model_config(name_or_path: str, trust_remote_code: bool = False) -> Any:
+    """A transformers config from a ``config.json`` file, a model folder (its ``config.json``; no weights
+    needed), the bundled model's name, or a hub id in the local hub cache. Nothing is downloaded.
+
+    Example:
+        >>> load_model_config("./no-such-model")
+        Traceback (most recent call last):
+        ...
+        marl.errors.MissingPathError: no such model folder: ./no-such-model. Pass ...
+    """
+    from transformers import AutoConfig
+
+    from marl.data.assets import resolve_model_path
+
+    path = Path(name_or_path).expanduser()
+    source = str(path) if path.is_file() and path.suffix == ".json" else resolve_model_path(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"cannot read the model config of --model_name_or_path {name_or_path!r}: {error}. Pass a model "
+            "folder, a config.json file, or a hub id already in the local cache"
+        ) from error
+
+
+def with_changes(config: Any, **changes: Any) -> Any:
+    """``config`` with ``changes`` (a new config, checked as any)."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    values.update(changes)
+    return type(config)(**values)
