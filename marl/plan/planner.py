@@ -143,9 +143,14 @@ class MemoryPlan:
         return plan_text(self)
 
 
+# Each NF4 weight's quantization state also holds its own code books: the 16 NF4 values and the 256 values of
+# the nested 8-bit map (float32), and the nested offset.
+NF4_STATE_BYTES_PER_TENSOR = (16 + 256 + 1) * 4
+
+
 def _linear_parameter_bytes(parameter: torch.Tensor, layer: QuantizedLinearStandIn) -> int:
     if layer.quantization == "4bit":
-        return round(parameter.numel() * NF4_DOUBLE_QUANT_BITS_PER_PARAMETER / 8)
+        return round(parameter.numel() * NF4_DOUBLE_QUANT_BITS_PER_PARAMETER / 8) + NF4_STATE_BYTES_PER_TENSOR
     return parameter.numel() + 4 * layer.out_features  # int8 + one float32 scale per output row
 
 

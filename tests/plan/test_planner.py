@@ -1,0 +1,165 @@
+"""The memory planner (:mod:`marl.plan`): what it counts as resident matches the memory card of the same
+model really loaded, its working sets follow the settings the way they must, its advice fits, and it reads
+nothing but ``config.json``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from marl.errors import ConfigError
+from marl.model.multi_adapter import MultiAdapterModel
+from marl.plan import PlanTarget, load_model_config, plan_memory
+from marl.plan.advice import changes_that_fit
+from marl.plan.planner import CPU_RUNTIME_BYTES, plan_for_trainer, with_changes
+from marl.plan.systems import SYSTEMS
+
+from support.tiny import tiny_rloo_config
+
+TARGET = PlanTarget(device="cpu", prompt_length=24)
+
+
+@pytest.fixture(scope="module")
+def config_only(tiny_llama_dir, tmp_path_factory):
+    """The tiny model's folder with its config.json and nothing else: the planner needs no weights."""
+    folder = tmp_path_factory.mktemp("config-only")
+    shutil.copy(tiny_llama_dir / "config.json", folder / "config.json")
+    return folder
+
+
+@pytest.mark.parametrize("quantization", [None, "4bit", "8bit"])
+def test_resident_weights_and_adapters_are_those_of_the_loaded_model(
+    quantization, tiny_llama_dir, tiny_reward_adapter, tmp_path
+):
+    config = tiny_rloo_config(
+        tmp_path, model_name_or_path=str(tiny_llama_dir), quantization=quantization,
+        reward_adapter=[str(tiny_reward_adapter)],
+    )  # fmt: skip
+    plan = plan_memory(config, load_model_config(str(tiny_llama_dir)), TARGET)
+    card = MultiAdapterModel.from_config(config).memory_report()
+    assert plan.resident["policy LoRA (float32)"] == card.adapter_bytes["policy"]
+    assert plan.resident["AdamW moments (float32)"] == 2 * card.adapter_bytes["policy"]
+    reward = (
+        sum(size for name, size in card.adapter_bytes.items() if name != "policy") + card.score_head_bytes
+    )
+    assert plan.resident["reward LoRAs + score heads"] == pytest.approx(reward, rel=0.01)
+    assert plan.resident["base weights"] == pytest.approx(card.base_bytes, rel=0.05)
+
+
+def test_the_plan_reads_only_config_json(config_only, tmp_path):
+    config = tiny_rloo_config(tmp_path, model_name_or_path=str(config_only))
+    for source in (config_only, config_only / "config.json"):
+        plan = plan_memory(config, load_model_config(str(source)), TARGET)
+        assert plan.peak > CPU_RUNTIME_BYTES
+    assert [phase.name for phase in plan.phases] == ["load", "sampling", "scoring", "update"]
+
+
+def test_the_model_config_is_left_as_it_was(config_only, tmp_path):
+    model_config = load_model_config(str(config_only))
+    before = model_config.to_dict()
+    plan_memory(tiny_rloo_config(tmp_path), model_config, TARGET)
+    assert model_config.to_dict() == before
+
+
+def test_settings_move_the_phase_they_should(config_only, tmp_path):
+    model_config = load_model_config(str(config_only))
+    config = tiny_rloo_config(
+        tmp_path, rloo_k=4, per_device_train_batch_size=8, local_rollout_forward_batch_size=8
+    )
+    base = plan_memory(config, model_config, TARGET)
+
+    def working(plan, phase):
+        return plan.phase(phase).total - plan.phase(phase).parts["resident"]
+
+    longer = plan_memory(config, model_config, PlanTarget(device="cpu", prompt_length=96))
+    assert all(working(longer, phase) > working(base, phase) for phase in ("sampling", "scoring", "update"))
+    checkpointed = plan_memory(with_changes(config, gradient_checkpointing=True), model_config, TARGET)
+    assert working(checkpointed, "update") < working(base, "update")
+    assert working(checkpointed, "sampling") == working(base, "sampling")
+    unshared = plan_memory(with_changes(config, share_prompt_prefix=False), model_config, TARGET)
+    assert working(unshared, "scoring") > working(base, "scoring")
+    smaller = plan_memory(with_changes(config, local_rollout_forward_batch_size=4), model_config, TARGET)
+    assert working(smaller, "sampling") < working(base, "sampling")
+    assert working(smaller, "update") == working(base, "update")
+    quantized = plan_memory(with_changes(config, quantization="4bit"), model_config, TARGET)
+    assert quantized.resident["base weights"] < base.resident["base weights"]
+
+
+def test_fsdp2_shards_what_stays_over_the_processes(config_only, tmp_path):
+    model_config = load_model_config(str(config_only))
+    config = tiny_rloo_config(tmp_path, parallelism="fsdp2")
+    one = plan_memory(config, model_config, TARGET)
+    four = plan_memory(config, model_config, PlanTarget(device="cpu", prompt_length=24, num_processes=4))
+    assert four.resident["base weights"] == one.resident["base weights"] // 4
+    assert "gathered layers (fsdp2)" in four.phase("update").parts
+
+
+def test_separate_copies_hold_more_than_one_base(config_only, tmp_path):
+    model_config = load_model_config(str(config_only))
+    config = tiny_rloo_config(tmp_path, rloo_k=4, per_device_train_batch_size=8)
+    plans = {system: plan_memory(config, model_config, TARGET, system=system) for system in SYSTEMS}
+    resident = {system: sum(plan.resident.values()) for system, plan in plans.items()}
+    assert resident["marl"] < resident["trl-rloo"] < resident["ppo"]
+    assert plans["trl-rloo"].peak > plans["marl"].peak
+    assert any("not a measurement" in note for note in plans["ppo"].notes)
+
+
+def test_the_advice_fits_and_is_empty_when_nothing_can(config_only, tmp_path):
+    model_config = load_model_config(str(config_only))
+    config = tiny_rloo_config(
+        tmp_path, rloo_k=4, per_device_train_batch_size=16, local_rollout_forward_batch_size=16
+    )
+    plan = plan_memory(config, model_config, TARGET)
+    roomy = changes_that_fit(config, model_config, PlanTarget(device="cpu", prompt_length=24, memory_gb=100))
+    assert [change.flags for change in roomy] == ["(none: it fits as it is)"]
+    # a budget between the resident part and the peak: some changes fit, each really under the budget
+    usable = (sum(plan.resident.values()) + CPU_RUNTIME_BYTES + plan.peak) / 2
+    tight = PlanTarget(device="cpu", prompt_length=24, memory_gb=usable / 1e9 / 0.9)
+    changes = changes_that_fit(config, model_config, tight)
+    assert changes, "some change should fit"
+    assert all(change.plan.peak <= change.plan.budget_bytes for change in changes)
+    assert all(change.plan.fits for change in changes)
+    impossible = PlanTarget(device="cpu", prompt_length=24, memory_gb=0.001)
+    assert changes_that_fit(config, model_config, impossible) == []
+
+
+def test_a_model_with_recurrent_layers_is_refused_by_name(family_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"falcon_h1"):
+        config = tiny_rloo_config(tmp_path, lora_target_modules=["q_proj", "v_proj"])
+        plan_memory(config, load_model_config(str(family_dir("falcon_h1"))), TARGET)
+
+
+def test_a_folder_without_config_json_is_refused_in_one_sentence(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Exception, match=r"has no config\.json"):
+        load_model_config(str(tmp_path / "empty"))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{oops")
+    with pytest.raises(ConfigError, match="cannot read the model config"):
+        load_model_config(str(broken))
+
+
+def test_the_trainer_plan_uses_the_longest_prompt_and_the_card_shows_it(tiny_llama_dir, tmp_path):
+    from marl.apps.train_rloo import memory_card_with_plan
+    from marl.model.build import load_tokenizer
+    from marl.train.trainer import RLOOTrainer
+
+    config = tiny_rloo_config(tmp_path, model_name_or_path=str(tiny_llama_dir))
+    model = MultiAdapterModel.from_config(config)
+    prompts = ["a film", "the movie was great and fun to watch and then some more words"]
+    trainer = RLOOTrainer(config, model, load_tokenizer(model.name_or_path), [{"prompt": p} for p in prompts],
+                          reward_funcs=lambda prompts, completions, **_: [1.0] * len(prompts))  # fmt: skip
+    plan = plan_for_trainer(trainer)
+    assert plan.target.prompt_length == max(len(prompt.ids) for prompt in trainer.train_prompts)
+    card = str(memory_card_with_plan(trainer))
+    assert "predicted peak" in card and "marl plan" in card
+    assert "the predicted peak includes activations and KV cache" in card
+
+
+def test_json_round_trip_of_a_config_file_folder(config_only):
+    assert json.loads((config_only / "config.json").read_text())["model_type"] == "llama"
+    assert load_model_config(str(config_only)).model_type == "llama"
+    assert torch.float32 == PlanTarget(device="cpu").dtype

@@ -1,0 +1,146 @@
+"""The meta-device byte count (:mod:`marl.plan.trace`) and the phase programs (:mod:`marl.plan.phases`): what
+they count is what the same code allocates on real tensors, for every family of the table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from marl.plan.phases import (
+    PhaseShapes,
+    logit_head_of,
+    quantize_stand_in,
+    sampling_peak,
+    scoring_peak,
+    update_peak,
+)
+from marl.plan.trace import STAND_IN_ATTENTION, LiveBytes, meta_causal_lm, register_stand_in_attention
+
+from support.families import FAMILIES, FAMILY_SPECS, build_family_config
+
+# Falcon-H1's Mamba layers: the planner refuses them (tests/plan/test_planner.py).
+PLANNED_FAMILIES = [name for name in FAMILIES if name != "falcon_h1"]
+SHAPES = PhaseShapes(
+    prompt_length=24,
+    response_length=8,
+    rloo_k=2,
+    rows_per_pass=4,
+    micro_batch_rows=4,
+    share_prompt_prefix=True,
+    gradient_checkpointing=False,
+    temperature=0.7,
+)
+
+
+def test_live_bytes_counts_what_is_made_and_still_referenced():
+    weight = torch.empty(1000)  # made before: never counted, nor are its views
+    with LiveBytes() as live:
+        view = weight.t()[:10]
+        a = torch.empty(100)
+        b = a[10:]  # a view: no new storage
+        c = torch.empty(50, dtype=torch.float64)
+        assert live.current == 400 + 400
+        del a, b
+        assert live.current == 400
+        live.mark()
+        d = torch.empty(25)
+        assert (live.current, live.peak) == (500, 500)
+    del view, c, d
+
+
+def test_live_bytes_does_not_mistake_a_new_storage_for_an_old_one_at_the_same_address():
+    with LiveBytes() as live:
+        for _ in range(50):
+            outside = torch.ones(10) * 1  # made inside: counted, then freed
+            del outside
+        kept = [torch.empty(256) for _ in range(20)]
+        assert live.current == 20 * 1024
+    del kept
+
+
+def _model(family: str, device: str, quantization: str | None = None):
+    config = build_family_config(FAMILY_SPECS[family], 512, 0, 1, 2)
+    if device == "meta":
+        base = meta_causal_lm(config, torch.float32)
+        if quantization:
+            quantize_stand_in(base, quantization, torch.float32)
+    else:
+        register_stand_in_attention()
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=STAND_IN_ATTENTION
+        )
+        base.eval()
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def _phases(model, shapes: PhaseShapes) -> tuple[int, int, int]:
+    head = logit_head_of(model)
+    return (
+        sampling_peak(model, shapes),
+        scoring_peak(model, head, shapes, 1),
+        update_peak(model, head, shapes),
+    )
+
+
+@pytest.mark.parametrize("family", PLANNED_FAMILIES)
+def test_the_meta_trace_counts_what_the_same_passes_allocate_on_cpu(family):
+    """The phase programs on the meta device count what they allocate with real CPU kernels and weights
+    (sampling's drawn token ids are the only difference: a few bytes)."""
+    meta, real = _phases(_model(family, "meta"), SHAPES), _phases(_model(family, "cpu"), SHAPES)
+    for counted, allocated in zip(meta, real, strict=True):
+        assert abs(counted - allocated) <= 64, (family, meta, real)
+
+
+def test_the_attention_stand_in_saves_what_torch_sdpa_saves_on_cpu():
+    """The stand-in's saved tensors (and their bytes) are those of torch's fused CPU kernel, grouped-query
+    attention and a boolean mask (converted to a float one) included."""
+    query = torch.randn(2, 4, 24, 16, requires_grad=True)
+    key = torch.randn(2, 2, 24, 16, requires_grad=True)
+    value = torch.randn(2, 2, 24, 16, requires_grad=True)
+    mask = torch.ones(2, 1, 24, 24, dtype=torch.bool).tril()
+    from marl.plan.trace import fused_attention_stand_in
+
+    def saved_by(call) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        saved: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+
+        def keep(tensor):
+            saved[tensor.untyped_storage()._cdata] = (tuple(tensor.shape), tensor.dtype)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            call()
+        return sorted(saved.values(), key=str)
+
+    fused = saved_by(
+        lambda: torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, enable_gqa=True
+        )
+    )
+    stand_in = saved_by(lambda: fused_attention_stand_in(None, query, key, value, mask))
+    assert stand_in == fused
+
+
+def test_gradient_checkpointing_and_packing_lower_what_the_update_holds():
+    model = _model("llama", "meta")
+    head = logit_head_of(model)
+    plain = update_peak(model, head, SHAPES)
+    unpacked = update_peak(model, head, PhaseShapes(**{**SHAPES.__dict__, "share_prompt_prefix": False}))
+    model.get_base_model().activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False}
+    )
+    checkpointed = update_peak(
+        model, head, PhaseShapes(**{**SHAPES.__dict__, "gradient_checkpointing": True})
+    )
+    assert checkpointed < plain < unpacked
+
+
+def test_a_quantized_stand_in_keeps_no_dequantized_weight_between_the_passes():
+    """bitsandbytes dequantizes a frozen weight for each product and keeps none of it for the backward pass:
+    the update of a quantized base holds no more than an unquantized one's (only transients differ)."""
+    quantized = update_peak(_model("llama", "meta", "4bit"), logit_head_of(_model("llama", "meta")), SHAPES)
+    plain = update_peak(_model("llama", "meta"), logit_head_of(_model("llama", "meta")), SHAPES)
+    largest_linear = 128 * 64 * 4
+    assert abs(quantized - plain) <= 2 * largest_linear
