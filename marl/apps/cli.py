@@ -1,4 +1,5 @@
-"""The ``marl`` command: ``marl train-rloo``, ``marl train-reward``, ``marl evaluate`` and ``marl demo``.
+"""The ``marl`` command: ``marl train-rloo``, ``marl train-reward``, ``marl evaluate``, ``marl demo`` and
+``marl plan``.
 
 Each subcommand parses its own flags (:mod:`marl.apps.flags`: ``HfArgumentParser`` through TRL's
 ``TrlParser``, so ``--config file.yaml`` supplies defaults that command-line flags override, as in TRL's
@@ -36,6 +37,7 @@ __all__ = [
     "evaluate_main",
     "main",
     "parse_train_rloo_args",
+    "plan_main",
     "train_reward_main",
     "train_rloo_main",
 ]
@@ -45,6 +47,7 @@ COMMANDS: dict[str, str] = {
     "train-reward": "train a reward LoRA + score head on the base from chosen/rejected pairs",
     "evaluate": "compare a policy adapter with its base on held-out prompts",
     "demo": "offline end-to-end demo on the embedded SmolLM2-135M-Instruct and Rotten Tomatoes",
+    "plan": "predict the peak memory of a train-rloo run from its flags and the model's config.json",
 }
 
 
@@ -143,11 +146,29 @@ def demo_main(argv: Sequence[str] | None = None, prog: str = "marl demo") -> dic
         return run_demo(arguments)
 
 
+def plan_main(argv: Sequence[str] | None = None, prog: str = "marl plan") -> Any:
+    """Entry point of ``marl plan``; returns the :class:`marl.plan.MemoryPlan`.
+
+    Example:
+        >>> plan_main(["--model_name_or_path", "Qwen/Qwen2.5-0.5B", "--memory_gb", "8"])  # doctest: +SKIP
+    """
+    words = argv_words(argv)
+    with error_boundary(prog, words):
+        from marl.apps.plan import PlanArguments, run_plan
+        from marl.config import RLOOConfig
+        from marl.train.build import check_components
+
+        arguments, config = parse_flags([PlanArguments, RLOOConfig], prog, words)
+        check_components(config)
+        return run_plan(arguments, config)
+
+
 HANDLERS: dict[str, Callable[[list[str], str], Any]] = {
     "train-rloo": train_rloo_main,
     "train-reward": train_reward_main,
     "evaluate": evaluate_main,
     "demo": demo_main,
+    "plan": plan_main,
 }
 
 

@@ -150,12 +150,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     state = PartialState(cpu=not torch.cuda.is_available())
     model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
-    if state.is_main_process:
-        console = Console()
-        if command:
-            console.print(f"[bold]{command}[/bold]")
-        console.print(model.memory_report())
-    return RLOOTrainer(
+    trainer = RLOOTrainer(
         config,
         model,
         tokenizer,
@@ -164,6 +159,23 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         reward_funcs=rewards.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size)),
         dataset_source=dataset_record(script),
     )
+    if state.is_main_process:
+        console = Console()
+        if command:
+            console.print(f"[bold]{command}[/bold]")
+        console.print(memory_card_with_plan(trainer))
+    return trainer
+
+
+def memory_card_with_plan(trainer: Any) -> Any:
+    """The model's memory card with the run's predicted peak per phase (:mod:`marl.plan`)."""
+    import dataclasses
+
+    from marl.plan.planner import plan_for_trainer
+
+    plan = plan_for_trainer(trainer)
+    peaks = {phase.name: phase.total for phase in plan.phases if phase.name != "load"}
+    return dataclasses.replace(trainer.model.memory_report(), predicted_peaks=peaks)
 
 
 ADAPTER_KINDS = ("adapter", "eos_adapter")  # the kinds whose spec is a --reward_adapter name

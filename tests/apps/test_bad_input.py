@@ -496,6 +496,21 @@ CASES += [
     Case(DEMO, ["--train_reward", "please"], r"--train_reward.*got please"),
 ]  # fmt: skip
 
+PLAN = "plan"
+CASES += [
+    Case(PLAN, ["--device", "tpu"], r"--device 'tpu' is not one of \['cuda', 'cpu'\]"),
+    Case(PLAN, ["--memory_gb", "0"], r"--memory_gb 0.0 must be a positive number of GB"),
+    Case(PLAN, ["--memory_gb", "nan"], r"--memory_gb=nan is not a finite number"),
+    Case(PLAN, ["--prompt_length", "0"], r"--prompt_length and --num_processes must be 1 or more"),
+    Case(PLAN, ["--num_processes", "0"], r"--prompt_length and --num_processes must be 1 or more"),
+    Case(PLAN, ["--compare", "maybe"], r"--compare.*got maybe"),
+    Case(PLAN, ["--model_name_or_path", "{files}/not-a-model"], r"not-a-model is not a model folder"),
+    Case(PLAN, ["--model_name_or_path", "{files}/bad-config"], r"cannot read the model config of .*bad-config"),
+    Case(PLAN, ["--model_name_or_path", "{files}/missing"], r"no such model folder: .*missing"),
+    Case(PLAN, ["--rloo_k", "1"], r"rloo_k=1"),
+    Case(PLAN, ["--sampler", "vllm"], r"--sampler 'vllm'"),
+]  # fmt: skip
+
 for index, case in enumerate(CASES):
     case.id = f"{case.command}-{index:03d}-" + re.sub(r"\W+", "_", " ".join(case.words))[:60]
 
@@ -524,6 +539,8 @@ def command_words(case: Case, paths: dict[str, str], run: Path) -> list[str]:
         defaults += ["--reward_adapter", paths["reward"], "--dataset_name", str(files / "prompts.jsonl")]
         defaults += ["--prompt_column", "text", "--num_prompts", "2", "--response_length", "3"]
         return [*defaults, "--output_dir", str(run / "evaluation"), *words]
+    if case.command == PLAN:
+        return ["--model_name_or_path", paths["base"], "--device", "cpu", *words]
     # the demo: a missing reward adapter stops any case that got past its own check, before the real model
     return ["--output_dir", str(run / "demo"), "--reward_adapter", str(files / "missing-reward"), *words]
 
@@ -555,6 +572,7 @@ def test_the_sweep_covers_every_flag_of_every_subcommand():
 
     from marl.apps.cli import ScriptArguments
     from marl.apps.demo import DemoArguments
+    from marl.apps.plan import PlanArguments
     from marl.apps.evaluate import EvaluateArguments
     from marl.config import RLOOConfig
     from marl.train.reward_training import RewardAdapterArguments
@@ -564,6 +582,7 @@ def test_the_sweep_covers_every_flag_of_every_subcommand():
         REWARD: [RewardAdapterArguments],
         EVALUATE: [EvaluateArguments],
         DEMO: [DemoArguments],
+        PLAN: [PlanArguments],  # its RLOOConfig flags are parsed as train-rloo's
     }
     for command, kinds in flags_of.items():
         swept = {
@@ -624,7 +643,7 @@ def test_an_unexpected_error_keeps_its_traceback(monkeypatch, tmp_path):
 
 
 def test_every_subcommand_and_example_runs_inside_the_error_boundary(capsys):
-    for command in ("train-rloo", "train-reward", "evaluate", "demo"):
+    for command in ("train-rloo", "train-reward", "evaluate", "demo", "plan"):
         line = refused(capsys, main, [command, "--seed", "-5", "--output_dir", "x"])
         assert (
             line == f"marl {command}: error: --seed=-5 is out of range. Pass a seed between 0 and 2147483647"
