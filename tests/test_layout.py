@@ -20,6 +20,7 @@ LAYERS = [
     ("marl.rewards",),
     ("marl.rollout",),
     ("marl.train",),
+    ("marl.plan",),
     ("marl.apps", "marl.__main__"),
 ]
 # The deprecated `RLOOConfig.load_model` keeps old scripts working: the one import that points up, inside that

@@ -195,9 +195,7 @@ class RLOOTrainer:
         """The policy update on ``rollout``; returns this process's sums for the policy metrics."""
         stats, skipped = self.policy_update.run(rollout, advantages, update=self.state.update + 1)
         self.state.skipped_optimizer_steps += skipped
-        # The C heap keeps what the update's CPU tensors freed (on SmolLM2-135M: GBs); without this the
-        # process holds the update's peak through the next rollout.
-        release_freed_memory()
+        release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout
         return stats
 
     def _update_unless_unjudged(self, rollout: Rollout, shaped: ShapedRewards) -> UpdateStats | None:
