@@ -166,7 +166,7 @@ def _hidden_for_logprobs(model: nn.Module, rows: int, shapes: PhaseShapes, packe
         inputs = _packed(groups, shapes, torch.bool, device)
         hidden = body(
             input_ids=inputs["input_ids"],
-            attention_mask=inputs["attention_mask"],
+            attention_mask=_per_layer_type(model, inputs["attention_mask"]),
             position_ids=inputs["position_ids"],
             use_cache=False,
         ).last_hidden_state
@@ -174,7 +174,7 @@ def _hidden_for_logprobs(model: nn.Module, rows: int, shapes: PhaseShapes, packe
     length = shapes.prompt_length + shapes.response_length
     hidden = body(
         input_ids=_zeros(device, rows, length),
-        attention_mask=_causal_mask(device, rows, length, length),
+        attention_mask=_causal_mask(model, rows, length),
         position_ids=_zeros(device, rows, length),
         use_cache=False,
     ).last_hidden_state
@@ -201,10 +201,29 @@ def _logprobs(
     return (logprobs, None) if with_entropy else logprobs
 
 
-def _causal_mask(device: torch.device, rows: int, queries: int, keys: int) -> torch.Tensor:
-    """The 4-D boolean mask SDPA receives for ``rows`` padded rows (transformers builds it from the 2-D
-    padding mask; here it is given, so that no data-dependent check runs on the meta device)."""
-    return torch.ones(rows, 1, queries, keys, dtype=torch.bool, device=device)
+def _causal_mask(model: nn.Module, rows: int, length: int) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The 4-D boolean mask SDPA receives for ``rows`` padded rows of ``length`` tokens (transformers builds
+    it from the 2-D padding mask; here it is given, so that no data-dependent check runs on the meta
+    device), one per layer type for models that mix full and sliding-window layers."""
+    return _per_layer_type(
+        model, torch.ones(rows, 1, length, length, dtype=torch.bool, device=_device(model))
+    )
+
+
+def _cache_mask(model: nn.Module, rows: int, queries: int, keys: int) -> torch.Tensor | None:
+    """The 4-D mask of ``queries`` new tokens over a static cache of ``keys`` positions, or ``None`` for a
+    model with sliding-window layers (whose caches are shorter: transformers makes their masks from the
+    positions, as it does for unpadded rows)."""
+    layer_types = getattr(model.get_base_model().config.get_text_config(), "layer_types", None) or ()
+    if "sliding_attention" in layer_types:
+        return None
+    return torch.ones(rows, 1, queries, keys, dtype=torch.bool, device=_device(model))
+
+
+def _per_layer_type(model: nn.Module, mask: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """``mask`` as a model that mixes full and sliding-window layers takes a given 4-D mask: one per type."""
+    layer_types = getattr(model.get_base_model().config.get_text_config(), "layer_types", None)
+    return {kind: mask for kind in set(layer_types)} if layer_types and len(set(layer_types)) > 1 else mask
 
 
 def sampling_peak(model: nn.Module, shapes: PhaseShapes, shared_prefill: bool = True) -> int:
@@ -222,7 +241,7 @@ def sampling_peak(model: nn.Module, shapes: PhaseShapes, shared_prefill: bool = 
         cache = StaticCache(config=model.get_base_model().config, max_cache_len=width)
         logits = model(
             input_ids=_zeros(device, prompts, shapes.prompt_length),
-            attention_mask=_causal_mask(device, prompts, shapes.prompt_length, width),
+            attention_mask=_cache_mask(model, prompts, shapes.prompt_length, width),
             position_ids=_zeros(device, prompts, shapes.prompt_length),
             past_key_values=cache,
             use_cache=True,
@@ -236,7 +255,7 @@ def sampling_peak(model: nn.Module, shapes: PhaseShapes, shared_prefill: bool = 
         drawn = torch.multinomial(probs, num_samples=1)
         step = model(
             input_ids=drawn,
-            attention_mask=_causal_mask(device, rows, 1, width),
+            attention_mask=_cache_mask(model, rows, 1, width),
             position_ids=_zeros(device, rows, 1),
             past_key_values=cache,
             use_cache=True,

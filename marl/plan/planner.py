@@ -16,9 +16,9 @@ The plan of one process is, per phase of the run:
   thread buffers above the imports (:data:`CPU_RUNTIME_BYTES`, measured: see
   ``benchmarks/results/*-memory-plan.md``).
 
-``load`` is the resident base plus what loading holds besides: on CPU the checkpoint file's pages, read
-through a memory map, until a quantized load has copied what it keeps; on CUDA the largest tensor in the
-checkpoint's dtype on its way to the device.
+``load`` is the resident base plus the largest tensor in the checkpoint's dtype on its way (read,
+converted or quantized one at a time); an unquantized CPU base in the checkpoint's dtype is the file's
+memory map itself.
 
 Example:
     >>> from transformers import LlamaConfig
@@ -216,6 +216,7 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
 
     from marl.batch_sizes import local_batch_size
     from marl.model.build import enable_gradient_checkpointing
+    from marl.model.families import disable_dropout
     from marl.plan.systems import SYSTEMS, check_plannable
 
     layout = SYSTEMS[system]
@@ -235,6 +236,7 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
         peft_model = get_peft_model(base, policy_lora)
     except ValueError as error:
         raise ConfigError(f"--lora_target_modules {' '.join(targets)}: {error}") from error
+    disable_dropout(peft_model)  # as marl loads every model
     policy_parameters = _parameter_count(peft_model, "default")
     rewards = config.reward_adapter or [None]
     reward_parameters = 0
@@ -342,11 +344,12 @@ def _untied_head_bytes(causal_lm: torch.nn.Module) -> int:
 
 
 def _load_extra(model_config, base, quantization, target: PlanTarget, parameters: int) -> dict[str, int]:
-    if target.device == "cpu":
-        checkpoint = _checkpoint_bytes(model_config, parameters)
-        stored_dtype_differs = checkpoint != parameters * torch.empty((), dtype=target.dtype).element_size()
-        if quantization is not None or stored_dtype_differs:
-            return {"checkpoint pages (memory map)": checkpoint}
+    """What loading holds besides the weights: the tensor on its way from the checkpoint (read, converted or
+    quantized one at a time). An unquantized CPU base in the checkpoint's dtype is the checkpoint's memory
+    map itself: nothing besides."""
+    checkpoint = _checkpoint_bytes(model_config, parameters)
+    same_dtype = checkpoint == parameters * torch.empty((), dtype=target.dtype).element_size()
+    if target.device == "cpu" and quantization is None and same_dtype:
         return {}
     largest = max((p.numel() for p in base.parameters()), default=0)
     return {"largest tensor in transit": _checkpoint_bytes(model_config, largest)}

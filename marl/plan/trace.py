@@ -26,6 +26,8 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
+import threading
 import weakref
 from typing import Any
 
@@ -107,6 +109,24 @@ class _FusedAttention(torch.autograd.Function):
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), None
 
 
+_planning = threading.local()  # set while this thread runs the stand-in attention
+
+
+def _kernel_or_stand_in(kernel):
+    """``kernel`` (torch's SDPA), except inside :func:`fused_attention_stand_in` on this thread, where the
+    call allocates what the fused kernels allocate and computes nothing."""
+
+    @functools.wraps(kernel)
+    def call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if getattr(_planning, "active", False):
+            return _FusedAttention.apply(query, key, value, attn_mask)
+        return kernel(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                      scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+
+    call.marl_stand_in = True
+    return call
+
+
 def fused_attention_stand_in(
     module: torch.nn.Module | None,
     query: torch.Tensor,
@@ -115,13 +135,19 @@ def fused_attention_stand_in(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """An attention implementation (transformers' ``AttentionInterface``) for the meta device: the shapes,
-    allocations and saved tensors of torch's fused kernel with grouped-query attention (keys and values are
-    not repeated per query head), ``[B, T, heads, head_dim]`` out."""
-    if attention_mask is not None:
-        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
-    output = _FusedAttention.apply(query, key, value, attention_mask)
-    return output.transpose(1, 2).contiguous(), None
+    """An attention implementation (transformers' ``AttentionInterface``) for the meta device: transformers'
+    own SDPA attention (its mask slicing, its repetition of key/value heads for grouped-query attention under
+    a mask, its output layout) with the fused kernel's allocations in place of the kernel."""
+    from transformers.integrations import sdpa_attention
+
+    functional = sdpa_attention.torch.nn.functional
+    if not getattr(functional.scaled_dot_product_attention, "marl_stand_in", False):
+        functional.scaled_dot_product_attention = _kernel_or_stand_in(functional.scaled_dot_product_attention)
+    _planning.active = True
+    try:
+        return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    finally:
+        _planning.active = False
 
 
 def register_stand_in_attention() -> None:
@@ -134,8 +160,8 @@ def register_stand_in_attention() -> None:
 
 
 def meta_causal_lm(config: Any, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.nn.Module:
-    """The causal LM of ``config`` on the meta device in ``dtype``, with the fused-attention stand-in, in
-    eval mode. No weights are read or allocated; ``config`` is left as it was.
+    """The causal LM of ``config`` on the meta device in ``dtype``, with the fused-attention stand-in where it
+    would use SDPA, in eval mode. No weights are read or allocated; ``config`` is left as it was.
 
     Example:
         >>> from transformers import LlamaConfig
@@ -149,7 +175,9 @@ def meta_causal_lm(config: Any, dtype: torch.dtype, trust_remote_code: bool = Fa
     register_stand_in_attention()
     config = copy.deepcopy(config)  # from_config writes the dtype and attention implementation into it
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=STAND_IN_ATTENTION, trust_remote_code=trust_remote_code
-        )
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    # The implementation a loaded model gets: SDPA (then its fused kernel's allocations stand in), or
+    # another one (eager attention for soft-capped logits), which runs on the meta device as it is.
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(STAND_IN_ATTENTION)
     return model.eval()

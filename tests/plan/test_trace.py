@@ -8,6 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
+from marl.model.families import disable_dropout
 from marl.plan.phases import (
     PhaseShapes,
     logit_head_of,
@@ -16,7 +17,7 @@ from marl.plan.phases import (
     scoring_peak,
     update_peak,
 )
-from marl.plan.trace import STAND_IN_ATTENTION, LiveBytes, meta_causal_lm, register_stand_in_attention
+from marl.plan.trace import LiveBytes, meta_causal_lm
 
 from support.families import FAMILIES, FAMILY_SPECS, build_family_config
 
@@ -67,13 +68,11 @@ def _model(family: str, device: str, quantization: str | None = None):
         if quantization:
             quantize_stand_in(base, quantization, torch.float32)
     else:
-        register_stand_in_attention()
         torch.manual_seed(0)
-        base = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=STAND_IN_ATTENTION
-        )
-        base.eval()
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+        base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # its own attention
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    disable_dropout(model)  # as marl loads every model
+    return model
 
 
 def _phases(model, shapes: PhaseShapes) -> tuple[int, int, int]:
@@ -87,8 +86,8 @@ def _phases(model, shapes: PhaseShapes) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("family", PLANNED_FAMILIES)
 def test_the_meta_trace_counts_what_the_same_passes_allocate_on_cpu(family):
-    """The phase programs on the meta device count what they allocate with real CPU kernels and weights
-    (sampling's drawn token ids are the only difference: a few bytes)."""
+    """The phase programs on the meta device count what they allocate with real CPU kernels, weights and the
+    family's own attention (sampling's drawn token ids are the only difference: a few bytes)."""
     meta, real = _phases(_model(family, "meta"), SHAPES), _phases(_model(family, "cpu"), SHAPES)
     for counted, allocated in zip(meta, real, strict=True):
         assert abs(counted - allocated) <= 64, (family, meta, real)
