@@ -12,8 +12,8 @@ The plan of one process is, per phase of the run:
   meta device with the run's shapes: the sampling chunk's KV cache, the scoring chunk's activations and
   log-softmax pieces, the update micro-batch's saved activations, transients and LoRA gradients;
 - **runtime**: what the framework itself takes once it has run a model: on CUDA the context and library
-  workspaces (:data:`CUDA_RUNTIME_BYTES`, an assumption, not measured here), on CPU the kernels' pages and
-  thread buffers above the imports (:data:`CPU_RUNTIME_BYTES`, measured: see
+  workspaces (:data:`CUDA_RUNTIME_BYTES`, an assumption, not measured here), on CPU the libraries' pages and
+  buffers above the imports (:data:`CPU_RUNTIME_BYTES`, measured on tiny models: see
   ``benchmarks/results/*-memory-plan.md``).
 
 ``load`` is the resident base plus the largest tensor in the checkpoint's dtype on its way (read,
@@ -61,9 +61,11 @@ MiB = 2**20
 # CUDA context, cuBLAS/cuDNN workspaces and kernels of a PyTorch process once it has run a model: an
 # assumption from public reports (500-700 MiB on recent GPUs), not measured by this project.
 CUDA_RUNTIME_BYTES = 600 * MiB
-# CPU: pages of the math kernels, thread pools and allocator arenas a training process touches after its
-# imports; measured on the validation runs (see the module docstring).
-CPU_RUNTIME_BYTES = 160 * MiB
+# CPU: what a training process holds beyond its tensors once it has run a model (library pages and buffers of
+# the kernels it used, the allocator's own): the median, over the tiny-model runs of
+# examples/benchmarks/plan_vs_measured.py (whose tensors are a few MB), of their peak PSS above the imports
+# less the tensors planned. Larger models hold more of it (the same runs of SmolLM2-135M: 100-300 MiB more).
+CPU_RUNTIME_BYTES = 112 * MiB
 # The caching allocator keeps freed blocks and splits them: what a process reserves is above what its
 # tensors hold at the peak. The planner's "fits" keeps this share of the card free.
 ALLOCATOR_MARGIN = 0.10
