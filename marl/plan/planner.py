@@ -184,12 +184,11 @@ def _adapter_config(directory: str | None, fallback: Any) -> Any:
     """The LoraConfig of a reward adapter folder (its ``adapter_config.json`` only), else ``fallback``."""
     if directory is None:
         return fallback
-    from marl.model.adapters import read_adapter_config
-
-    directory = directory.split("=", 1)[1] if "=" in directory and not Path(directory).exists() else directory
-    saved = read_adapter_config(Path(directory), role="reward")
     from peft import LoraConfig
 
+    from marl.model.adapters import read_adapter_config
+
+    saved = read_adapter_config(Path(directory), role="reward")
     return LoraConfig(
         r=saved.get("r", fallback.r),
         lora_alpha=saved.get("lora_alpha", fallback.lora_alpha),
@@ -240,7 +239,7 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
         raise ConfigError(f"--lora_target_modules {' '.join(targets)}: {error}") from error
     disable_dropout(peft_model)  # as marl loads every model
     policy_parameters = _parameter_count(peft_model, "default")
-    rewards = config.reward_adapter or [None]
+    rewards = list(config.reward_adapter_folders().values()) or [None]
     reward_parameters = 0
     for index, directory in enumerate(rewards):
         name = f"reward{index}"
