@@ -25,10 +25,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import functools
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -110,21 +111,41 @@ class _FusedAttention(torch.autograd.Function):
 
 
 _planning = threading.local()  # set while this thread runs the stand-in attention
+_patch_lock = threading.Lock()
+_patch_users = 0  # calls of fused_attention_stand_in under way (on any thread)
+_torch_kernel: Any = None  # torch's own SDPA while the stand-in is installed
 
 
-def _kernel_or_stand_in(kernel):
-    """``kernel`` (torch's SDPA), except inside :func:`fused_attention_stand_in` on this thread, where the
-    call allocates what the fused kernels allocate and computes nothing."""
+def _kernel_or_stand_in(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False):  # fmt: skip
+    """torch's SDPA, except on a thread inside :func:`fused_attention_stand_in`, where the call allocates what
+    the fused kernels allocate and computes nothing."""
+    if getattr(_planning, "active", False):
+        return _FusedAttention.apply(query, key, value, attn_mask)
+    return _torch_kernel(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)  # fmt: skip
 
-    @functools.wraps(kernel)
-    def call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if getattr(_planning, "active", False):
-            return _FusedAttention.apply(query, key, value, attn_mask)
-        return kernel(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                      scale=scale, enable_gqa=enable_gqa)  # fmt: skip
 
-    call.marl_stand_in = True
-    return call
+@contextlib.contextmanager
+def _sdpa_replaced() -> Iterator[None]:
+    """torch's SDPA replaced by :func:`_kernel_or_stand_in` for the duration (other threads still get torch's
+    kernel through it); torch's own function is back once no call needs the replacement."""
+    global _patch_users, _torch_kernel
+    functional = torch.nn.functional
+    with _patch_lock:
+        if _patch_users == 0:
+            _torch_kernel = functional.scaled_dot_product_attention
+            functional.scaled_dot_product_attention = _kernel_or_stand_in
+        _patch_users += 1
+    _planning.active = True
+    try:
+        yield
+    finally:
+        _planning.active = False
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                functional.scaled_dot_product_attention = _torch_kernel
 
 
 def fused_attention_stand_in(
@@ -140,14 +161,8 @@ def fused_attention_stand_in(
     a mask, its output layout) with the fused kernel's allocations in place of the kernel."""
     from transformers.integrations import sdpa_attention
 
-    functional = sdpa_attention.torch.nn.functional
-    if not getattr(functional.scaled_dot_product_attention, "marl_stand_in", False):
-        functional.scaled_dot_product_attention = _kernel_or_stand_in(functional.scaled_dot_product_attention)
-    _planning.active = True
-    try:
+    with _sdpa_replaced():
         return sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    finally:
-        _planning.active = False
 
 
 def register_stand_in_attention() -> None:

@@ -143,3 +143,11 @@ def test_a_quantized_stand_in_keeps_no_dequantized_weight_between_the_passes():
     plain = update_peak(_model("llama", "meta"), logit_head_of(_model("llama", "meta")), SHAPES)
     largest_linear = 128 * 64 * 4
     assert abs(quantized - plain) <= 2 * largest_linear
+
+
+def test_planning_leaves_torch_sdpa_as_it_was():
+    """The stand-in replaces torch's SDPA only while a traced attention call runs."""
+    kernel = torch.nn.functional.scaled_dot_product_attention
+    model = _model("llama", "meta")
+    update_peak(model, logit_head_of(model), SHAPES)
+    assert torch.nn.functional.scaled_dot_product_attention is kernel
