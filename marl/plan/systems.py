@@ -18,8 +18,8 @@ Every system keeps its trainable LoRA and AdamW state in float32 here.
 Example:
     >>> sorted(SYSTEMS)
     ['marl', 'ppo', 'trl-rloo']
-    >>> SYSTEMS["ppo"].base_copies
-    4
+    >>> SYSTEMS["ppo"].value_model
+    True
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ class SystemLayout:
     label: str
     packs: bool  # prompts computed once for their k samples (sampling, scoring, update)
     full_logits: bool  # the logits of every completion position at once (else chunked float32)
-    value_model: bool
-    base_copies: int  # bases resident: policy's included
+    value_model: bool  # PPO: a reference base, a value base with a trainable LoRA, a second backbone pass
     notes: tuple[str, ...] = ()
 
     def resident(
@@ -62,20 +61,19 @@ class SystemLayout:
         }
         if not self.packs:  # separate reward model(s): each a sequence classifier on its own base
             parts["reward model bases"] = num_rewards * classifier_bytes
-        if self.base_copies == 4:
+        if self.value_model:
             parts["reference model base"] = base_bytes
             parts["value model base + LoRA + AdamW"] = classifier_bytes + 3 * trainable
         return parts
 
 
 SYSTEMS: dict[str, SystemLayout] = {
-    "marl": SystemLayout("marl", packs=True, full_logits=False, value_model=False, base_copies=1),
+    "marl": SystemLayout("marl", packs=True, full_logits=False, value_model=False),
     "trl-rloo": SystemLayout(
         "TRL RLOOTrainer + peft_config (planner's model)",
         packs=False,
         full_logits=True,
         value_model=False,
-        base_copies=2,
         notes=("a prediction of the planner's model of TRL 1.16's RLOOTrainer, not a measurement",),
     ),
     "ppo": SystemLayout(
@@ -83,7 +81,6 @@ SYSTEMS: dict[str, SystemLayout] = {
         packs=False,
         full_logits=True,
         value_model=True,
-        base_copies=4,
         notes=("a prediction of the planner's model of PPO with four models, not a measurement",),
     ),
 }
