@@ -61,15 +61,15 @@ def test_live_bytes_does_not_mistake_a_new_storage_for_an_old_one_at_the_same_ad
     del kept
 
 
-def _model(family: str, device: str, quantization: str | None = None):
+def _model(family: str, device: str, quantization: str | None = None, dtype: torch.dtype = torch.float32):
     config = build_family_config(FAMILY_SPECS[family], 512, 0, 1, 2)
     if device == "meta":
-        base = meta_causal_lm(config, torch.float32)
+        base = meta_causal_lm(config, dtype)
         if quantization:
             quantize_stand_in(base, quantization, torch.float32)
     else:
         torch.manual_seed(0)
-        base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()  # its own attention
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()  # its own attention
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     disable_dropout(model)  # as marl loads every model
     return model
@@ -84,13 +84,19 @@ def _phases(model, shapes: PhaseShapes) -> tuple[int, int, int]:
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", PLANNED_FAMILIES)
-def test_the_meta_trace_counts_what_the_same_passes_allocate_on_cpu(family):
+def test_the_meta_trace_counts_what_the_same_passes_allocate_on_cpu(family, dtype):
     """The phase programs on the meta device count what they allocate with real CPU kernels, weights and the
-    family's own attention (sampling's drawn token ids are the only difference: a few bytes)."""
-    meta, real = _phases(_model(family, "meta"), SHAPES), _phases(_model(family, "cpu"), SHAPES)
+    family's own attention, in fp32 and bf16 (sampling's drawn token ids are the only fp32 difference: a few
+    bytes)."""
+    meta = _phases(_model(family, "meta", dtype=dtype), SHAPES)
+    real = _phases(_model(family, "cpu", dtype=dtype), SHAPES)
+    # bf16: the families with LayerNorm differ by about 1 KB in the update (0.1%; the meta and CPU kernels
+    # of layer norm keep their per-row statistics for the backward pass in different dtypes)
+    tolerance = 64 if dtype == torch.float32 else 64 + 0.002 * max(real)
     for counted, allocated in zip(meta, real, strict=True):
-        assert abs(counted - allocated) <= 64, (family, meta, real)
+        assert abs(counted - allocated) <= tolerance, (family, meta, real)
 
 
 def test_the_attention_stand_in_saves_what_torch_sdpa_saves_on_cpu():
