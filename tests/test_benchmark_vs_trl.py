@@ -203,9 +203,11 @@ def test_setup_groups_expand_and_unknown_names_stop(modules):
 
 def test_sharing_is_passed_only_where_marl_has_the_switch(modules):
     sharing = modules["vs_trl"].sharing
-    with_switch = ("marl", "marl-unshared", "trl")
+    with_switch = ("marl", "marl-unshared", "marl-generate", "trl")
     assert sharing("marl", with_switch) == {"share_prompt_prefix": True}
     assert sharing("marl-unshared", with_switch) == {"share_prompt_prefix": False}
+    # marl-generate differs from marl in its sampler only: its scoring and update share prompts too
+    assert sharing("marl-generate", with_switch) == {"share_prompt_prefix": True}
     assert sharing("trl", with_switch) == {"share_prompt_prefix": None}
     assert sharing("marl", ("marl", "trl")) == {"share_prompt_prefix": None}
 

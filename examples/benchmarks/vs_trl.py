@@ -505,15 +505,19 @@ def setup_systems(config: BenchConfig, known: Sequence[str], chosen: Sequence[st
 
 
 def sharing(system: str, known: Sequence[str]) -> dict:
-    """``share_prompt_prefix`` for a marl run: on for ``marl``, off for ``marl-unshared``; None (the default)
-    when this marl has no such switch, and for TRL.
+    """``share_prompt_prefix`` for a marl run: off for ``marl-unshared``, on for every other marl system
+    (``marl-generate`` differs from ``marl`` in its sampler only); None (the default) when this marl has no
+    such switch, and for TRL.
 
     Example:
-        >>> sharing("marl-unshared", ["marl", "marl-unshared", "trl"]), sharing("marl", ["marl", "trl"])
-        ({'share_prompt_prefix': False}, {'share_prompt_prefix': None})
+        >>> known = ["marl", "marl-unshared", "marl-generate", "trl"]
+        >>> [sharing(system, known)["share_prompt_prefix"] for system in known]
+        [True, False, True, None]
+        >>> sharing("marl", ["marl", "trl"])
+        {'share_prompt_prefix': None}
     """
     switch = "marl-unshared" in known and system != "trl"
-    return {"share_prompt_prefix": system == "marl" if switch else None}
+    return {"share_prompt_prefix": system != "marl-unshared" if switch else None}
 
 
 def _load_average() -> str:
