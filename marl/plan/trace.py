@@ -40,9 +40,20 @@ from torch.utils._pytree import tree_flatten
 STAND_IN_ATTENTION = "marl_fused_attention_stand_in"
 
 
+def _input_bytes(args: tuple, kwargs: dict) -> int:
+    return args[0].numel() * args[0].element_size()
+
+
+# Operations whose kernels make a temporary that no dispatched operation shows, with its size: CPU and CUDA
+# compute logsumexp as ``(x - max).exp_()`` summed, one tensor the size of the input while the kernel runs
+# (measured on CPU: the C heap in use rose by the input's size above what this count saw).
+KERNEL_TEMPORARIES = {torch.ops.aten.logsumexp.default: _input_bytes}
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of the storages created inside the ``with`` block that are still referenced: ``current`` now,
-    ``peak`` the largest sum seen. Storages made before the block (weights) are not counted.
+    ``peak`` the largest sum seen. Storages made before the block (weights) are not counted; the
+    temporaries of :data:`KERNEL_TEMPORARIES` count in the peak while their operation runs.
 
     ``mark()`` starts a new peak from what is live now (``peak = current``), so that one pass can be
     measured after another.
@@ -82,6 +93,9 @@ class LiveBytes(TorchDispatchMode):
                 if key not in self._live and key not in self._outside:
                     # forgotten when it goes: its address may then hold a storage made here
                     self._outside[key] = weakref.ref(storage, lambda _, key=key: self._outside.pop(key, None))
+        temporary = KERNEL_TEMPORARIES.get(func)
+        if temporary is not None:
+            self.peak = max(self.peak, self.current + temporary(args, kwargs or {}))
         out = func(*args, **(kwargs or {}))
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
