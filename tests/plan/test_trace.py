@@ -52,41 +52,27 @@ def test_live_bytes_counts_what_is_made_and_still_referenced():
 
 
 def _heap_peak_while(call) -> int:
-    """Bytes the C allocator hands out (glibc ``mallinfo2``: in use + mmapped) at most while ``call`` runs,
-    above what it had before, read by a thread every fraction of a millisecond."""
-    import ctypes
+    """Bytes the C allocator hands out (the benchmarks' ``measure.heap_in_use``: glibc ``mallinfo2``) at most
+    while ``call`` runs, above what it had before, read by a thread every fraction of a millisecond."""
+    import importlib
+    import sys
     import threading
     import time
+    from pathlib import Path
 
-    class MallInfo2(ctypes.Structure):
-        names = (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-        )
-        _fields_ = [(name, ctypes.c_size_t) for name in (*names, "keepcost")]
-
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "benchmarks"))
     try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except AttributeError:
+        heap_in_use = importlib.import_module("measure").heap_in_use
+    finally:
+        sys.path.pop(0)
+    before = heap_in_use()
+    if before != before:  # NaN: not glibc >= 2.33
         pytest.skip("needs glibc >= 2.33 (mallinfo2)")
-    mallinfo2.restype = MallInfo2
-
-    def in_use() -> int:
-        info = mallinfo2()
-        return info.uordblks + info.hblkhd
-
-    before, peak, running = in_use(), [0], [True]
+    peak, running = [before], [True]
 
     def poll() -> None:
         while running[0]:
-            peak[0] = max(peak[0], in_use())
+            peak[0] = max(peak[0], heap_in_use())
             time.sleep(0.0001)
 
     thread = threading.Thread(target=poll)
@@ -97,7 +83,7 @@ def _heap_peak_while(call) -> int:
     finally:
         running[0] = False
         thread.join()
-    return peak[0] - before
+    return int((peak[0] - before) * 2**20)
 
 
 def test_live_bytes_counts_the_temporary_logsumexp_makes_inside_its_kernel():
