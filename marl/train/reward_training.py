@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import apply_threads
 from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
+from marl.data.topic_pairs import TOPIC_DATASET
 from marl.errors import ConfigError, DataError, ModelError, RunFolderError
 from marl.model.adapters import (
     ADAPTER_CONFIG_NAME,
@@ -36,6 +37,7 @@ from marl.model.adapters import (
     write_reward_reading,
 )
 from marl.model.quantization import default_compute_dtype
+from marl.train.base_continuations import base_continuer
 from marl.train.reward_report import SUMMARY_FILE, provenance, write_report
 from marl.train.reward_settings import RewardAdapterArguments, RewardTrainingSettings
 
@@ -319,12 +321,23 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
     Example:
         >>> run(RewardAdapterArguments(output_dir="rm", max_train_pairs=256))  # doctest: +SKIP
     """
+    continue_like = None
+    if arguments.dataset == TOPIC_DATASET:
+        # The on-topic pairs set real continuations against the base's own: sample them from the base the
+        # adapter is trained on, loaded as it will be.
+        continue_like = base_continuer(
+            arguments.model_name_or_path,
+            quantization=arguments.quantization,
+            seed=arguments.seed,
+            threads=arguments.threads,
+        )
     train_pairs, eval_pairs = load_preference_data(
         arguments.dataset,
         eval_fraction=arguments.eval_fraction,
         max_train_pairs=arguments.max_train_pairs,
         max_eval_pairs=arguments.max_eval_pairs,
         seed=arguments.seed,
+        continue_like=continue_like,
     )
     description = describe_preference_data(arguments.dataset, arguments.eval_fraction, arguments.seed)
     return train_reward_adapter(

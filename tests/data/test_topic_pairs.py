@@ -1,14 +1,17 @@
-"""The on-topic preference pairs: an opening's real continuation against another film's or off-film text."""
+"""The on-topic preference pairs: an opening's real continuation against the base model's own or another
+film's, and the base model's continuations themselves."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import datasets
+import torch
 
 from marl.data import assets
 from marl.data.preferences import describe_preference_data, load_preference_data
-from marl.data.topic_pairs import TOPIC_DATASET, build_topic_pairs, load_off_film_sentences, split_sentences
-
-SPEECH = ["We will build a better future for every family and every child in this country tonight"]
+from marl.data.topic_pairs import BASE_TEXT, OTHER_FILM, TOPIC_DATASET, build_topic_pairs
+from marl.train.base_continuations import MAX_SAMPLED_TOKENS, base_continuer
 
 
 def reviews():
@@ -28,56 +31,80 @@ def reviews():
     )
 
 
-def test_every_pair_shares_its_opening_and_chooses_the_real_snippet():
-    data = reviews()
-    pairs = build_topic_pairs(data, SPEECH, seed=3)
+class Recorder:
+    """A ``continue_like`` that writes ``<n words>`` for each opening and keeps what it was asked."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, openings, continuations):
+        self.calls.append((list(openings), list(continuations)))
+        return [f" <{len(c.split())} words>" for c in continuations]
+
+
+def test_fresh_snippets_face_the_base_model_and_rotten_ones_another_film():
+    data, recorder = reviews(), Recorder()
+    pairs = build_topic_pairs(data, recorder, seed=3)
     by_text = dict(zip(data["text"], zip(data["label"], data["movie"], strict=True), strict=True))
     assert len(pairs) == 5  # the snippet with no continuation is skipped
+    ((openings, continuations),) = recorder.calls  # one call, for every fresh snippet at once
+    assert len(openings) == 3
     for row in pairs:
-        assert row["chosen"] in by_text and row["chosen"] != row["rejected"]
-        assert row["chosen"].split()[:4] == row["rejected"].split()[:4]
         label, movie = by_text[row["chosen"]]
-        continuation = row["rejected"].split()[4:]
-        if row["kind"] == "off-film text":
-            assert label == 1 and " ".join(continuation) in SPEECH[0]
-            assert len(continuation) == len(row["chosen"].split()) - 4
+        opening = " ".join(row["chosen"].split()[:4])
+        assert row["rejected"].startswith(opening + " ") and row["chosen"] != row["rejected"]
+        if row["kind"] == BASE_TEXT:
+            # The base model continues the opening, measured against the snippet's own continuation.
+            assert label == 1
+            continuation = " " + " ".join(row["chosen"].split()[4:])
+            assert (opening, continuation) in zip(openings, continuations, strict=True)
+            assert row["rejected"] == f"{opening} <{len(continuation.split())} words>"
         else:
-            # Another movie's continuation, of the same label, so sentiment is no cue.
-            donors = [t for t, (lab, mov) in by_text.items() if t.split()[4:] == continuation]
-            assert donors and all(by_text[t][0] == label and by_text[t][1] != movie for t in donors)
+            # Another movie's rotten continuation, so sentiment is no cue.
+            assert row["kind"] == OTHER_FILM and label == 0
+            tail = row["rejected"].split()[4:]
+            donors = [t for t in by_text if t.split()[4:] == tail]
+            assert donors and all(by_text[t][0] == 0 and by_text[t][1] != movie for t in donors)
 
 
-def test_every_second_fresh_snippet_gets_off_film_text():
-    pairs = build_topic_pairs(reviews(), SPEECH, seed=0)
-    assert sorted(pairs["kind"]).count("off-film text") == 1  # of 3 fresh snippets with a continuation
-    assert build_topic_pairs(reviews(), SPEECH, seed=0).to_dict() == pairs.to_dict()
-    assert set(build_topic_pairs(reviews(), [], seed=0)["kind"]) == {"other film"}
+def test_the_cap_is_applied_before_any_text_is_sampled():
+    recorder = Recorder()
+    pairs = build_topic_pairs(reviews(), recorder, max_pairs=2, seed=3)
+    full = build_topic_pairs(reviews(), Recorder(), seed=3)
+    assert pairs.to_dict() == full.select(range(2)).to_dict()
+    assert sum(len(openings) for openings, _ in recorder.calls) == pairs["kind"].count(BASE_TEXT)
 
 
-def test_sentences_are_split_and_bounded():
-    text = "Thank you.\nWe  will win this   fight, together! Short one? And another sentence of words here."
-    assert split_sentences(text, 4, 8) == [
-        "We will win this fight, together!",
-        "And another sentence of words here.",
-    ]
-
-
-def test_the_bundled_topic_pairs_hold_out_other_movies_and_other_sentences():
-    train, held_out = load_preference_data(TOPIC_DATASET)
+def test_the_bundled_topic_pairs_hold_out_other_movies():
+    recorder = Recorder()
+    train, held_out = load_preference_data(
+        TOPIC_DATASET, max_train_pairs=300, max_eval_pairs=100, continue_like=recorder
+    )
+    assert (len(train), len(held_out)) == (300, 100)
     assert set(train["movie"]).isdisjoint(held_out["movie"])
-    assert set(train["kind"]) == set(held_out["kind"]) == {"other film", "off-film text"}
+    assert set(train["kind"]) == set(held_out["kind"]) == {BASE_TEXT, OTHER_FILM}
     parts = assets.split_rotten_tomatoes(seed=0)
     assert set(held_out["movie"]) <= set(parts["eval"]["movie"])
-    assert len(load_off_film_sentences()) > 1000
+    assert "the base model's own continuation" in describe_preference_data(TOPIC_DATASET, 0.1, 0)
 
-    def off_film_tails(pairs):  # long enough that two different sentences do not share them by chance
-        rejected = [row.split()[4:] for row, kind in zip(pairs["rejected"], pairs["kind"], strict=True)]
-        kinds = pairs["kind"]
-        return {
-            " ".join(words)
-            for words, kind in zip(rejected, kinds, strict=True)
-            if kind != "other film" and len(words) >= 8
-        }
 
-    assert off_film_tails(train).isdisjoint(off_film_tails(held_out))
-    assert "convention-speech" in describe_preference_data(TOPIC_DATASET, 0.1, 0)
+def test_base_continuations_are_seeded_and_cut_to_the_real_length(tiny_llama_dir: Path):
+    openings = ["the film is", "a warm and funny", "too long to match"]
+    short = [" a quiet triumph", " picture about", " word" * (MAX_SAMPLED_TOKENS + 9)]
+    longer = [
+        " a quiet triumph of craft and feeling",
+        " picture about growing up well and true",
+        " word" * 99,
+    ]
+    continue_like = base_continuer(str(tiny_llama_dir), quantization=None, seed=5, threads=1)
+    cut, uncut = continue_like(openings, short), continue_like(openings, longer)
+    assert cut == continue_like(openings, short)  # seeded
+    # The same draws, cut where the real continuation ends: a longer real text gives a longer prefix of
+    # them, and past the cap every length gives the same text. (The tiny tokenizer's byte tokens may cut a
+    # character in two: its bytes decode as replacement characters.)
+    for row in range(2):
+        assert uncut[row].startswith(cut[row].rstrip("\ufffd")) and len(uncut[row]) > len(cut[row]) > 0
+    assert cut[2] == uncut[2]
+    other_seed = base_continuer(str(tiny_llama_dir), quantization=None, seed=6, threads=1)
+    assert other_seed(openings, short) != cut
+    assert torch.get_num_threads() == 1

@@ -1,0 +1,83 @@
+"""The base model's own continuations of text openings, sampled as an RLOO rollout samples them: the rejected
+side of the on-topic reward's pairs (:mod:`marl.data.topic_pairs`), i.e. the text a policy starts from.
+
+Each opening is a plain-text prompt of the loaded base with its adapters off (the ``reference`` view),
+sampled at the rollouts' temperature by the default sampler, with no stop token, and cut to the number of
+tokens of the real continuation it stands against, so that length is no cue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+# A real continuation longer than this is matched by this many sampled tokens (pairs are at most 64 tokens).
+MAX_SAMPLED_TOKENS = 48
+ROWS_PER_PASS = 64
+
+
+def base_continuer(
+    model_name_or_path: str,
+    *,
+    quantization: str | None,
+    seed: int,
+    threads: int = 0,
+) -> Callable[[Sequence[str], Sequence[str]], list[str]]:
+    """A ``continue_like(openings, continuations)`` function (:data:`marl.data.topic_pairs.ContinueLike`)
+    that loads ``model_name_or_path`` (with ``quantization``) on its first call and samples its continuation
+    of each opening at the rollouts' default temperature (:class:`marl.RLOOConfig`), seeded per batch from
+    ``seed``, with ``threads`` torch threads as ``--threads`` sets them
+    (:func:`marl.cpu_threads.apply_threads`).
+
+    Example:
+        >>> continue_like = base_continuer("smollm2-135m-instruct", quantization="4bit", seed=0)
+        >>> continue_like(["The film is"], [" a quiet triumph of craft"])  # doctest: +SKIP
+        [' a great example of how']
+    """
+
+    def continue_like(openings: Sequence[str], continuations: Sequence[str]) -> list[str]:
+        import torch
+
+        from marl.config import RLOOConfig
+        from marl.cpu_threads import apply_threads
+        from marl.model.build import load_tokenizer
+        from marl.model.multi_adapter import MultiAdapterModel
+        from marl.rollout.prompts import prepare_prompts
+        from marl.rollout.samplers import SamplerSettings, get_sampler
+
+        model = MultiAdapterModel.from_pretrained(
+            model_name_or_path, quantization=quantization, reference="base"
+        )
+        tokenizer = load_tokenizer(model.name_or_path)
+        governor = apply_threads(threads, model.device.type)
+        lengths = [
+            min(len(tokenizer(text, add_special_tokens=False)["input_ids"]), MAX_SAMPLED_TOKENS)
+            for text in continuations
+        ]
+        prompts = prepare_prompts(
+            [{"prompt": opening} for opening in openings],
+            tokenizer,
+            "review openings",
+            context_length=getattr(model.config, "max_position_embeddings", None),
+            response_length=MAX_SAMPLED_TOKENS,
+        )
+        make_sampler = get_sampler(RLOOConfig.sampler)
+        sampled: list[str] = []
+        for batch_index, start in enumerate(range(0, len(prompts), ROWS_PER_PASS)):
+            batch_lengths = lengths[start : start + ROWS_PER_PASS]
+            # Each batch samples only as many tokens as its longest real continuation.
+            settings = SamplerSettings(
+                temperature=RLOOConfig.temperature,
+                response_length=max(batch_lengths),
+                rows_per_pass=ROWS_PER_PASS,
+            )
+            sampler = make_sampler(model, tokenizer, settings)
+            torch.manual_seed(seed + batch_index)
+            batch = sampler.batch(prompts[start : start + ROWS_PER_PASS])
+            samples = sampler.sample(batch, k=1, view="reference")
+            for ids, length in zip(samples.response_ids, batch_lengths, strict=True):
+                sampled.append(tokenizer.decode(ids[:length], skip_special_tokens=True))
+            if governor is not None:
+                governor()
+        return sampled
+
+    return continue_like
