@@ -2,8 +2,9 @@
 fixed-rule checks of what no reward sees (the film named, distinct bigrams).
 
 - ``sentiment``: the shipped sentiment adapter (fresh vs rotten snippets of the same movie);
-- ``topic``: the shipped on-topic adapter (a review opening's real continuation vs another film's or off-film
-  text, :mod:`marl.data.topic_pairs`), a second LoRA + score head on the same loaded base.
+- ``topic``: the shipped on-topic adapter (a review opening's real continuation vs the base model's own
+  continuation of it or another film's, :mod:`marl.data.topic_pairs`), a second LoRA + score head on the same
+  loaded base.
 
 With both, the on-topic weight is measured at the start unless given: base completions of training prompts
 are scored by both adapters, and the weight makes the on-topic scores spread as widely as the sentiment
