@@ -131,7 +131,7 @@ def generate_and_score(
     from marl.config import RLOOConfig
     from marl.data.prompts import prompt_text
     from marl.rewards import RewardParts, RewardSetting, plan_rewards
-    from marl.rollout.prompts import prepare_prompts
+    from marl.rollout.prompts import prepare_text_prompts
     from marl.rollout.samplers import SamplerSettings, get_sampler
     from marl.rollout.scoring import Scorer
 
@@ -149,12 +149,8 @@ def generate_and_score(
         ),
     )
     scorer = Scorer(model, tokenizer, temperature=temperature, rows_per_pass=batch_size, policy=policy)
-    prepared = prepare_prompts(
-        [{"prompt": prompt} for prompt in prompts],
-        tokenizer,
-        "evaluation prompts",
-        context_length=getattr(model.config, "max_position_embeddings", None),
-        response_length=response_length,
+    prepared = prepare_text_prompts(
+        prompts, tokenizer, "evaluation prompts", model=model, response_length=response_length
     )
     # The model's first reward adapter (if any) reads each text ending in EOS, as the shipped one was trained.
     names = list(model.rewards)[:1] if reward_names is None else list(reward_names)

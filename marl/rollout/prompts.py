@@ -91,6 +91,26 @@ def prepare_prompts(
     return prompts
 
 
+def context_length(model: Any) -> int | None:
+    """The longest sequence ``model``'s positions allow (``config.max_position_embeddings``), None if its
+    config does not say."""
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def prepare_text_prompts(
+    prompts: Sequence[Any], tokenizer: Any, name: str, *, model: Any, response_length: int
+) -> list[Prompt]:
+    """:func:`prepare_prompts` for a list of prompts (text or conversations), checked against ``model``'s
+    context."""
+    return prepare_prompts(
+        [{"prompt": prompt} for prompt in prompts],
+        tokenizer,
+        name,
+        context_length=context_length(model),
+        response_length=response_length,
+    )
+
+
 def prompts_for_update(
     prompts: Sequence[Prompt], update: int, process_index: int, sizes: BatchSizes, seed: int
 ) -> list[Prompt]:

@@ -41,7 +41,7 @@ def base_continuer(
         from marl.cpu_threads import apply_threads
         from marl.model.build import load_tokenizer
         from marl.model.multi_adapter import MultiAdapterModel
-        from marl.rollout.prompts import prepare_prompts
+        from marl.rollout.prompts import prepare_text_prompts
         from marl.rollout.samplers import SamplerSettings, get_sampler
 
         model = MultiAdapterModel.from_pretrained(
@@ -53,12 +53,8 @@ def base_continuer(
             min(len(tokenizer(text, add_special_tokens=False)["input_ids"]), MAX_SAMPLED_TOKENS)
             for text in continuations
         ]
-        prompts = prepare_prompts(
-            [{"prompt": opening} for opening in openings],
-            tokenizer,
-            "review openings",
-            context_length=getattr(model.config, "max_position_embeddings", None),
-            response_length=MAX_SAMPLED_TOKENS,
+        prompts = prepare_text_prompts(
+            openings, tokenizer, "review openings", model=model, response_length=MAX_SAMPLED_TOKENS
         )
         make_sampler = get_sampler(RLOOConfig.sampler)
         sampled: list[str] = []

@@ -27,7 +27,7 @@ from marl.cpu_threads import apply_threads
 from marl.errors import ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rewards import CheckedJudge, WeightedRewards, build_rewards
-from marl.rollout.prompts import Prompt, prepare_prompts
+from marl.rollout.prompts import Prompt, context_length, prepare_prompts
 from marl.rollout.samplers import Sampler, SamplerSettings, get_sampler
 from marl.rollout.scoring import Scorer
 from marl.train.parallel import Parallelism, get_parallelism
@@ -116,8 +116,7 @@ def build_training_parts(
         policy=policy,
         share_prompt_prefix=config.share_prompt_prefix,
     )
-    context = getattr(model.config, "max_position_embeddings", None)
-    lengths = dict(context_length=context, response_length=config.response_length)
+    lengths = dict(context_length=context_length(model), response_length=config.response_length)
     train_prompts = prepare_prompts(train_dataset, tokenizer, "train_dataset", **lengths)
     eval_prompts = (
         None if eval_dataset is None else prepare_prompts(eval_dataset, tokenizer, "eval_dataset", **lengths)
