@@ -89,7 +89,7 @@ def build_topic_pairs(
         if other is not None:
             planned.append((index, OTHER_FILM, " " + " ".join(rows[other][0][num_words:])))
     to_sample = [index for index, kind, _ in planned if kind == BASE_TEXT]
-    sampled = iter(
+    continued = (
         continue_like(
             [" ".join(rows[index][0][:num_words]) for index in to_sample],
             [" " + " ".join(rows[index][0][num_words:]) for index in to_sample],
@@ -97,6 +97,9 @@ def build_topic_pairs(
         if to_sample
         else []
     )
+    if len(continued) != len(to_sample):
+        raise ValueError(f"continue_like returned {len(continued)} texts for {len(to_sample)} openings")
+    sampled = iter(continued)
     pairs: dict[str, list[str]] = {"chosen": [], "rejected": [], "movie": [], "kind": []}
     for index, kind, rejected in planned:
         words, _, movie = rows[index]

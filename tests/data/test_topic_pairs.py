@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import datasets
+import pytest
 import torch
 
 from marl.data import assets
@@ -73,6 +74,11 @@ def test_the_cap_is_applied_before_any_text_is_sampled():
     full = build_topic_pairs(reviews(), Recorder(), seed=3)
     assert pairs.to_dict() == full.select(range(2)).to_dict()
     assert sum(len(openings) for openings, _ in recorder.calls) == pairs["kind"].count(BASE_TEXT)
+
+
+def test_a_continuer_that_drops_openings_is_refused():
+    with pytest.raises(ValueError, match="returned 1 texts for 3 openings"):
+        build_topic_pairs(reviews(), lambda openings, continuations: [" only one"], seed=3)
 
 
 def test_the_bundled_topic_pairs_hold_out_other_movies():
