@@ -100,14 +100,18 @@ def reward_adapter_entries(rewards: Sequence[str], folders: dict[str, str]) -> l
 def balancing_weight(reference: Sequence[float], other: Sequence[float]) -> float:
     """The weight that gives ``other`` the standard deviation of ``reference`` (both measured on the same
     completions); 1.0 if either does not vary (no ratio of spreads to match, and a weight of 0 would drop
-    ``other``).
+    ``other``), or if ``other`` varies so little that the ratio overflows.
 
     Example:
         >>> balancing_weight([0.0, 2.0, 4.0], [1.0, 2.0, 3.0])
         2.0
+        >>> balancing_weight([0.0, 1.0], [0.0, 1e-310])
+        1.0
     """
     spread, reference_spread = statistics.pstdev(other), statistics.pstdev(reference)
-    return reference_spread / spread if spread > 0 and reference_spread > 0 else 1.0
+    if spread > 0 and reference_spread > 0 and math.isfinite(reference_spread / spread):
+        return reference_spread / spread
+    return 1.0
 
 
 def measure_topic_weight(

@@ -69,6 +69,11 @@ def test_the_balancing_weight_equalises_the_spreads(reference, other):
         assert weight == 1.0
 
 
+def test_a_spread_too_small_for_the_ratio_falls_back_to_weight_one():
+    # Found by the property above: a subnormal spread made the ratio overflow to inf.
+    assert balancing_weight([0.0, 1.0], [0.0, 2.2250738585e-313]) == 1.0
+
+
 def test_a_given_topic_weight_is_used_as_given():
     said = []
     weighing = weigh_rewards(None, None, [], 0.25, say=said.append)
