@@ -8,7 +8,9 @@ tokens of the real continuation it stands against, so that length is no cue.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 # A real continuation longer than this is matched by this many sampled tokens (pairs are at most 64 tokens).
 MAX_SAMPLED_TOKENS = 48
@@ -23,9 +25,9 @@ def base_continuer(
     threads: int = 0,
 ) -> Callable[[Sequence[str], Sequence[str]], list[str]]:
     """A ``continue_like(openings, continuations)`` function (:data:`marl.data.topic_pairs.ContinueLike`)
-    that loads ``model_name_or_path`` (with ``quantization``) on its first call and samples its continuation
-    of each opening at the rollouts' default temperature (:class:`marl.RLOOConfig`), seeded per batch from
-    ``seed``, with ``threads`` torch threads as ``--threads`` sets them
+    that loads ``model_name_or_path`` (with ``quantization``) once, on its first call, and samples its
+    continuation of each opening at the rollouts' default temperature (:class:`marl.RLOOConfig`), seeded per
+    batch from ``seed``, with ``threads`` torch threads as ``--threads`` sets them
     (:func:`marl.cpu_threads.apply_threads`).
 
     Example:
@@ -34,21 +36,26 @@ def base_continuer(
         [' a great example of how']
     """
 
-    def continue_like(openings: Sequence[str], continuations: Sequence[str]) -> list[str]:
-        import torch
-
-        from marl.config import RLOOConfig
+    @functools.cache
+    def load() -> tuple[Any, Any, Any]:
         from marl.cpu_threads import apply_threads
         from marl.model.build import load_tokenizer
         from marl.model.multi_adapter import MultiAdapterModel
-        from marl.rollout.prompts import prepare_text_prompts
-        from marl.rollout.samplers import SamplerSettings, get_sampler
 
         model = MultiAdapterModel.from_pretrained(
             model_name_or_path, quantization=quantization, reference="base"
         )
-        tokenizer = load_tokenizer(model.name_or_path)
-        governor = apply_threads(threads, model.device.type)
+        return model, load_tokenizer(model.name_or_path), apply_threads(threads, model.device.type)
+
+    def continue_like(openings: Sequence[str], continuations: Sequence[str]) -> list[str]:
+        import torch
+
+        from marl.config import RLOOConfig
+        from marl.rollout.prompts import prepare_text_prompts
+        from marl.rollout.samplers import SamplerSettings, get_sampler
+
+        # Loaded once, for the training and the held-out pairs alike.
+        model, tokenizer, governor = load()
         lengths = [
             min(len(tokenizer(text, add_special_tokens=False)["input_ids"]), MAX_SAMPLED_TOKENS)
             for text in continuations

@@ -162,6 +162,19 @@ def pairwise_accuracy(model, tokenized_pairs, pad_token_id: int, batch_size: int
     return wins / len(tokenized_pairs)
 
 
+def check_output_dir(output_dir: str | os.PathLike) -> Path:
+    """``output_dir`` as a path, refused if it is a file or a folder that is not empty (nothing the user had
+    there is overwritten)."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise RunFolderError(f"--output_dir {output_dir} is a file: pass a folder")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise RunFolderError(
+            f"--output_dir {output_dir} exists and is not empty; choose a new output_dir or empty it first"
+        )
+    return output_dir
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Training
 
@@ -206,13 +219,7 @@ def train_reward_adapter(
     settings = RewardTrainingSettings(**settings)
     check_preference_pairs(train_pairs, "train_pairs")
     check_preference_pairs(eval_pairs, "eval_pairs")
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise RunFolderError(f"--output_dir {output_dir} is a file: pass a folder")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        raise RunFolderError(
-            f"--output_dir {output_dir} exists and is not empty; choose a new output_dir or empty it first"
-        )
+    output_dir = check_output_dir(output_dir)
 
     started = time.perf_counter()
     dtype = dtype or default_compute_dtype()
@@ -321,6 +328,7 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
     Example:
         >>> run(RewardAdapterArguments(output_dir="rm", max_train_pairs=256))  # doctest: +SKIP
     """
+    check_output_dir(arguments.output_dir)  # before the data, whose on-topic pairs take minutes to sample
     continue_like = None
     if arguments.dataset == TOPIC_DATASET:
         # The on-topic pairs set real continuations against the base's own: sample them from the base the

@@ -12,6 +12,7 @@ import torch
 from marl.data import assets
 from marl.data.preferences import describe_preference_data, load_preference_data
 from marl.data.topic_pairs import BASE_TEXT, OTHER_FILM, TOPIC_DATASET, build_topic_pairs
+from marl.model.multi_adapter import MultiAdapterModel
 from marl.train.base_continuations import MAX_SAMPLED_TOKENS, base_continuer
 
 
@@ -94,7 +95,15 @@ def test_the_bundled_topic_pairs_hold_out_other_movies():
     assert "the base model's own continuation" in describe_preference_data(TOPIC_DATASET, 0.1, 0)
 
 
-def test_base_continuations_are_seeded_and_cut_to_the_real_length(tiny_llama_dir: Path):
+def test_base_continuations_are_seeded_and_cut_to_the_real_length(tiny_llama_dir: Path, monkeypatch):
+    loads = []
+    load = MultiAdapterModel.from_pretrained.__func__
+
+    def counted(cls, name, **kwargs):
+        loads.append(name)
+        return load(cls, name, **kwargs)
+
+    monkeypatch.setattr(MultiAdapterModel, "from_pretrained", classmethod(counted))
     openings = ["the film is", "a warm and funny", "too long to match"]
     short = [" a quiet triumph", " picture about", " word" * (MAX_SAMPLED_TOKENS + 9)]
     longer = [
@@ -111,6 +120,24 @@ def test_base_continuations_are_seeded_and_cut_to_the_real_length(tiny_llama_dir
     for row in range(2):
         assert uncut[row].startswith(cut[row].rstrip("\ufffd")) and len(uncut[row]) > len(cut[row]) > 0
     assert cut[2] == uncut[2]
+    assert loads == [str(tiny_llama_dir)]  # training and held-out pairs share one loaded base
     other_seed = base_continuer(str(tiny_llama_dir), quantization=None, seed=6, threads=1)
     assert other_seed(openings, short) != cut
     assert torch.get_num_threads() == 1
+
+
+def test_a_used_output_folder_is_refused_before_any_text_is_sampled(tmp_path: Path, monkeypatch):
+    from marl.errors import RunFolderError
+    from marl.train import reward_training
+    from marl.train.reward_settings import RewardAdapterArguments
+
+    (tmp_path / "kept.txt").write_text("the user's file")
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("the base model was set up to sample before the output folder was checked")
+
+    monkeypatch.setattr(reward_training, "base_continuer", no_sampling)
+    arguments = RewardAdapterArguments(output_dir=str(tmp_path), dataset=TOPIC_DATASET)
+    with pytest.raises(RunFolderError, match="exists and is not empty"):
+        reward_training.run(arguments)
+    assert (tmp_path / "kept.txt").read_text() == "the user's file"
