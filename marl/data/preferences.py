@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
-from marl.data.topic_pairs import TOPIC_DATA_DESCRIPTION, TOPIC_DATASET, ContinueLike, topic_pair_parts
+from marl.data.topic_pairs import TOPIC_DATASET, ContinueLike, describe_topic_pairs, topic_pair_parts
 from marl.errors import DataError, MissingPathError
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ def load_preference_data(
     max_eval_pairs: int | None = None,
     seed: int = 0,
     continue_like: ContinueLike | None = None,
+    drift_like: ContinueLike | None = None,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Training and held-out preference pairs from Rotten Tomatoes or a local file.
 
@@ -30,7 +31,8 @@ def load_preference_data(
     training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
     prompts. ``"rotten-tomatoes-topic"``: the on-topic pairs of :mod:`marl.data.topic_pairs` (the real
     continuation of a review opening against the base model's or another film's), from the same movies; the
-    base model's text comes from ``continue_like`` (required for this dataset). A local
+    base model's text comes from ``continue_like`` (required for this dataset) and a drifted policy's from
+    ``drift_like`` (optional). A local
     ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows is held out.
     Subsampling keeps a seeded random subset.
 
@@ -50,7 +52,11 @@ def load_preference_data(
             raise ValueError(f"the {TOPIC_DATASET!r} pairs need continue_like, the base model's sampler")
         # Capped before the base model's text is sampled, so that only the pairs used cost sampling.
         train, held_out = topic_pair_parts(
-            continue_like, max_train_pairs=max_train_pairs, max_eval_pairs=max_eval_pairs, seed=seed
+            continue_like,
+            drift_like=drift_like,
+            max_train_pairs=max_train_pairs,
+            max_eval_pairs=max_eval_pairs,
+            seed=seed,
         )
     else:
         pairs = _load_pair_file(Path(dataset))
@@ -63,7 +69,9 @@ def load_preference_data(
     return _subsample(train, max_train_pairs, seed), _subsample(held_out, max_eval_pairs, seed)
 
 
-def describe_preference_data(dataset: str, eval_fraction: float, seed: int) -> str:
+def describe_preference_data(
+    dataset: str, eval_fraction: float, seed: int, drifted_policy: str | None = None
+) -> str:
     """One sentence on where :func:`load_preference_data`'s pairs come from, for an adapter's README.
 
     Example:
@@ -80,7 +88,7 @@ def describe_preference_data(dataset: str, eval_fraction: float, seed: int) -> s
     if dataset == TOPIC_DATASET:
         from marl.config import RLOOConfig  # the base model's text is sampled at the rollouts' temperature
 
-        return TOPIC_DATA_DESCRIPTION.format(seed=seed, temperature=RLOOConfig.temperature)
+        return describe_topic_pairs(seed, RLOOConfig.temperature, drifted_policy)
     return f"`{dataset}` ({eval_fraction:.0%} held out with seed {seed})"
 
 

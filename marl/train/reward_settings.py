@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from marl.cpu_threads import check_threads, threads_field
 from marl.data.prompts import ROTTEN_TOMATOES
+from marl.data.topic_pairs import TOPIC_DATASET
 from marl.errors import ConfigError
+from marl.model.adapters import read_adapter_config
 from marl.model_settings import DEFAULT_LORA_ALPHA, DEFAULT_LORA_R, DEFAULT_TARGET_MODULES, parse_quantization
 from marl.validation import check_fields, check_seed
 
@@ -121,8 +124,29 @@ class RewardAdapterArguments(RewardTrainingSettings):
     max_eval_pairs: int | None = field(
         default=None, metadata={"help": "Use at most this many held-out pairs."}
     )
+    drifted_policy: str | None = field(
+        default=None,
+        metadata={
+            "help": f"With --dataset {TOPIC_DATASET}: a policy adapter folder trained on another reward "
+            "alone (e.g. the policy/ folder of `marl demo --rewards sentiment`); every second fresh "
+            "snippet's rejected text is its continuation instead of the base's, so the reward also learns "
+            "what a policy drifts into."
+        },
+    )
 
     def _check(self) -> None:
+        if self.drifted_policy is not None:
+            if self.dataset != TOPIC_DATASET:
+                raise ConfigError(
+                    f"--drifted_policy is only used by --dataset {TOPIC_DATASET} (got --dataset "
+                    f"{self.dataset}); drop it or train the on-topic reward"
+                )
+            config = read_adapter_config(Path(self.drifted_policy), role="policy")
+            if str(config.get("task_type")) == "SEQ_CLS":
+                raise ConfigError(
+                    f"--drifted_policy {self.drifted_policy} is a sequence-classification (reward) adapter; "
+                    "pass a policy's causal-LM adapter, such as the policy/ folder a `marl demo` run writes"
+                )
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
         for name in ("max_train_pairs", "max_eval_pairs"):

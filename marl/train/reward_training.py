@@ -37,7 +37,7 @@ from marl.model.adapters import (
     write_reward_reading,
 )
 from marl.model.quantization import default_compute_dtype
-from marl.train.base_continuations import base_continuer
+from marl.train.continuations import model_continuer
 from marl.train.reward_report import SUMMARY_FILE, provenance, write_report
 from marl.train.reward_settings import RewardAdapterArguments, RewardTrainingSettings
 
@@ -329,16 +329,16 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
         >>> run(RewardAdapterArguments(output_dir="rm", max_train_pairs=256))  # doctest: +SKIP
     """
     check_output_dir(arguments.output_dir)  # before the data, whose on-topic pairs take minutes to sample
-    continue_like = None
+    continue_like = drift_like = None
     if arguments.dataset == TOPIC_DATASET:
-        # The on-topic pairs set real continuations against the base's own: sample them from the base the
-        # adapter is trained on, loaded as it will be.
-        continue_like = base_continuer(
-            arguments.model_name_or_path,
-            quantization=arguments.quantization,
-            seed=arguments.seed,
-            threads=arguments.threads,
-        )
+        # The on-topic pairs set real continuations against the base's own (and a drifted policy's): sample
+        # them from the base the adapter is trained on, loaded as it will be.
+        sampling = dict(quantization=arguments.quantization, seed=arguments.seed, threads=arguments.threads)
+        continue_like = model_continuer(arguments.model_name_or_path, **sampling)
+        if arguments.drifted_policy is not None:
+            drift_like = model_continuer(
+                arguments.model_name_or_path, policy_adapter=arguments.drifted_policy, **sampling
+            )
     train_pairs, eval_pairs = load_preference_data(
         arguments.dataset,
         eval_fraction=arguments.eval_fraction,
@@ -346,8 +346,11 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
         max_eval_pairs=arguments.max_eval_pairs,
         seed=arguments.seed,
         continue_like=continue_like,
+        drift_like=drift_like,
     )
-    description = describe_preference_data(arguments.dataset, arguments.eval_fraction, arguments.seed)
+    description = describe_preference_data(
+        arguments.dataset, arguments.eval_fraction, arguments.seed, arguments.drifted_policy
+    )
     return train_reward_adapter(
         arguments.model_name_or_path,
         train_pairs,

@@ -423,6 +423,21 @@ CASES += [
     Case(REWARD, ["--threads", "-2"], r"--threads=-2 must be >= 0"),
     Case(REWARD, ["--gradient_checkpointing", "perhaps"], r"--gradient_checkpointing.*got perhaps"),
     Case(REWARD, ["--config", "{files}/bad.yaml"], r"cannot read the config file"),
+    Case(
+        REWARD,
+        ["--drifted_policy", "{files}/missing"],
+        r"--drifted_policy is only used by --dataset rotten-tomatoes-topic",
+    ),
+    Case(
+        REWARD,
+        ["--dataset", "rotten-tomatoes-topic", "--drifted_policy", "{files}/missing"],
+        r"policy adapter folder .*missing does not exist",
+    ),
+    Case(
+        REWARD,
+        ["--dataset", "rotten-tomatoes-topic", "--drifted_policy", "{reward}"],
+        r"--drifted_policy .* is a sequence-classification \(reward\) adapter; pass a policy's",
+    ),
 ]
 
 EVALUATE = "evaluate"

@@ -1,5 +1,5 @@
-"""The on-topic preference pairs: an opening's real continuation against the base model's own or another
-film's, and the base model's continuations themselves."""
+"""The on-topic preference pairs: an opening's real continuation against the base model's own, a drifted
+policy's or another film's, and the models' continuations themselves."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 
 from marl.data import assets
 from marl.data.preferences import describe_preference_data, load_preference_data
-from marl.data.topic_pairs import BASE_TEXT, OTHER_FILM, TOPIC_DATASET, build_topic_pairs
+from marl.data.topic_pairs import BASE_TEXT, DRIFTED_TEXT, OTHER_FILM, TOPIC_DATASET, build_topic_pairs
 from marl.model.multi_adapter import MultiAdapterModel
-from marl.train.base_continuations import MAX_SAMPLED_TOKENS, base_continuer
+from marl.train.continuations import MAX_SAMPLED_TOKENS, model_continuer
 
 
 def reviews():
@@ -34,14 +34,15 @@ def reviews():
 
 
 class Recorder:
-    """A ``continue_like`` that writes ``<n words>`` for each opening and keeps what it was asked."""
+    """A ``continue_like`` that writes ``<n words>`` (or ``<n drifted words>``) for each opening and keeps
+    what it was asked."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, word="words"):
+        self.calls, self.word = [], word
 
     def __call__(self, openings, continuations):
         self.calls.append((list(openings), list(continuations)))
-        return [f" <{len(c.split())} words>" for c in continuations]
+        return [f" <{len(c.split())} {self.word}>" for c in continuations]
 
 
 def test_fresh_snippets_face_the_base_model_and_rotten_ones_another_film():
@@ -67,6 +68,25 @@ def test_fresh_snippets_face_the_base_model_and_rotten_ones_another_film():
             tail = row["rejected"].split()[4:]
             donors = [t for t in by_text if t.split()[4:] == tail]
             assert donors and all(by_text[t][0] == 0 and by_text[t][1] != movie for t in donors)
+
+
+def test_a_drifted_policy_writes_every_second_fresh_snippets_rejected_text():
+    """With a drifted policy, fresh snippets alternate (in the shuffled order) between the base's text and the
+    policy's, each writer called once with its own openings; rotten snippets keep another film's text."""
+    data, base, drift = reviews(), Recorder(), Recorder("drifted words")
+    pairs = build_topic_pairs(data, base, drift_like=drift, seed=3)
+    alone = build_topic_pairs(data, Recorder(), seed=3)
+    assert pairs["chosen"] == alone["chosen"]  # the same pairs in the same order; only who wrote differs
+    fresh = [(row["kind"], row["rejected"]) for row in pairs if row["kind"] != OTHER_FILM]
+    assert [kind for kind, _ in fresh] == [BASE_TEXT, DRIFTED_TEXT, BASE_TEXT]
+    assert all(text.endswith("drifted words>") == (kind == DRIFTED_TEXT) for kind, text in fresh)
+    assert [len(openings) for openings, _ in base.calls] == [2]
+    assert [len(openings) for openings, _ in drift.calls] == [1]
+    assert [row["rejected"] for row in pairs if row["kind"] == OTHER_FILM] == [
+        row["rejected"] for row in alone if row["kind"] == OTHER_FILM
+    ]
+    description = describe_preference_data(TOPIC_DATASET, 0.1, 0, drifted_policy="runs/one-reward/policy")
+    assert "every second one, that of the policy adapter `runs/one-reward/policy`" in description
 
 
 def test_the_cap_is_applied_before_any_text_is_sampled():
@@ -111,7 +131,7 @@ def test_base_continuations_are_seeded_and_cut_to_the_real_length(tiny_llama_dir
         " picture about growing up well and true",
         " word" * 99,
     ]
-    continue_like = base_continuer(str(tiny_llama_dir), quantization=None, seed=5, threads=1)
+    continue_like = model_continuer(str(tiny_llama_dir), quantization=None, seed=5, threads=1)
     cut, uncut = continue_like(openings, short), continue_like(openings, longer)
     assert cut == continue_like(openings, short)  # seeded
     # The same draws, cut where the real continuation ends: a longer real text gives a longer prefix of
@@ -121,7 +141,7 @@ def test_base_continuations_are_seeded_and_cut_to_the_real_length(tiny_llama_dir
         assert uncut[row].startswith(cut[row].rstrip("\ufffd")) and len(uncut[row]) > len(cut[row]) > 0
     assert cut[2] == uncut[2]
     assert loads == [str(tiny_llama_dir)]  # training and held-out pairs share one loaded base
-    other_seed = base_continuer(str(tiny_llama_dir), quantization=None, seed=6, threads=1)
+    other_seed = model_continuer(str(tiny_llama_dir), quantization=None, seed=6, threads=1)
     assert other_seed(openings, short) != cut
     assert torch.get_num_threads() == 1
 
@@ -136,8 +156,36 @@ def test_a_used_output_folder_is_refused_before_any_text_is_sampled(tmp_path: Pa
     def no_sampling(*args, **kwargs):
         raise AssertionError("the base model was set up to sample before the output folder was checked")
 
-    monkeypatch.setattr(reward_training, "base_continuer", no_sampling)
+    monkeypatch.setattr(reward_training, "model_continuer", no_sampling)
     arguments = RewardAdapterArguments(output_dir=str(tmp_path), dataset=TOPIC_DATASET)
     with pytest.raises(RunFolderError, match="exists and is not empty"):
         reward_training.run(arguments)
     assert (tmp_path / "kept.txt").read_text() == "the user's file"
+
+
+def test_a_drifted_policys_continuations_are_its_own(tiny_llama_dir: Path, tmp_path: Path):
+    """With a policy adapter the continuer samples that policy on the base (not the base): a saved LoRA
+    whose B matrices are non-zero changes the text, and the same seed gives the same text."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    policy = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir), LoraConfig(r=4, target_modules="all-linear")
+    )
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(std=1.0)
+    policy.save_pretrained(tmp_path / "policy")
+    openings, lengths = (
+        ["the film is", "a warm and funny"],
+        [" a quiet triumph of craft", " picture about us"],
+    )
+    base = model_continuer(str(tiny_llama_dir), quantization=None, seed=5, threads=1)
+    drifted = model_continuer(
+        str(tiny_llama_dir), quantization=None, seed=5, threads=1, policy_adapter=str(tmp_path / "policy")
+    )
+    drifted_text = drifted(openings, lengths)
+    assert drifted_text == drifted(openings, lengths)
+    assert drifted_text != base(openings, lengths)

@@ -1,9 +1,11 @@
-"""The base model's own continuations of text openings, sampled as an RLOO rollout samples them: the rejected
-side of the on-topic reward's pairs (:mod:`marl.data.topic_pairs`), i.e. the text a policy starts from.
+"""A model's own continuations of text openings, sampled as an RLOO rollout samples them: the rejected side
+of the on-topic reward's pairs (:mod:`marl.data.topic_pairs`).
 
-Each opening is a plain-text prompt of the loaded base with its adapters off (the ``reference`` view),
-sampled at the rollouts' temperature by the default sampler, with no stop token, and cut to the number of
-tokens of the real continuation it stands against, so that length is no cue.
+Two models write them: the base with its adapters off (the ``reference`` view), i.e. the text a policy
+starts from, and optionally a trained policy adapter on that base (the ``policy`` view), i.e. the text a
+policy drifts into. Each opening is a plain-text prompt, sampled at the rollouts' temperature by the default
+sampler, with no stop token, and cut to the number of tokens of the real continuation it stands against, so
+that length is no cue.
 """
 
 from __future__ import annotations
@@ -17,24 +19,27 @@ MAX_SAMPLED_TOKENS = 48
 ROWS_PER_PASS = 64
 
 
-def base_continuer(
+def model_continuer(
     model_name_or_path: str,
     *,
     quantization: str | None,
     seed: int,
     threads: int = 0,
+    policy_adapter: str | None = None,
 ) -> Callable[[Sequence[str], Sequence[str]], list[str]]:
     """A ``continue_like(openings, continuations)`` function (:data:`marl.data.topic_pairs.ContinueLike`)
-    that loads ``model_name_or_path`` (with ``quantization``) once, on its first call, and samples its
-    continuation of each opening at the rollouts' default temperature (:class:`marl.RLOOConfig`), seeded per
-    batch from ``seed``, with ``threads`` torch threads as ``--threads`` sets them
-    (:func:`marl.cpu_threads.apply_threads`).
+    that loads ``model_name_or_path`` (with ``quantization``, and the PEFT folder ``policy_adapter`` when
+    given) once, on its first call, and samples its continuation of each opening at the rollouts' default
+    temperature (:class:`marl.RLOOConfig`), seeded per batch from ``seed``, with ``threads`` torch threads as
+    ``--threads`` sets them (:func:`marl.cpu_threads.apply_threads`). Without ``policy_adapter`` the base
+    writes (adapters off); with it, that policy does.
 
     Example:
-        >>> continue_like = base_continuer("smollm2-135m-instruct", quantization="4bit", seed=0)
+        >>> continue_like = model_continuer("smollm2-135m-instruct", quantization="4bit", seed=0)
         >>> continue_like(["The film is"], [" a quiet triumph of craft"])  # doctest: +SKIP
         [' a great example of how']
     """
+    view = "reference" if policy_adapter is None else "policy"
 
     @functools.cache
     def load() -> tuple[Any, Any, Any]:
@@ -43,7 +48,7 @@ def base_continuer(
         from marl.model.multi_adapter import MultiAdapterModel
 
         model = MultiAdapterModel.from_pretrained(
-            model_name_or_path, quantization=quantization, reference="base"
+            model_name_or_path, quantization=quantization, policy_adapter=policy_adapter, reference="base"
         )
         return model, load_tokenizer(model.name_or_path), apply_threads(threads, model.device.type)
 
@@ -76,7 +81,7 @@ def base_continuer(
             sampler = make_sampler(model, tokenizer, settings)
             torch.manual_seed(seed + batch_index)
             batch = sampler.batch(prompts[start : start + ROWS_PER_PASS])
-            samples = sampler.sample(batch, k=1, view="reference")
+            samples = sampler.sample(batch, k=1, view=view)
             for ids, length in zip(samples.response_ids, batch_lengths, strict=True):
                 sampled.append(tokenizer.decode(ids[:length], skip_special_tokens=True))
             if governor is not None:
