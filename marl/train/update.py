@@ -95,30 +95,10 @@ class PolicyUpdate:
                         0, sizes.local_mini_batch_size, config.per_device_train_batch_size
                     ):
                         rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
-                        batch = rollout.select(rows)
-                        # whole prompt groups: each prompt is computed once, its k gradients flow into it
-                        packed = self.scorer.pack(batch) if self.grouped_micro_batches else None
-                        with self.model.policy(self.policy), self.parallelism.autocast():
-                            new_logprobs, entropy = self.scorer.completion_logprobs(
-                                batch, packed, with_entropy=True
-                            )
-                        # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
-                        old = batch.logprobs if reuse_samples else new_logprobs.detach()
-                        policy, loss = policy_loss(
-                            config,
-                            new_logprobs,
-                            old,
-                            batch.ref_logprobs,
-                            advantages[rows],
-                            mask[rows],
-                            num_items,
+                        finite = self._backward(
+                            rollout, rows, advantages, mask, num_items, reuse_samples, stats
                         )
-                        # Every process runs every backward pass (gradients are averaged inside it); the
-                        # gradients of a step with a non-finite loss are thrown away below.
-                        loss_finite = loss_finite and bool(torch.isfinite(loss))
-                        self.parallelism.backward(loss / config.gradient_accumulation_steps)
-                        with torch.no_grad():
-                            stats.add(policy, entropy, batch.response_mask)
+                        loss_finite = loss_finite and finite
                     if self._optimizer_step(loss_finite):
                         skipped += 1
                         warnings.warn(
@@ -129,6 +109,42 @@ class PolicyUpdate:
         finally:
             self.model.eval()
         return stats, skipped
+
+    def _backward(
+        self,
+        rollout: Rollout,
+        rows: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        num_items: torch.Tensor | None,
+        reuse_samples: bool,
+        stats: UpdateStats,
+    ) -> bool:
+        """One micro-batch's forward, loss and backward pass (its metrics added to ``stats``); returns whether
+        its loss was finite.
+
+        Its own method so that the micro-batch's autograd graph dies when it returns, before the next
+        micro-batch's forward: a custom autograd function may keep its inputs as attributes of its context
+        (bitsandbytes' int8 matmul on CPU keeps each layer's input), which a backward pass does not free.
+        """
+        config = self.config
+        batch = rollout.select(rows)
+        # whole prompt groups: each prompt is computed once, its k gradients flow into it
+        packed = self.scorer.pack(batch) if self.grouped_micro_batches else None
+        with self.model.policy(self.policy), self.parallelism.autocast():
+            new_logprobs, entropy = self.scorer.completion_logprobs(batch, packed, with_entropy=True)
+        # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
+        old = batch.logprobs if reuse_samples else new_logprobs.detach()
+        policy, loss = policy_loss(
+            config, new_logprobs, old, batch.ref_logprobs, advantages[rows], mask[rows], num_items
+        )
+        # Every process runs every backward pass (gradients are averaged inside it); the gradients of a step
+        # with a non-finite loss are thrown away by the caller.
+        finite = bool(torch.isfinite(loss))
+        self.parallelism.backward(loss / config.gradient_accumulation_steps)
+        with torch.no_grad():
+            stats.add(policy, entropy, batch.response_mask)
+        return finite
 
     def _tokens_per_micro_batch(self, mini_batch_mask: torch.Tensor) -> torch.Tensor | None:
         """The ``dapo`` normaliser: the optimizer step's loss tokens over every process, divided by
