@@ -49,6 +49,27 @@ def test_resident_weights_and_adapters_are_those_of_the_loaded_model(
     assert plan.resident["base weights"] == pytest.approx(card.base_bytes, rel=0.05)
 
 
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_a_quantizing_cpu_load_holds_the_checkpoints_map_and_a_gpu_load_one_tensor(
+    quantization, tiny_llama_dir, tmp_path
+):
+    """On CPU the checkpoint's pages stay resident while the base is read and quantized (the whole file,
+    its size on disk); on a GPU only the tensor on its way is extra; an fp32 CPU base is the map itself."""
+    config = tiny_rloo_config(tmp_path, model_name_or_path=str(tiny_llama_dir), quantization=quantization)
+    model_config = load_model_config(str(tiny_llama_dir))
+    on_cpu = plan_memory(config, model_config, TARGET).phase("load").parts
+    checkpoint = (tiny_llama_dir / "model.safetensors").stat().st_size
+    assert on_cpu["checkpoint memory map (read)"] == pytest.approx(checkpoint, rel=0.01)
+    on_gpu = (
+        plan_memory(config, model_config, PlanTarget(device="cuda", prompt_length=24)).phase("load").parts
+    )
+    assert "checkpoint memory map (read)" not in on_gpu
+    assert 0 < on_gpu["largest tensor in transit"] < checkpoint
+    unquantized = tiny_rloo_config(tmp_path, model_name_or_path=str(tiny_llama_dir))
+    in_place = plan_memory(unquantized, model_config, TARGET).phase("load").parts
+    assert not {"checkpoint memory map (read)", "largest tensor in transit"} & set(in_place)
+
+
 def test_the_plan_reads_only_config_json(config_only, tmp_path):
     config = tiny_rloo_config(tmp_path, model_name_or_path=str(config_only))
     for source in (config_only, config_only / "config.json"):
