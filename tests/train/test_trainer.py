@@ -111,24 +111,33 @@ def test_an_update_that_fails_leaves_the_model_in_eval_mode(tiny_llama_dir, tmp_
 
 def test_a_micro_batchs_graph_is_gone_before_the_next_forward(tiny_llama_dir, tmp_path):
     """bitsandbytes' int8 matmul on CPU keeps each layer's input on its autograd context, which the backward
-    pass does not free: while anything references a micro-batch's log-probs, its graph holds a layer input
-    per linear layer (380 MiB on SmolLM2-135M's update). The update lets go of them before the next
-    forward."""
-    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run", total_episodes=32))
-    compute, with_graph = trainer.scorer.completion_logprobs, []
+    pass does not free: while anything references a micro-batch's graph (its log-probs, its loss), every
+    8-bit layer's input stays alive (380 MiB on SmolLM2-135M's update). The update lets go of the graph
+    before the next micro-batch's forward: no input an 8-bit layer saw with gradients on outlives it."""
+    import bitsandbytes as bnb
+
+    trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run", quantization="8bit", total_episodes=32))
+    compute, layer_inputs, forwards = trainer.scorer.completion_logprobs, [], []
+
+    def keep_input(module, args):
+        if torch.is_grad_enabled():
+            layer_inputs.append(weakref.ref(args[0]))
+
+    int8_layers = [m for m in trainer.model.peft_model.modules() if isinstance(m, bnb.nn.Linear8bitLt)]
+    assert int8_layers
+    for layer in int8_layers:
+        layer.register_forward_pre_hook(keep_input)
 
     def watched(*args, **kwargs):
         if torch.is_grad_enabled():
-            assert all(previous() is None for previous in with_graph), "a micro-batch's graph outlived it"
-        result = compute(*args, **kwargs)
-        logprobs = result[0] if isinstance(result, tuple) else result
-        if logprobs.requires_grad:
-            with_graph.append(weakref.ref(logprobs))
-        return result
+            assert all(previous() is None for previous in layer_inputs), "a micro-batch's graph outlived it"
+            forwards.append(True)
+        return compute(*args, **kwargs)
 
     trainer.scorer.completion_logprobs = watched
     trainer.train()
-    assert len(with_graph) == 2 * 2 * 2 * 2  # updates x epochs x mini-batches x micro-batches
+    assert len(forwards) == 2 * 2 * 2 * 2  # updates x epochs x mini-batches x micro-batches
+    assert len(layer_inputs) == len(forwards) * len(int8_layers)
 
 
 def test_reinforce_setting_uses_ratio_one_exactly(tiny_llama_dir, tmp_path):
