@@ -102,10 +102,13 @@ def build_topic_pairs(
         if other is not None:
             planned.append((index, OTHER_FILM, " " + " ".join(rows[other][0][num_words:])))
     sampled = {}
-    for kind, writer in ((BASE_TEXT, continue_like), (DRIFTED_TEXT, drift_like)):
+    for kind, name, writer in (
+        (BASE_TEXT, "continue_like", continue_like),
+        (DRIFTED_TEXT, "drift_like", drift_like),
+    ):
         if writer is not None:
             to_sample = [index for index, planned_kind, _ in planned if planned_kind == kind]
-            sampled[kind] = iter(_continue(writer, to_sample, rows, num_words))
+            sampled[kind] = iter(_continue(writer, name, to_sample, rows, num_words))
     pairs: dict[str, list[str]] = {"chosen": [], "rejected": [], "movie": [], "kind": []}
     for index, kind, rejected in planned:
         words, _, movie = rows[index]
@@ -117,7 +120,7 @@ def build_topic_pairs(
     return datasets.Dataset.from_dict(pairs)
 
 
-def _continue(writer: ContinueLike, to_sample: list[int], rows: list, num_words: int) -> list[str]:
+def _continue(writer: ContinueLike, name: str, to_sample: list[int], rows: list, num_words: int) -> list[str]:
     # One call for every opening the writer continues, each measured against the snippet's own words.
     if not to_sample:
         return []
@@ -126,7 +129,7 @@ def _continue(writer: ContinueLike, to_sample: list[int], rows: list, num_words:
         [" " + " ".join(rows[index][0][num_words:]) for index in to_sample],
     )
     if len(continued) != len(to_sample):
-        raise ValueError(f"continue_like returned {len(continued)} texts for {len(to_sample)} openings")
+        raise ValueError(f"{name} returned {len(continued)} texts for {len(to_sample)} openings")
     return continued
 
 

@@ -348,6 +348,7 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
         continue_like=continue_like,
         drift_like=drift_like,
     )
+    del continue_like, drift_like  # the models that wrote the rejected text, not needed to train
     description = describe_preference_data(
         arguments.dataset, arguments.eval_fraction, arguments.seed, arguments.drifted_policy
     )

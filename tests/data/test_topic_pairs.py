@@ -189,3 +189,28 @@ def test_a_drifted_policys_continuations_are_its_own(tiny_llama_dir: Path, tmp_p
     drifted_text = drifted(openings, lengths)
     assert drifted_text == drifted(openings, lengths)
     assert drifted_text != base(openings, lengths)
+
+
+def test_a_drifted_policy_that_would_move_the_base_is_refused_before_any_sampling(tiny_llama_dir, tmp_path):
+    """The folder is read whole when the flags are parsed (weights and settings), not when its model first
+    loads after the base has sampled the training pairs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from marl.errors import AdapterError
+    from marl.train.reward_settings import RewardAdapterArguments
+
+    policy = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir),
+        LoraConfig(r=4, target_modules="all-linear", bias="all", task_type="CAUSAL_LM"),
+    )
+    policy.save_pretrained(tmp_path / "policy")
+    with pytest.raises(AdapterError, match=r"--drifted_policy .*policy has bias='all'"):
+        RewardAdapterArguments(
+            output_dir=str(tmp_path / "out"), dataset=TOPIC_DATASET, drifted_policy=str(tmp_path / "policy")
+        )
+    (tmp_path / "policy" / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="adapter"):
+        RewardAdapterArguments(
+            output_dir=str(tmp_path / "out"), dataset=TOPIC_DATASET, drifted_policy=str(tmp_path / "policy")
+        )
