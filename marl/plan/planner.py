@@ -16,9 +16,9 @@ The plan of one process is, per phase of the run:
   buffers above the imports (:data:`CPU_RUNTIME_BYTES`, measured on tiny models: see
   ``benchmarks/results/*-memory-plan.md``).
 
-``load`` is the resident base plus the largest tensor in the checkpoint's dtype on its way (read, converted
-or quantized one at a time); a quantizing CPU load holds the checkpoint's memory map instead, read whole
-before the load closes it; an unquantized CPU base in the checkpoint's dtype is the file's memory map itself.
+``load`` is the resident base plus, on a GPU, the largest tensor in the checkpoint's dtype on its way (read,
+converted or quantized one at a time) and, on CPU, the checkpoint's memory map, read whole before the load
+closes it; an unquantized CPU base in the checkpoint's dtype is the file's memory map itself.
 
 Example:
     >>> from transformers import LlamaConfig
@@ -345,17 +345,16 @@ def _untied_head_bytes(causal_lm: torch.nn.Module) -> int:
 
 
 def _load_extra(model_config, base, quantization, target: PlanTarget, parameters: int) -> dict[str, int]:
-    """What loading holds besides the weights: the tensor on its way from the checkpoint (read, converted or
-    quantized one at a time). A quantizing CPU load holds the checkpoint's memory map instead, whose pages
-    stay resident in the process as each tensor is read until the load closes the map (measured: a 4-bit
-    SmolLM2-135M load peaks at 771-846 MiB above the imports, its 538 MB fp32 checkpoint plus the 4-bit
-    base). An unquantized CPU base in the checkpoint's dtype is that map itself, nothing besides."""
+    """What loading holds besides the weights: on a GPU, the tensor on its way from the checkpoint (read,
+    converted or quantized one at a time). On CPU, the checkpoint's memory map: transformers keeps every
+    shard's map open until the whole checkpoint is loaded, so each page read stays resident in the process
+    until then (measured: a 4-bit SmolLM2-135M load peaks at 771-846 MiB above the imports, its 538 MB fp32
+    checkpoint plus the 4-bit base; a load that only converts the dtype is the same code, not measured). An
+    unquantized CPU base in the checkpoint's dtype is that map itself, nothing besides."""
     checkpoint = _checkpoint_bytes(model_config, parameters)
     same_dtype = checkpoint == parameters * torch.empty((), dtype=target.dtype).element_size()
-    if target.device == "cpu" and quantization is not None:
-        return {"checkpoint memory map (read)": checkpoint}
-    if target.device == "cpu" and same_dtype:
-        return {}
+    if target.device == "cpu":
+        return {} if quantization is None and same_dtype else {"checkpoint memory map (read)": checkpoint}
     largest = max((p.numel() for p in base.parameters()), default=0)
     return {"largest tensor in transit": _checkpoint_bytes(model_config, largest)}
 

@@ -53,8 +53,9 @@ def test_resident_weights_and_adapters_are_those_of_the_loaded_model(
 def test_a_quantizing_cpu_load_holds_the_checkpoints_map_and_a_gpu_load_one_tensor(
     quantization, tiny_llama_dir, tmp_path
 ):
-    """On CPU the checkpoint's pages stay resident while the base is read and quantized (the whole file,
-    its size on disk); on a GPU only the tensor on its way is extra; an fp32 CPU base is the map itself."""
+    """On CPU the checkpoint's pages stay resident while the base is read and quantized or converted (the
+    whole file, its size on disk); on a GPU only the tensor on its way is extra; an fp32 CPU base is the map
+    itself."""
     config = tiny_rloo_config(tmp_path, model_name_or_path=str(tiny_llama_dir), quantization=quantization)
     model_config = load_model_config(str(tiny_llama_dir))
     on_cpu = plan_memory(config, model_config, TARGET).phase("load").parts
@@ -68,6 +69,10 @@ def test_a_quantizing_cpu_load_holds_the_checkpoints_map_and_a_gpu_load_one_tens
     unquantized = tiny_rloo_config(tmp_path, model_name_or_path=str(tiny_llama_dir))
     in_place = plan_memory(unquantized, model_config, TARGET).phase("load").parts
     assert not {"checkpoint memory map (read)", "largest tensor in transit"} & set(in_place)
+    converted = PlanTarget(device="cpu", prompt_length=24, compute_dtype=torch.bfloat16)
+    assert plan_memory(unquantized, model_config, converted).phase("load").parts[
+        "checkpoint memory map (read)"
+    ] == pytest.approx(checkpoint, rel=0.01)
 
 
 def test_the_plan_reads_only_config_json(config_only, tmp_path):
