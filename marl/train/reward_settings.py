@@ -17,7 +17,6 @@ from marl.cpu_threads import check_threads, threads_field
 from marl.data.prompts import ROTTEN_TOMATOES
 from marl.data.topic_pairs import TOPIC_DATASET
 from marl.errors import ConfigError
-from marl.model.adapters import check_keeps_base_fixed, read_adapter_folder
 from marl.model_settings import DEFAULT_LORA_ALPHA, DEFAULT_LORA_R, DEFAULT_TARGET_MODULES, parse_quantization
 from marl.validation import check_fields, check_seed
 
@@ -140,14 +139,15 @@ class RewardAdapterArguments(RewardTrainingSettings):
                     f"--drifted_policy is only used by --dataset {TOPIC_DATASET} (got --dataset "
                     f"{self.dataset}); drop it or train the on-topic reward"
                 )
+            from marl.model.build import read_policy_folder
+
             # The folder is read whole now, not when its model first loads after minutes of sampling.
-            folder = read_adapter_folder(self.drifted_policy, allow_pickle=False, role="policy")
-            if str(folder.config.get("task_type")) == "SEQ_CLS":
-                raise ConfigError(
-                    f"--drifted_policy {self.drifted_policy} is a sequence-classification (reward) adapter; "
-                    "pass a policy's causal-LM adapter, such as the policy/ folder a `marl demo` run writes"
-                )
-            check_keeps_base_fixed(folder.config, f"--drifted_policy {self.drifted_policy}")
+            read_policy_folder(
+                self.drifted_policy,
+                allow_pickle=False,
+                flag="--drifted_policy",
+                remedy="pass a policy's causal-LM adapter, such as the policy/ folder of a `marl demo` run",
+            )
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"--eval_fraction must be between 0 and 1, got {self.eval_fraction}")
         for name in ("max_train_pairs", "max_eval_pairs"):

@@ -436,7 +436,7 @@ CASES += [
     Case(
         REWARD,
         ["--dataset", "rotten-tomatoes-topic", "--drifted_policy", "{reward}"],
-        r"--drifted_policy .* is a sequence-classification \(reward\) adapter; pass a policy's",
+        r"--drifted_policy .* is a sequence-classification \(reward\) adapter: pass a policy's",
     ),
 ]
 

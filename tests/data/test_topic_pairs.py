@@ -205,7 +205,7 @@ def test_a_drifted_policy_that_would_move_the_base_is_refused_before_any_samplin
         LoraConfig(r=4, target_modules="all-linear", bias="all", task_type="CAUSAL_LM"),
     )
     policy.save_pretrained(tmp_path / "policy")
-    with pytest.raises(AdapterError, match=r"--drifted_policy .*policy has bias='all'"):
+    with pytest.raises(AdapterError, match=r"policy adapter .*policy has bias='all'"):
         RewardAdapterArguments(
             output_dir=str(tmp_path / "out"), dataset=TOPIC_DATASET, drifted_policy=str(tmp_path / "policy")
         )
