@@ -163,6 +163,21 @@ def read_adapter_folder(directory: str | os.PathLike, *, allow_pickle: bool, rol
     return AdapterFolder(directory, role, config, state, pad_token_id)
 
 
+def read_policy_folder(
+    directory: str | os.PathLike, *, allow_pickle: bool, flag: str, remedy: str
+) -> AdapterFolder:
+    """Read the causal-LM policy adapter folder given by ``flag`` (once), and refuse a reward
+    (sequence-classification) adapter, with ``remedy`` as the fix, and settings that would move the shared
+    base."""
+    folder = read_adapter_folder(directory, allow_pickle=allow_pickle, role="policy")
+    if str(folder.config.get("task_type")) == "SEQ_CLS":
+        raise AdapterError(
+            f"{flag} {folder.directory} is a sequence-classification (reward) adapter: {remedy}"
+        )
+    check_keeps_base_fixed(folder.config, f"policy adapter {folder.directory}")
+    return folder
+
+
 def check_keeps_base_fixed(config: dict[str, Any], role: str) -> None:
     """Refuse adapter settings that would train or rewrite the base that every view shares.
 

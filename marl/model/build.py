@@ -69,7 +69,7 @@ class PolicySource:
                 f"pass it with --reward_adapter {adapter}, and give --policy_adapter a causal-LM adapter, or "
                 "leave it out for a fresh LoRA"
             )
-            folder = read_policy_folder(
+            folder = adapters.read_policy_folder(
                 adapter, allow_pickle=allow_pickle, flag="--policy_adapter", remedy=remedy
             )
             return cls(None, folder)
@@ -83,21 +83,6 @@ class PolicySource:
     def starts_as_identity(self) -> bool:
         """A fresh LoRA with zero-initialised B matrices computes exactly the base."""
         return self.lora_config is not None and self.lora_config.init_lora_weights in (True, "gaussian")
-
-
-def read_policy_folder(
-    directory: str | os.PathLike, *, allow_pickle: bool, flag: str, remedy: str
-) -> adapters.AdapterFolder:
-    """Read the causal-LM policy adapter folder given by ``flag`` (once), and refuse a reward
-    (sequence-classification) adapter, with ``remedy`` as the fix, and settings that would move the shared
-    base."""
-    folder = adapters.read_adapter_folder(directory, allow_pickle=allow_pickle, role="policy")
-    if str(folder.config.get("task_type")) == "SEQ_CLS":
-        raise AdapterError(
-            f"{flag} {folder.directory} is a sequence-classification (reward) adapter: {remedy}"
-        )
-    adapters.check_keeps_base_fixed(folder.config, f"policy adapter {folder.directory}")
-    return folder
 
 
 def read_reward_folder(directory: str | os.PathLike, allow_pickle: bool) -> adapters.AdapterFolder:

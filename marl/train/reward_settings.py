@@ -17,6 +17,7 @@ from marl.cpu_threads import check_threads, threads_field
 from marl.data.prompts import ROTTEN_TOMATOES
 from marl.data.topic_pairs import TOPIC_DATASET
 from marl.errors import ConfigError
+from marl.model.adapters import read_policy_folder
 from marl.model_settings import DEFAULT_LORA_ALPHA, DEFAULT_LORA_R, DEFAULT_TARGET_MODULES, parse_quantization
 from marl.validation import check_fields, check_seed
 
@@ -139,8 +140,6 @@ class RewardAdapterArguments(RewardTrainingSettings):
                     f"--drifted_policy is only used by --dataset {TOPIC_DATASET} (got --dataset "
                     f"{self.dataset}); drop it or train the on-topic reward"
                 )
-            from marl.model.build import read_policy_folder
-
             # The folder is read whole now, not when its model first loads after minutes of sampling.
             read_policy_folder(
                 self.drifted_policy,
