@@ -80,7 +80,6 @@ class PolicyUpdate:
         the policy metrics and how many optimizer steps were skipped. The model is left in eval mode, also
         when a step fails."""
         config, sizes = self.config, self.sizes
-        reuse_samples = config.num_ppo_epochs > 1 or config.num_mini_batches > 1
         mask = loss_mask(rollout.response_mask, rollout.contains_stop, config)
         stats, skipped = UpdateStats(), 0
         self.model.train()
@@ -95,9 +94,7 @@ class PolicyUpdate:
                         0, sizes.local_mini_batch_size, config.per_device_train_batch_size
                     ):
                         rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
-                        finite = self._backward(
-                            rollout, rows, advantages, mask, num_items, reuse_samples, stats
-                        )
+                        finite = self._backward(rollout, rows, advantages, mask, num_items, stats)
                         loss_finite = loss_finite and finite
                     if self._optimizer_step(loss_finite):
                         skipped += 1
@@ -117,7 +114,6 @@ class PolicyUpdate:
         advantages: torch.Tensor,
         mask: torch.Tensor,
         num_items: torch.Tensor | None,
-        reuse_samples: bool,
         stats: UpdateStats,
     ) -> bool:
         """One micro-batch's forward, loss and backward pass (its metrics added to ``stats``); returns whether
@@ -134,6 +130,7 @@ class PolicyUpdate:
         with self.model.policy(self.policy), self.parallelism.autocast():
             new_logprobs, entropy = self.scorer.completion_logprobs(batch, packed, with_entropy=True)
         # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
+        reuse_samples = config.num_ppo_epochs > 1 or config.num_mini_batches > 1
         old = batch.logprobs if reuse_samples else new_logprobs.detach()
         policy, loss = policy_loss(
             config, new_logprobs, old, batch.ref_logprobs, advantages[rows], mask[rows], num_items
