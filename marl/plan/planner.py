@@ -290,11 +290,6 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
     runtime = {"runtime": target.runtime_bytes}
     records = {"rollout records": _rollout_record_bytes(config, target)}
     load = _load_extra(model_config, base, quantization, target, base_parameters)
-    sampling = sampling_peak(peft_model, sampling_shapes, shared_prefill=layout.packs)
-    scoring = scoring_peak(peft_model, head, scoring_shapes, 1, full_logits=layout.full_logits)
-    update = update_peak(
-        peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
-    )
     phases = [
         PhasePlan("load", {"base weights": resident["base weights"], **load, **runtime}),
         PhasePlan("sampling", {**common, "KV cache + sampling": sampling, **runtime}),
