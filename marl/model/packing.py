@@ -169,12 +169,25 @@ def probe_tolerance(dtype: torch.dtype) -> float:
     return max(PROBE_FLOOR, PROBE_EPS_MULTIPLE * torch.finfo(dtype).eps)
 
 
+def coarser_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The floating dtype with the largest rounding error (epsilon) of ``dtypes``.
+
+    A quantized base keeps float32 activations between its layers while bitsandbytes computes each layer in
+    the model's compute dtype (bfloat16 on CUDA): the hidden states are float32, their rounding is bf16's.
+
+    Example:
+        >>> coarser_dtype(torch.float32, torch.bfloat16), coarser_dtype(torch.float16, torch.float32)
+        (torch.bfloat16, torch.float16)
+    """
+    return max(dtypes, key=lambda dtype: torch.finfo(dtype).eps)
+
+
 def check_packing(model: Any) -> str | None:
     """Why packed rows would not give the model's unshared hidden states, or ``None`` when they do, on a
     probe: prompts of unequal lengths (left padding) and a completion cut short, run in the model's own dtype,
     device and attention implementation. Models whose layers carry state between positions (Mamba) or that
     ignore a 4-D mask fail it; differences that rounding in the compute dtype explains do not
-    (:func:`probe_tolerance`)."""
+    (:func:`probe_tolerance` of the coarser of the hidden states' dtype and the model's compute dtype)."""
     from marl.model.generation import prompt_cache_can_be_shared
 
     if not prompt_cache_can_be_shared(model.peft_model.get_base_model()):
@@ -211,10 +224,11 @@ def check_packing(model: Any) -> str | None:
     shared = hidden.reshape(-1, hidden.shape[-1])[packed.predictors]
     shared, unshared = shared[response_mask].float(), unshared[response_mask].float()
     difference = float(((shared - unshared).norm(dim=-1) / unshared.norm(dim=-1)).max())
-    tolerance = probe_tolerance(hidden.dtype)
+    rounding = coarser_dtype(hidden.dtype, model.dtype)
+    tolerance = probe_tolerance(rounding)
     if not difference <= tolerance:
         return (
             f"packed rows differ from unshared rows by {difference:.2e} on a probe (rounding in "
-            f"{hidden.dtype} explains up to {tolerance:.1e})"
+            f"{rounding} explains up to {tolerance:.1e})"
         )
     return None
