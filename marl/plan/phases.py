@@ -187,6 +187,14 @@ def lora_as_under_autocast(peft_model: nn.Module, dtype: torch.dtype) -> None:
             linear.to(dtype)
 
 
+def untied_head_bytes(causal_lm: nn.Module) -> int:
+    """Bytes of an LM head that is not the input embedding (a sequence classifier has none)."""
+    head, embedding = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
+    if head is None or head.weight is embedding.weight:
+        return 0
+    return head.weight.numel() * head.weight.element_size()
+
+
 def _device(model: nn.Module) -> torch.device:
     """Where the phases run: the model's device (``meta`` when planning; a real one to check the counts)."""
     return next(model.parameters()).device

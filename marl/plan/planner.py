@@ -57,6 +57,7 @@ from marl.plan.phases import (
     quantize_stand_in,
     sampling_peak,
     scoring_peak,
+    untied_head_bytes,
     update_peak,
 )
 from marl.plan.trace import meta_causal_lm
@@ -232,7 +233,7 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
     base = meta_base(model_config, quantization, dtype)
     check_plannable(base)
     base_bytes, base_parameters = stored_base_bytes(base)
-    head_bytes = _untied_head_bytes(base)
+    head_bytes = untied_head_bytes(base)
     targets = config.lora_target_modules
     policy_lora = LoraConfig(
         r=config.lora_r,
@@ -344,14 +345,6 @@ def plan_for_trainer(trainer: Any) -> MemoryPlan:
         compute_dtype=trainer.model.dtype,
     )
     return plan_memory(trainer.config, trainer.model.config, target)
-
-
-def _untied_head_bytes(causal_lm: torch.nn.Module) -> int:
-    """Bytes of an LM head that is not the input embedding (a sequence classifier has none)."""
-    head, embedding = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
-    if head is None or head.weight is embedding.weight:
-        return 0
-    return head.weight.numel() * head.weight.element_size()
 
 
 def _load_extra(model_config, base, quantization, target: PlanTarget, parameters: int) -> dict[str, int]:
