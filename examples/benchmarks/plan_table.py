@@ -35,8 +35,8 @@ SHAPES = {
                          tie_word_embeddings=False),
 }  # fmt: skip
 # The job: a 4-bit base, k = 4, 512-token prompts, 256-token completions, 2 prompts (8 completions) per
-# micro-batch and per sampling chunk, bfloat16 compute on CUDA.
-JOB = dict(quantization="4bit", rloo_k=4, response_length=256, per_device_train_batch_size=8,
+# micro-batch and per sampling chunk, bf16 mixed precision (--bf16) on CUDA.
+JOB = dict(quantization="4bit", bf16=True, rloo_k=4, response_length=256, per_device_train_batch_size=8,
            local_rollout_forward_batch_size=8)  # fmt: skip
 PROMPT_LENGTH = 512
 
@@ -57,6 +57,7 @@ def main() -> None:
     from marl.config import RLOOConfig
     from marl.model.memory import format_bytes
     from marl.plan import PlanTarget, plan_memory
+    from marl.plan.planner import CUDA_RUNTIME_BYTES
 
     transformers.logging.set_verbosity_error()
     target = PlanTarget(device="cuda", prompt_length=PROMPT_LENGTH)
@@ -65,14 +66,15 @@ def main() -> None:
         "",
         "Command: `python examples/benchmarks/plan_table.py`",
         "",
-        "**Predictions, not measurements.** marl's planner (`marl plan`), validated on CPU against measured",
-        "peaks (`*-memory-plan.md`); TRL's RLOOTrainer with a `peft_config` and PPO with four models are",
-        "the same planner's models of those systems (`marl/plan/systems.py`), never run here. One CUDA GPU,",
-        f"bf16 compute, NF4 base, k = {JOB['rloo_k']}, {PROMPT_LENGTH}-token prompts, "
-        f"{JOB['response_length']}-token completions, {JOB['per_device_train_batch_size']} completions per",
-        "micro-batch and per sampling chunk, LoRA r = 16 on every linear layer, one reward LoRA; the CUDA",
-        "runtime counted as 600 MiB. A card fits a run whose predicted peak is within 90% of its memory (the",
-        "allocator's margin).",
+        "**Predictions, not measurements.** marl's planner (`marl plan`), validated against measured peaks",
+        "on CPU (`*-memory-plan.md`) and on one GPU for 0.5B and 1.5B shapes (`*-memory-plan-cuda.md`);",
+        "TRL's RLOOTrainer with a `peft_config` and PPO with four models are the same planner's models of",
+        "those systems (`marl/plan/systems.py`), never run here. One CUDA GPU, bf16 mixed precision, NF4",
+        f"base, k = {JOB['rloo_k']}, {PROMPT_LENGTH}-token prompts, {JOB['response_length']}-token",
+        f"completions, {JOB['per_device_train_batch_size']} completions per micro-batch and per sampling",
+        "chunk, LoRA r = 16 on every linear layer, one reward LoRA; the CUDA runtime counted as "
+        f"{CUDA_RUNTIME_BYTES / 2**20:.0f} MiB. A card fits a run whose predicted peak is within 90% of its",
+        "memory (the allocator's margin).",
         "",
         "| model | gradient checkpointing | system | predicted peak | phase | "
         + " | ".join(f"{gb} GB" for gb in CARDS_GB)
