@@ -21,13 +21,8 @@ from support.tiny import tiny_rloo_config
 TRAINER_STATE = {name: 1 for name in checkpoints.TRAINER_STATE_FIELDS}
 DEVICES = [
     "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available(),
-            reason="needs CUDA: on the CPU every tensor is on the CPU, so a misplaced `step` cannot show",
-        ),
-    ),
+    # needs CUDA: on the CPU every tensor is on the CPU, so a misplaced `step` cannot show
+    pytest.param("cuda", marks=pytest.mark.cuda),
 ]
 
 
@@ -153,7 +148,7 @@ def train_fp16(model_dir, output_dir, device, *, resume=None, after_update=None)
     return trainer
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="accelerate makes fp16 loss scalers only on GPUs")
+@pytest.mark.cuda  # accelerate makes fp16 loss scalers only on GPUs
 def test_an_fp16_run_resumes_with_its_loss_scale(tiny_llama_dir, tmp_path):
     """The scale after update 1 is in checkpoint-1, and a run resumed from there goes on from it: the second
     checkpoint of the resumed run holds the scaler state of the uninterrupted run's second checkpoint (before
