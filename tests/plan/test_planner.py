@@ -114,6 +114,31 @@ def test_settings_move_the_phase_they_should(config_only, tmp_path):
     assert quantized.resident["base weights"] < base.resident["base weights"]
 
 
+def test_bf16_autocast_on_cuda_is_planned_and_nowhere_else(config_only, tmp_path):
+    """--bf16 on CUDA: the LoRA inputs kept in bf16 (a smaller update than without autocast), autocast's copy
+    of the policy LoRA, and, next to a quantized base, the sampler's cast of the float32 LM head. On CPU,
+    where marl runs float32, the flag changes nothing."""
+    model_config = load_model_config(str(config_only))
+    config = tiny_rloo_config(tmp_path, quantization="4bit")
+    cuda = PlanTarget(device="cuda", prompt_length=24)
+    plain = plan_memory(config, model_config, cuda)
+    mixed = plan_memory(with_changes(config, bf16=True), model_config, cuda)
+    unquantized = plan_memory(with_changes(config, bf16=True, quantization=None), model_config, cuda)
+    sampling, update = mixed.phase("sampling").parts, mixed.phase("update").parts
+    assert (
+        "LM head cast to bfloat16" in sampling
+        and "LM head cast to bfloat16" not in unquantized.phase("sampling").parts
+    )
+    assert "policy LoRA cast to bfloat16 (autocast)" in update
+    assert not any("cast" in part for phase in plain.phases for part in phase.parts)
+    working = "activations + gradients (micro-batch)"
+    assert update[working] < plain.phase("update").parts[working]
+    on_cpu = plan_memory(with_changes(config, bf16=True), model_config, TARGET)
+    assert [p.parts for p in on_cpu.phases] == [
+        p.parts for p in plan_memory(config, model_config, TARGET).phases
+    ]
+
+
 def test_fsdp2_shards_what_stays_over_the_processes(config_only, tmp_path):
     model_config = load_model_config(str(config_only))
     config = tiny_rloo_config(tmp_path, parallelism="fsdp2")
