@@ -35,7 +35,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers next to this script
 
 from plan_table import SHAPES
-from plan_vs_measured import PHASES, _prompts, within
+from plan_vs_measured import (
+    PHASES,
+    _prompts,
+    add_run_arguments,
+    record_prompt_widths,
+    run_config,
+    within,
+    write_results,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
@@ -56,28 +64,7 @@ class CudaCase:
     share_prompt_prefix: bool = True
 
     def rloo_config(self, output_dir: str, model_path: str, reward_path: str):
-        from marl.config import RLOOConfig
-
-        return RLOOConfig(
-            output_dir=output_dir,
-            model_name_or_path=model_path,
-            quantization=self.quantization,
-            reward_adapter=[reward_path],
-            rloo_k=self.rloo_k,
-            per_device_train_batch_size=self.rows,
-            local_rollout_forward_batch_size=self.rows,
-            num_mini_batches=1,
-            total_episodes=2 * self.rows,
-            response_length=self.response_length,
-            stop_token=None,
-            missing_eos_penalty=None,
-            gradient_checkpointing=self.gradient_checkpointing,
-            share_prompt_prefix=self.share_prompt_prefix,
-            bf16=True,
-            num_sample_generations=0,
-            save_steps=0,
-            report_to=["none"],
-        )
+        return run_config(self, output_dir, model_path, reward_adapter=[reward_path], bf16=True)
 
 
 CASES = (
@@ -192,15 +179,7 @@ def measure(case: CudaCase, model_path: str, reward_path: str) -> dict:
             datasets.Dataset.from_dict({"prompt": _prompts(tokenizer, case.prompt_tokens)}),
         )
         assert trainer.parallelism.device.type == "cuda", "the run is not on the GPU"
-        widths: set[int] = set()
-        batch = trainer.sampler.batch
-
-        def batch_and_measure(*args, **kwargs):
-            prompts = batch(*args, **kwargs)
-            widths.add(int(prompts.ids.shape[1]))
-            return prompts
-
-        trainer.sampler.batch = batch_and_measure
+        widths = record_prompt_widths(trainer)
         label_calls(peaks, marl.train.trainer, "collect_rollout", "scoring")
         label_calls(peaks, trainer.sampler, "sample", "sampling")
         label_calls(peaks, trainer, "_update", "update")
@@ -295,16 +274,8 @@ def report(results: list[dict], command: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_run_arguments(parser, "runs/plan-vs-cuda")
     parser.add_argument("--build", help=argparse.SUPPRESS)
-    parser.add_argument("--only", nargs="+", default=None, help="Names of the configurations to run.")
-    parser.add_argument("--work_dir", default="runs/plan-vs-cuda")
-    parser.add_argument("--output", default=None, help="Results markdown (default benchmarks/results/...)")
-    parser.add_argument(
-        "--reuse_measurements",
-        action="store_true",
-        help="Predict again against the measurements already in --work_dir (after a change to the planner).",
-    )
     options = parser.parse_args()
     if options.build:  # a process of its own: the one that measures must be the only one on the card
         case_name, work_dir = options.build.split(":", 1)
@@ -344,12 +315,7 @@ def main() -> None:
         print(case.name, {p: [round(result["predicted_mib"][p] - result["runtime_mib"]),
                               round(result["allocated_mib"][p])] for p in PHASES},
               f"outside {result['outside_allocator_mib']:.0f}", flush=True)  # fmt: skip
-    stamp = datetime.date.today().isoformat()
-    output = Path(options.output or REPO_ROOT / "benchmarks" / "results" / f"{stamp}-memory-plan-cuda.md")
-    command = " ".join(["python", "examples/benchmarks/plan_vs_cuda.py", *sys.argv[1:]])
-    output.write_text(report(results, command))
-    output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"results: {output}")
+    write_results(results, report, options.output, "memory-plan-cuda", "plan_vs_cuda.py")
 
 
 if __name__ == "__main__":

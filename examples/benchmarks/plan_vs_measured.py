@@ -53,28 +53,40 @@ class Case:
     share_prompt_prefix: bool = True
 
     def rloo_config(self, output_dir: str, model_path: str):
-        from marl.config import RLOOConfig
-
-        return RLOOConfig(
-            output_dir=output_dir,
-            model_name_or_path=model_path,
-            quantization=self.quantization,
+        return run_config(
+            self,
+            output_dir,
+            model_path,
             reward_adapter=[REWARD_ADAPTER] if self.model == SMOLLM2 else None,
-            rloo_k=self.rloo_k,
-            per_device_train_batch_size=self.rows,
-            local_rollout_forward_batch_size=self.rows,
-            num_mini_batches=1,
-            total_episodes=2 * self.rows,
-            response_length=self.response_length,
-            stop_token=None,
-            missing_eos_penalty=None,
-            gradient_checkpointing=self.gradient_checkpointing,
-            share_prompt_prefix=self.share_prompt_prefix,
-            num_sample_generations=0,
-            save_steps=0,
-            report_to=["none"],
             threads=1,
         )
+
+
+def run_config(case, output_dir: str, model_path: str, **settings):
+    """The ``RLOOConfig`` of a measured run of ``case``: two updates of ``case.rows`` fixed-length
+    completions, micro-batch = sampling chunk = ``case.rows``, no samples or checkpoints; ``settings`` add
+    what the machine needs (reward adapter, threads, mixed precision)."""
+    from marl.config import RLOOConfig
+
+    return RLOOConfig(
+        output_dir=output_dir,
+        model_name_or_path=model_path,
+        quantization=case.quantization,
+        rloo_k=case.rloo_k,
+        per_device_train_batch_size=case.rows,
+        local_rollout_forward_batch_size=case.rows,
+        num_mini_batches=1,
+        total_episodes=2 * case.rows,
+        response_length=case.response_length,
+        stop_token=None,
+        missing_eos_penalty=None,
+        gradient_checkpointing=case.gradient_checkpointing,
+        share_prompt_prefix=case.share_prompt_prefix,
+        num_sample_generations=0,
+        save_steps=0,
+        report_to=["none"],
+        **settings,
+    )
 
 
 CASES = (
@@ -148,15 +160,7 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
         )
         sampler.mark("after load")
         sampler.set_base_phase("other")
-        widths: set[int] = set()
-        batch = trainer.sampler.batch
-
-        def batch_and_measure(*args, **kwargs):
-            prompts = batch(*args, **kwargs)
-            widths.add(int(prompts.ids.shape[1]))
-            return prompts
-
-        trainer.sampler.batch = batch_and_measure
+        widths = record_prompt_widths(trainer)
         tensor_peaks: dict[str, float] = {}
         if tensors:  # the rollout's count includes its sampling
             count_tensors(trainer.sampler, "sample", "sampling", tensor_peaks)
@@ -179,6 +183,21 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
             for kind in ("heap", "pss", "anon")
         },
     }
+
+
+def record_prompt_widths(trainer) -> set[int]:
+    """The widths of the prompt batches ``trainer`` samples from, filled in as it runs (the planner is given
+    the longest)."""
+    widths: set[int] = set()
+    batch = trainer.sampler.batch
+
+    def batch_and_measure(*args, **kwargs):
+        prompts = batch(*args, **kwargs)
+        widths.add(int(prompts.ids.shape[1]))
+        return prompts
+
+    trainer.sampler.batch = batch_and_measure
+    return widths
 
 
 def predict(case: Case, model_path: str, prompt_length: int) -> dict:
@@ -276,17 +295,32 @@ def report(results: list[dict], command: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_arguments(parser: argparse.ArgumentParser, work_dir: str) -> None:
+    """The options every planner-validation script takes."""
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--only", nargs="+", default=None, help="Names of the configurations to run.")
-    parser.add_argument("--work_dir", default="runs/plan-vs-measured")
+    parser.add_argument("--work_dir", default=work_dir)
     parser.add_argument("--output", default=None, help="Results markdown (default benchmarks/results/...)")
     parser.add_argument(
         "--reuse_measurements",
         action="store_true",
         help="Predict again against the measurements already in --work_dir (after a change to the planner).",
     )
+
+
+def write_results(results: list[dict], report, output: str | None, name: str, script: str) -> None:
+    """The dated results markdown (``report(results, command)``) and its JSON beside it."""
+    stamp = datetime.date.today().isoformat()
+    path = Path(output or REPO_ROOT / "benchmarks" / "results" / f"{stamp}-{name}.md")
+    command = " ".join(["python", f"examples/benchmarks/{script}", *sys.argv[1:]])
+    path.write_text(report(results, command))
+    path.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    print(f"results: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser, "runs/plan-vs-measured")
     parser.add_argument(
         "--count_tensors",
         nargs="*",
@@ -322,12 +356,7 @@ def main() -> None:
         results.append(result)
         print(case.name, {p: [round(result[f"{kind}_mib"][p]) for kind in ("predicted", "heap", "pss")]
                           for p in PHASES}, flush=True)  # fmt: skip
-    stamp = datetime.date.today().isoformat()
-    output = Path(options.output or REPO_ROOT / "benchmarks" / "results" / f"{stamp}-memory-plan.md")
-    command = " ".join(["python", "examples/benchmarks/plan_vs_measured.py", *sys.argv[1:]])
-    output.write_text(report(results, command))
-    output.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    print(f"results: {output}")
+    write_results(results, report, options.output, "memory-plan", "plan_vs_measured.py")
 
 
 if __name__ == "__main__":
