@@ -146,45 +146,37 @@ def autocast_dtype(mixed_precision: str, device: str) -> torch.dtype | None:
     return torch.bfloat16 if mixed_precision == "bf16" else torch.float16
 
 
-def lm_head_cast(causal_lm: nn.Module, autocast: torch.dtype | None) -> dict[str, int]:
-    """The sampler runs the model's own LM head under autocast, which casts a float32 head (next to a
-    quantized base) to the autocast dtype at every forward pass (measured on CUDA: 260 MiB for a 4-bit
-    Qwen2.5-0.5B's tied head in bf16). A phase part, or nothing where no cast happens."""
-    weight = causal_lm.get_output_embeddings().weight
-    if autocast is None or weight.dtype == autocast:
-        return {}
-    return {f"LM head cast to {str(autocast).removeprefix('torch.')}": weight.numel() * autocast.itemsize}
-
-
 def autocast_weight_copies(trainable_parameters: int, autocast: torch.dtype | None) -> dict[str, int]:
     """autocast keeps the copy it casts of every float32 weight that requires a gradient (the policy LoRA)
-    until its region ends, gradients on or off. A phase part, or nothing without autocast."""
+    until its region ends, gradients on or off. The trace of a pass without gradients makes those copies
+    and lets them go at once (:func:`as_under_autocast`), so sampling and scoring add them as a part; the
+    update's trace keeps them for the backward pass already. A part, or nothing without autocast."""
     if autocast is None:
         return {}
     name = str(autocast).removeprefix("torch.")
     return {f"policy LoRA cast to {name} (autocast)": trainable_parameters * autocast.itemsize}
 
 
-def lora_as_under_autocast(peft_model: nn.Module, dtype: torch.dtype) -> None:
-    """Make ``peft_model``'s LoRA products allocate what they allocate under ``torch.autocast(dtype)``, which
-    the meta device does not run: PEFT casts each input to the float32 of the LoRA weights, and autocast
-    computes the product on a ``dtype`` copy of that, which the backward pass keeps (without autocast the
-    float32 copy is kept: twice the bytes per input). The weights become ``dtype``, as autocast's copies are
-    (which it keeps as long as its region lasts: :func:`autocast_weight_copies`)."""
+def as_under_autocast(peft_model: nn.Module, dtype: torch.dtype) -> None:
+    """Make ``peft_model``'s LoRA products and LM head allocate what they allocate under
+    ``torch.autocast(dtype)``, which the meta device does not run: autocast computes a linear layer on
+    ``dtype`` copies of its input and weight, and the backward pass keeps both. So PEFT's float32 copy of a
+    LoRA input (it casts to the LoRA weights' dtype) is kept as a ``dtype`` copy, half the bytes, and a
+    float32 LM head (next to a quantized base) is copied to ``dtype`` at every call (the sampler's and each
+    log-prob chunk's)."""
     from peft.tuners.lora import LoraLayer
 
-    def autocast_product(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        peft_cast = x.to(torch.float32)  # alive while the product runs, as PEFT's copy is
-        return torch.nn.functional.linear(peft_cast.to(dtype), linear.weight, linear.bias)
+    def autocast_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        bias = None if linear.bias is None else linear.bias.to(dtype)
+        return torch.nn.functional.linear(x.to(dtype), linear.weight.to(dtype), bias)
 
+    linears = [peft_model.get_base_model().get_output_embeddings()]
     for module in peft_model.modules():
-        if not isinstance(module, LoraLayer):
-            continue
-        module.cast_input_dtype_enabled = False  # autocast_product casts as PEFT and autocast do together
-        for linear in module.lora_A.values():
-            linear.forward = functools.partial(autocast_product, linear)
-        for linear in [*module.lora_A.values(), *module.lora_B.values()]:
-            linear.to(dtype)
+        if isinstance(module, LoraLayer):
+            linears += [*module.lora_A.values(), *module.lora_B.values()]
+    for linear in linears:
+        if type(linear) is nn.Linear:
+            linear.forward = functools.partial(autocast_linear, linear)
 
 
 def untied_head_bytes(causal_lm: nn.Module) -> int:

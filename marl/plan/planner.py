@@ -11,8 +11,8 @@ The plan of one process is, per phase of the run:
 - **working set**: what the phase makes and holds at once, traced by running the family's own code on the
   meta device with the run's shapes: the sampling chunk's KV cache, the scoring chunk's activations and
   log-softmax pieces, the update micro-batch's saved activations, transients and LoRA gradients;
-- **runtime**: what the framework itself takes once it has run a model: on CUDA the context and library
-  workspaces (:data:`CUDA_RUNTIME_BYTES`, measured on one GPU), on CPU the libraries' pages and
+- **runtime**: what the framework itself takes once it has run a model: on CUDA the context, library
+  handles and kernels (:data:`CUDA_RUNTIME_BYTES`, measured on one GPU), on CPU the libraries' pages and
   buffers above the imports (:data:`CPU_RUNTIME_BYTES`, measured on tiny models: see
   ``benchmarks/results/*-memory-plan.md``).
 
@@ -49,11 +49,10 @@ from marl.model.memory import NF4_DOUBLE_QUANT_BITS_PER_PARAMETER
 from marl.plan.phases import (
     PhaseShapes,
     QuantizedLinearStandIn,
+    as_under_autocast,
     autocast_dtype,
     autocast_weight_copies,
-    lm_head_cast,
     logit_head_of,
-    lora_as_under_autocast,
     quantize_stand_in,
     sampling_peak,
     scoring_peak,
@@ -65,8 +64,8 @@ from marl.plan.trace import meta_causal_lm
 MiB = 2**20
 # CUDA context, library handles and loaded kernels of a PyTorch process once it has trained: what a process
 # held on the card outside the caching allocator at the end of a run, measured on an H100 with torch 2.11 and
-# CUDA 13 (771-837 MiB, the most with 8-bit kernels: benchmarks/results/*-memory-plan-cuda.md). The context
-# reserves memory per multiprocessor, so cards with fewer of them hold less.
+# CUDA 13 (771-837 MiB, the most with 8-bit kernels: benchmarks/results/*-memory-plan-cuda.md). Other cards
+# and CUDA versions were not measured.
 CUDA_RUNTIME_BYTES = 800 * MiB
 # CPU: what a training process holds beyond its tensors once it has run a model (library pages and buffers of
 # the kernels it used, the allocator's own): the median, over the tiny-model runs of
@@ -258,7 +257,7 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
         enable_gradient_checkpointing(base)
     autocast = autocast_dtype(config.mixed_precision, target.device)
     if autocast is not None:
-        lora_as_under_autocast(peft_model, autocast)
+        as_under_autocast(peft_model, autocast)
     element = torch.empty((), dtype=dtype).element_size()
     hidden = model_config.get_text_config().hidden_size
     reference_copy = config.reference == "initial-policy" or (
@@ -296,21 +295,17 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
         update = update_peak(
             peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
         )
-    common = {
-        "resident": sum(resident.values()),
-        **_gathered_layer_bytes(base, shards),
-        **autocast_weight_copies(policy_parameters, autocast),
-    }
+    common = {"resident": sum(resident.values()), **_gathered_layer_bytes(base, shards)}
+    copies = autocast_weight_copies(policy_parameters, autocast)
     runtime = {"runtime": target.runtime_bytes}
     records = {"rollout records": _rollout_record_bytes(config, target)}
     load = _load_extra(model_config, base, quantization, target, base_parameters)
     phases = [
         PhasePlan("load", {"base weights": resident["base weights"], **load, **runtime}),
+        PhasePlan("sampling", {**common, "KV cache + sampling": sampling, **copies, **runtime}),
         PhasePlan(
-            "sampling", {**common, "KV cache + sampling": sampling, **lm_head_cast(base, autocast), **runtime}
-        ),
-        PhasePlan(
-            "scoring", {**common, "activations + log-softmax (no grad)": scoring, **records, **runtime}
+            "scoring",
+            {**common, "activations + log-softmax (no grad)": scoring, **copies, **records, **runtime},
         ),
         PhasePlan(
             "update", {**common, "activations + gradients (micro-batch)": update, **records, **runtime}
