@@ -284,7 +284,7 @@ def main() -> None:
     if options.worker:
         job = json.loads(Path(options.worker).read_text())
         result = measure(CudaCase(**job["case"]), job["model_path"], job["reward_path"])
-        Path(job["result"]).write_text(json.dumps(result))
+        Path(job["result"]).write_text(json.dumps({"case": job["case"], **result}))
         return
     work_dir = Path(options.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -309,7 +309,10 @@ def main() -> None:
                 continue
         elif not (Path(model_path) / "config.json").is_file():
             build_base(case, work_dir)  # the planner reads the base's config.json and the adapter's config
-        result = {"case": dataclasses.asdict(case), **json.loads(result_file.read_text())}
+        result = json.loads(result_file.read_text())
+        if result["case"] != dataclasses.asdict(case):
+            raise SystemExit(f"{result_file} was measured with other settings than {case.name} has now: "
+                             "run it again without --reuse_measurements")  # fmt: skip
         result.update(predict(case, model_path, reward_path, result["prompt_length"]))
         results.append(result)
         print(case.name, {p: [round(result["predicted_mib"][p] - result["runtime_mib"]),
