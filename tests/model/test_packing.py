@@ -306,6 +306,20 @@ def test_the_probe_refuses_a_model_that_ignores_the_4d_mask_in_every_dtype(dtype
     assert model.packing_problem is not None and "packed rows differ" in model.packing_problem
 
 
+@pytest.mark.parametrize("quantization", ["4bit", "8bit"])
+def test_the_probe_refuses_a_quantized_bf16_model_that_ignores_the_4d_mask(quantization, broken_model_dir):
+    """A quantized base in bf16 is allowed bf16's rounding (its activations are float32, its layers compute
+    in bf16: :func:`marl.model.packing.coarser_dtype`); a structural failure is still far above that."""
+    config = _MaskIgnoringConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    model = MultiAdapterModel.from_pretrained(
+        broken_model_dir(config, _MaskIgnoringForCausalLM), quantization=quantization, dtype=torch.bfloat16
+    )
+    assert model.packing_problem is not None and "packed rows differ" in model.packing_problem
+    assert "torch.bfloat16 explains" in model.packing_problem
+
+
 @pytest.mark.parametrize("dtype", PROBE_DTYPES, ids=str)
 def test_the_probe_refuses_a_model_that_ignores_explicit_positions_in_every_dtype(dtype, broken_model_dir):
     config = _PositionIgnoringConfig(vocab_size=64, n_embd=64, n_inner=128, n_layer=2, n_head=4)
