@@ -15,7 +15,7 @@ memory the process holds on the card outside PyTorch's allocator (CUDA context, 
 compared with the allocated peak (the target: within 15% or 200 MiB), and its runtime part with the memory
 outside the allocator.
 
-    python examples/benchmarks/plan_vs_cuda.py                 # every configuration (a few minutes)
+    python examples/benchmarks/plan_vs_cuda.py                 # every configuration (about 11 min on an H100)
     python examples/benchmarks/plan_vs_cuda.py --only qwen2.5-0.5b-4bit
 """
 
