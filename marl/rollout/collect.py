@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from marl.model.memory import release_freed_memory
 from marl.rollout.records import Rollout, Samples
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ def collect_rollout(
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
     and reference log-probs (``scorer``), and their scores from ``reward``."""
     samples = sampler.sample(sampler.batch(prompts), k)
+    # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring (measured on SmolLM2 in
+    # 4-bit: scoring's peak 900 MiB with it, 790 without; a trim takes milliseconds).
+    release_freed_memory()
     logprobs, ref_logprobs = scorer.logprobs(samples)
     with torch.no_grad(), scorer.autocast():
         scores = reward.score(scorer.scoring_batch(samples))
