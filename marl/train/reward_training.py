@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import apply_threads
 from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
-from marl.data.topic_pairs import TOPIC_DATASET
+from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError, DataError, ModelError, RunFolderError
 from marl.model.adapters import (
     ADAPTER_CONFIG_NAME,
@@ -330,9 +330,10 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
     """
     check_output_dir(arguments.output_dir)  # before the data, whose on-topic pairs take minutes to sample
     continue_like = drift_like = None
-    if arguments.dataset == TOPIC_DATASET:
-        # The on-topic pairs set real continuations against the base's own (and a drifted policy's): sample
-        # them from the base the adapter is trained on, loaded as it will be.
+    if arguments.dataset in (TOPIC_DATASET, FILM_DATASET):
+        # The on-topic pairs set real continuations against the base's own (and a drifted policy's), the
+        # on-film pairs the base's against the base's: sample them from the base the adapter is trained on,
+        # loaded as it will be.
         sampling = dict(quantization=arguments.quantization, seed=arguments.seed, threads=arguments.threads)
         continue_like = model_continuer(arguments.model_name_or_path, **sampling)
         if arguments.drifted_policy is not None:

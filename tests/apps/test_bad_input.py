@@ -396,7 +396,7 @@ CASES += [
     Case(REWARD, ["--model_name_or_path", "{files}/missing"], r"no such model folder"),
     Case(REWARD, ["--model_name_or_path", "{files}/not-a-model"], r"no config\.json"),
     Case(REWARD, ["--model_name_or_path", "{files}/truncated-weights"], r"cannot load the model"),
-    Case(REWARD, ["--dataset", "{files}/missing.jsonl"], r"neither 'rotten-tomatoes' nor an existing file"),
+    Case(REWARD, ["--dataset", "{files}/missing.jsonl"], r"is not 'rotten-tomatoes'.* or an existing file"),
     Case(REWARD, ["--dataset", "{files}/pairs.txt"], r"unsupported extension"),
     Case(REWARD, ["--dataset", "{files}/malformed.jsonl"], r"cannot read the dataset .*malformed\.jsonl"),
     Case(REWARD, ["--dataset", "{files}/pairs-no-rejected.jsonl"], r"lacks the column\(s\) \['rejected'\]"),

@@ -11,7 +11,17 @@ import torch
 
 from marl.data import assets
 from marl.data.preferences import describe_preference_data, load_preference_data
-from marl.data.topic_pairs import BASE_TEXT, DRIFTED_TEXT, OTHER_FILM, TOPIC_DATASET, build_topic_pairs
+from marl.data.topic_pairs import (
+    BASE_TEXT,
+    CUED_BASE_TEXT,
+    DRIFTED_TEXT,
+    FILM_DATASET,
+    FILM_REVIEW_CUE,
+    OTHER_FILM,
+    TOPIC_DATASET,
+    build_film_pairs,
+    build_topic_pairs,
+)
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.train.continuations import MAX_SAMPLED_TOKENS, model_continuer
 
@@ -113,6 +123,34 @@ def test_the_bundled_topic_pairs_hold_out_other_movies():
     parts = assets.split_rotten_tomatoes(seed=0)
     assert set(held_out["movie"]) <= set(parts["eval"]["movie"])
     assert "the base model's own continuation" in describe_preference_data(TOPIC_DATASET, 0.1, 0)
+
+
+def test_film_pairs_have_the_base_write_both_sides_told_and_not_told_it_is_a_film_review():
+    data, recorder = reviews(), Recorder()
+    pairs = build_film_pairs(data, recorder, max_pairs=4, seed=3)
+    assert len(pairs) == 4 and set(pairs["kind"]) == {CUED_BASE_TEXT}
+    (cued_openings, cued_lengths), (bare_openings, bare_lengths) = recorder.calls
+    # The same openings, once after the cue and once bare, each measured against its snippet's own words.
+    assert cued_openings == [FILM_REVIEW_CUE + opening for opening in bare_openings]
+    assert cued_lengths == bare_lengths
+    for row, opening, real in zip(pairs, bare_openings, bare_lengths, strict=True):
+        assert opening + real in data["text"]
+        words = len(real.split())
+        # The cue is not part of either text: both are the opening and the base's words.
+        assert row["chosen"] == row["rejected"] == f"{opening} <{words} words>"
+    assert pairs.to_dict() == build_film_pairs(data, Recorder(), seed=3).select(range(4)).to_dict()
+    with pytest.raises(ValueError, match="returned 1 cued texts for 5 openings"):
+        build_film_pairs(data, lambda openings, continuations: [" only one"], seed=3)
+
+
+def test_the_bundled_film_pairs_hold_out_other_movies():
+    train, held_out = load_preference_data(
+        FILM_DATASET, max_train_pairs=30, max_eval_pairs=10, continue_like=Recorder()
+    )
+    assert (len(train), len(held_out)) == (30, 10)
+    assert set(train["movie"]).isdisjoint(held_out["movie"])
+    assert set(held_out["movie"]) <= set(assets.split_rotten_tomatoes(seed=0)["eval"]["movie"])
+    assert FILM_REVIEW_CUE in describe_preference_data(FILM_DATASET, 0.1, 0)
 
 
 def test_base_continuations_are_seeded_and_cut_to_the_real_length(tiny_llama_dir: Path, monkeypatch):
