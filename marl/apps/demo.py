@@ -275,6 +275,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
 
     from marl.apps.eval_report import results_table, write_results
     from marl.apps.eval_scores import generate_and_score, summarize
+    from marl.apps.train_rloo import memory_card_with_plan
     from marl.data.gold_judge import check_gold_judge
     from marl.data.prompts import rotten_tomatoes_prompts
     from marl.model.build import load_tokenizer
@@ -322,7 +323,6 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     console.print("[bold]2/4[/bold] loading the base in 4-bit with the policy and reward adapters")
     model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
-    console.print(model.memory_report())
     weighing = None
     if "topic" in reward_names:
         weighing = weigh_rewards(
@@ -355,6 +355,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         reward_funcs=reward,
         judge=load_judge(None),
     )
+    console.print(memory_card_with_plan(trainer))  # with the predicted peak of each phase of this run
     threads = torch.get_num_threads()
     how = "--threads" if arguments.threads else "the free cores, measured again after every update"
     console.print(
