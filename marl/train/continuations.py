@@ -1,5 +1,5 @@
-"""A model's own continuations of text openings, sampled as an RLOO rollout samples them: the rejected side
-of the on-topic reward's pairs (:mod:`marl.data.topic_pairs`).
+"""A model's own continuations of text openings, sampled as an RLOO rollout samples them: the model-written
+sides of the on-topic reward's pairs (:mod:`marl.data.topic_pairs`).
 
 Two models write them: the base with its adapters off (the ``reference`` view), i.e. the text a policy
 starts from, and optionally a trained policy adapter on that base (the ``policy`` view), i.e. the text a

@@ -349,7 +349,7 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
         continue_like=continue_like,
         drift_like=drift_like,
     )
-    del continue_like, drift_like  # the models that wrote the rejected text, not needed to train
+    del continue_like, drift_like  # the models that wrote the pairs' text, not needed to train
     description = describe_preference_data(
         arguments.dataset, arguments.eval_fraction, arguments.seed, arguments.drifted_policy
     )

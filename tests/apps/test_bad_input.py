@@ -430,6 +430,11 @@ CASES += [
     ),
     Case(
         REWARD,
+        ["--dataset", "rotten-tomatoes-film", "--drifted_policy", "{files}/missing"],
+        r"--drifted_policy is only used by .* \(got --dataset rotten-tomatoes-film\)",
+    ),
+    Case(
+        REWARD,
         ["--dataset", "rotten-tomatoes-topic", "--drifted_policy", "{files}/missing"],
         r"policy adapter folder .*missing does not exist",
     ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -51,6 +52,7 @@ def test_the_shipped_adapters_are_found_from_the_package():
     assert (SHIPPED_ADAPTERS_DIR / "README.md").is_file()
     assert DemoArguments().reward_adapter.startswith(str(SHIPPED_ADAPTERS_DIR))
     assert DemoArguments().topic_reward_adapter == str(SHIPPED_ADAPTERS_DIR / TOPIC_ADAPTER_NAME)
+    assert (Path(DemoArguments().topic_reward_adapter) / "adapter_config.json").is_file()  # shipped
 
 
 @given(

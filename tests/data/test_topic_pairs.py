@@ -21,6 +21,7 @@ from marl.data.topic_pairs import (
     TOPIC_DATASET,
     build_film_pairs,
     build_topic_pairs,
+    topic_pair_parts,
 )
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.train.continuations import MAX_SAMPLED_TOKENS, model_continuer
@@ -125,8 +126,17 @@ def test_the_bundled_topic_pairs_hold_out_other_movies():
     assert "the base model's own continuation" in describe_preference_data(TOPIC_DATASET, 0.1, 0)
 
 
+class CueRecorder(Recorder):
+    """A ``continue_like`` that also says whether it was given the film-review cue."""
+
+    def __call__(self, openings, continuations):
+        texts = super().__call__(openings, continuations)
+        cued = [opening.startswith(FILM_REVIEW_CUE) for opening in openings]
+        return [text + (" cued" if is_cued else "") for text, is_cued in zip(texts, cued, strict=True)]
+
+
 def test_film_pairs_have_the_base_write_both_sides_told_and_not_told_it_is_a_film_review():
-    data, recorder = reviews(), Recorder()
+    data, recorder = reviews(), CueRecorder()
     pairs = build_film_pairs(data, recorder, max_pairs=4, seed=3)
     assert len(pairs) == 4 and set(pairs["kind"]) == {CUED_BASE_TEXT}
     (cued_openings, cued_lengths), (bare_openings, bare_lengths) = recorder.calls
@@ -136,11 +146,14 @@ def test_film_pairs_have_the_base_write_both_sides_told_and_not_told_it_is_a_fil
     for row, opening, real in zip(pairs, bare_openings, bare_lengths, strict=True):
         assert opening + real in data["text"]
         words = len(real.split())
-        # The cue is not part of either text: both are the opening and the base's words.
-        assert row["chosen"] == row["rejected"] == f"{opening} <{words} words>"
-    assert pairs.to_dict() == build_film_pairs(data, Recorder(), seed=3).select(range(4)).to_dict()
-    with pytest.raises(ValueError, match="returned 1 cued texts for 5 openings"):
+        # The chosen side is the cued text, the rejected the bare one; the cue itself is in neither.
+        assert row["chosen"] == f"{opening} <{words} words> cued"
+        assert row["rejected"] == f"{opening} <{words} words>"
+    assert pairs.to_dict() == build_film_pairs(data, CueRecorder(), seed=3).select(range(4)).to_dict()
+    with pytest.raises(ValueError, match=r"continue_like \(cued\) returned 1 texts for 5 openings"):
         build_film_pairs(data, lambda openings, continuations: [" only one"], seed=3)
+    with pytest.raises(ValueError, match="written by the base alone"):
+        topic_pair_parts(recorder, dataset=FILM_DATASET, drift_like=recorder)
 
 
 def test_the_bundled_film_pairs_hold_out_other_movies():
