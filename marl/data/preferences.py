@@ -94,14 +94,12 @@ def describe_preference_data(
             "from the `reward` movies and held-out pairs from the `eval` movies of "
             f"`marl.data.assets.split_rotten_tomatoes(seed={seed})`"
         )
-    if dataset == TOPIC_DATASET:
+    if dataset in (TOPIC_DATASET, FILM_DATASET):
         from marl.config import RLOOConfig  # the base model's text is sampled at the rollouts' temperature
 
+        if dataset == FILM_DATASET:
+            return describe_film_pairs(seed, RLOOConfig.temperature)
         return describe_topic_pairs(seed, RLOOConfig.temperature, drifted_policy)
-    if dataset == FILM_DATASET:
-        from marl.config import RLOOConfig
-
-        return describe_film_pairs(seed, RLOOConfig.temperature)
     return f"`{dataset}` ({eval_fraction:.0%} held out with seed {seed})"
 
 
