@@ -30,6 +30,7 @@ from marl.apps.demo_rewards import (
     SENTIMENT_ADAPTER_NAME,
     SHIPPED_ADAPTERS_DIR,
     TOPIC_ADAPTER_NAME,
+    TOPIC_SPREAD_SHARE,
     WEIGHT_PROBE_PROMPTS,
     check_topic_weight,
     chosen_rewards,
@@ -96,8 +97,8 @@ class DemoArguments:
         default=None,
         metadata={
             "help": "Weight of the on-topic reward (the sentiment reward weighs 1). Default: measured at the "
-            f"start on base completions of {WEIGHT_PROBE_PROMPTS} training prompts, so that both rewards "
-            "spread equally."
+            f"start on base completions of {WEIGHT_PROBE_PROMPTS} training prompts, so that the on-topic "
+            f"scores spread {TOPIC_SPREAD_SHARE:g}× as widely as the sentiment scores."
         },
     )
     total_episodes: int = field(default=1536, metadata={"help": "Completions to train on (RLOO episodes)."})

@@ -7,8 +7,10 @@ fixed-rule checks of what no reward sees (the film named, distinct bigrams).
   second LoRA + score head on the same loaded base.
 
 With both, the on-topic weight is measured at the start unless given: base completions of training prompts
-are scored by both adapters, and the weight makes the on-topic scores spread as widely as the sentiment
-scores (:func:`balancing_weight`), so that neither reward drowns the other in the advantages.
+are scored by both adapters, and the weight makes the on-topic scores spread half as widely as the sentiment
+scores (:data:`TOPIC_SPREAD_SHARE` of :func:`balancing_weight`). At equal spreads the on-film reward took over
+the advantages once the policy found the film, and the policy collapsed into one template that both rewards
+pay for (benchmarks/results/2026-11-25-two-reward-demo.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ REWARD_CHOICES = ("sentiment", "topic")
 ADAPTER_NAMES = {"sentiment": "reward", "topic": "topic"}
 # Base completions of training prompts scored to measure the on-topic weight.
 WEIGHT_PROBE_PROMPTS = 64
+# How widely the weighted on-topic scores spread, as a share of the sentiment scores' spread (chosen by
+# measurement against the demo's targets: 1.0 and 0.5 were run, the results file above has both).
+TOPIC_SPREAD_SHARE = 0.5
 # Targets of the fixed-rule checks: the policy names the film at least as often as the base, and keeps at
 # least this share of the base's distinct bigrams.
 TARGET_DISTINCT_2_RATIO = 0.9
@@ -117,15 +122,12 @@ def balancing_weight(reference: Sequence[float], other: Sequence[float]) -> floa
 def measure_topic_weight(
     model: Any, tokenizer: Any, prompts: Sequence[str], **sampling: Any
 ) -> dict[str, Any]:
-    """Score base completions of ``prompts`` with both adapters and return the balancing weight with what
-    was measured (``weight``, the standard deviations, the correlation of the two rewards).
+    """Score base completions of ``prompts`` with both adapters and weigh them (:func:`topic_weighing`).
 
     Example:
         >>> measure_topic_weight(model, tokenizer, prompts[:64], response_length=20)  # doctest: +SKIP
-        {'weight': 1.3, ...}
+        {'weight': 0.65, ...}
     """
-    import numpy as np
-
     from marl.apps.eval_scores import generate_and_score
     from marl.rewards import load_judge
 
@@ -141,9 +143,21 @@ def measure_topic_weight(
         reward_names=names,
         **sampling,
     )["base"].reward_scores_by_name
-    sentiment, topic = samples[names[0]], samples[names[1]]
+    return topic_weighing(samples[names[0]], samples[names[1]])
+
+
+def topic_weighing(sentiment: Sequence[float], topic: Sequence[float]) -> dict[str, Any]:
+    """The on-topic weight from both adapters' scores of the same completions, :data:`TOPIC_SPREAD_SHARE`
+    times the balancing weight (rounded to 3 decimals, as printed), with the spreads and the correlation.
+
+    Example:
+        >>> topic_weighing([0.0, 2.0, 4.0], [1.0, 2.0, 3.0])["weight"]
+        1.0
+    """
+    import numpy as np
+
     return {
-        "weight": round(balancing_weight(sentiment, topic), 3),
+        "weight": round(TOPIC_SPREAD_SHARE * balancing_weight(sentiment, topic), 3),
         "completions": len(sentiment),
         "sentiment_std": statistics.pstdev(sentiment),
         "topic_std": statistics.pstdev(topic),
@@ -174,8 +188,9 @@ def weigh_rewards(
         say(
             f"on-topic weight {weighing['weight']:.3f}: on base completions of {len(probe_prompts)} training "
             f"prompts the sentiment scores spread {weighing['sentiment_std']:.3f} (std) and the on-topic "
-            f"scores {weighing['topic_std']:.3f}, so this weight makes both pull equally (the two rewards "
-            f"correlate {weighing['correlation']:+.2f} there)"
+            f"scores {weighing['topic_std']:.3f}, so this weight makes the on-topic scores spread "
+            f"{TOPIC_SPREAD_SHARE:g}× as widely (the two rewards correlate {weighing['correlation']:+.2f} "
+            "there)"
         )
     weighing["weights"] = [1.0, float(weighing["weight"])]
     say(f"reward = 1 × sentiment + {weighing['weight']:.3f} × on-topic")

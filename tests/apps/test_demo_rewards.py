@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from marl.apps.cli import demo_main
@@ -14,9 +14,11 @@ from marl.apps.demo import DemoArguments, demo_rloo_config, verdict_rows
 from marl.apps.demo_rewards import (
     SHIPPED_ADAPTERS_DIR,
     TOPIC_ADAPTER_NAME,
+    TOPIC_SPREAD_SHARE,
     balancing_weight,
     parse_rewards,
     reward_adapter_entries,
+    topic_weighing,
     topicality_summary,
     weigh_rewards,
 )
@@ -69,6 +71,24 @@ def test_the_balancing_weight_equalises_the_spreads(reference, other):
         assert statistics.pstdev(scaled) == pytest.approx(statistics.pstdev(reference), rel=1e-6, abs=1e-9)
     elif statistics.pstdev(reference) == 0 or statistics.pstdev(other) == 0:
         assert weight == 1.0
+
+
+@given(
+    st.lists(st.floats(-5, 5), min_size=3, max_size=20),
+    st.lists(st.floats(-5, 5), min_size=3, max_size=20),
+)
+def test_the_on_topic_weight_spreads_its_scores_a_fixed_share_of_the_sentiment_spread(sentiment, topic):
+    import statistics
+
+    topic = (topic * len(sentiment))[: len(sentiment)]  # scores of the same completions
+    assume(statistics.pstdev(sentiment) > 1e-3 and statistics.pstdev(topic) > 1e-3)
+    weighing = topic_weighing(sentiment, topic)
+    weighted_spread = statistics.pstdev([weighing["weight"] * value for value in topic])
+    # The weight is rounded to 3 decimals, as it is printed.
+    assert weighted_spread == pytest.approx(
+        TOPIC_SPREAD_SHARE * statistics.pstdev(sentiment), abs=5e-4 * statistics.pstdev(topic) + 1e-9
+    )
+    assert weighing["completions"] == len(sentiment)
 
 
 def test_a_spread_too_small_for_the_ratio_falls_back_to_weight_one():
