@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from marl.apps.demo_rewards import (
+    DEMO_KL_COEF,
+    KL_COEF_HELP,
     REWARD_CHOICES,
     SENTIMENT_ADAPTER_NAME,
     SHIPPED_ADAPTERS_DIR,
@@ -35,6 +36,7 @@ from marl.apps.demo_rewards import (
     check_topic_weight,
     chosen_rewards,
     parse_rewards,
+    rebuild_sentiment_adapter,
     reward_adapter_entries,
     reward_means_by_name,
     topicality_rows,
@@ -109,7 +111,10 @@ class DemoArguments:
     )
     num_ppo_epochs: int = field(default=1, metadata={"help": "Passes over each rollout."})
     learning_rate: float = field(default=1e-3, metadata={"help": "Policy LoRA learning rate."})
-    kl_coef: float = field(default=0.15, metadata={"help": "KL penalty weight."})
+    kl_coef: float | None = field(
+        default=None,
+        metadata={"help": f"KL penalty weight. Default: {KL_COEF_HELP} (each chosen by measurement)."},
+    )
     response_length: int = field(default=20, metadata={"help": "Maximum new tokens per completion."})
     temperature: float = field(
         default=0.7, metadata={"help": "Sampling temperature (training and evaluation)."}
@@ -122,7 +127,9 @@ class DemoArguments:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        parse_rewards(self.rewards)
+        rewards = parse_rewards(self.rewards)
+        if self.kl_coef is None:
+            self.kl_coef = DEMO_KL_COEF[len(rewards)]
         check_topic_weight(self.topic_weight)
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
@@ -189,41 +196,6 @@ def expected_seconds(arguments: DemoArguments, threads: int) -> float:
 def _default_output_dir() -> Path:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return Path("marl-demo") / f"run-{stamp}"
-
-
-def reward_recipe_flags(shipped_dir: Path = SHIPPED_ADAPTERS_DIR / REWARD_ADAPTER_NAME) -> list[str]:
-    """The flags the shipped reward adapter was trained with (from its ``training_summary.json``), minus
-    ``--output_dir``; empty (the training defaults) if the summary is missing.
-
-    Example:
-        >>> reward_recipe_flags(Path("/nonexistent"))
-        []
-    """
-    summary_file = shipped_dir / "training_summary.json"
-    if not summary_file.is_file():
-        return []
-    command = json.loads(summary_file.read_text()).get("command") or ""
-    words = shlex.split(command)
-    flags = words[next((i for i, word in enumerate(words) if word.startswith("--")), len(words)) :]
-    kept: list[str] = []
-    skip_value = False
-    for word in flags:
-        if skip_value:
-            skip_value = False
-        elif word in ("--output_dir", "--output-dir"):
-            skip_value = True
-        elif not word.startswith(("--output_dir=", "--output-dir=")):
-            kept.append(word)
-    return kept
-
-
-def _rebuild_reward_adapter(output_dir: Path) -> str:
-    from marl.train.reward_training import parse_arguments, run
-
-    reward_dir = output_dir / "reward"
-    flags = [*reward_recipe_flags(), "--output_dir", str(reward_dir)]
-    run(parse_arguments(flags), command=shlex.join(["marl", "train-reward", *flags]))
-    return str(reward_dir)
 
 
 def verdict_rows(
@@ -307,7 +279,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         console.print(
             "[bold]1/4[/bold] rebuilding the reward adapter (Rotten Tomatoes fresh vs rotten pairs)"
         )
-        reward_adapter = _rebuild_reward_adapter(output_dir)
+        reward_adapter = rebuild_sentiment_adapter(output_dir)
     else:
         reward_adapter = arguments.reward_adapter
         console.print(f"[bold]1/4[/bold] reward adapter: {reward_adapter}")

@@ -1,5 +1,6 @@
-"""The rewards of ``marl demo``: which reward adapters it trains against, with which weights, and the
-fixed-rule checks of what no reward sees (the film named, distinct bigrams).
+"""The rewards of ``marl demo``: which reward adapters it trains against, with which weights and KL
+coefficient, the fixed-rule checks of what no reward sees (the film named, distinct bigrams), and the
+sentiment adapter's recipe (``marl demo --train_reward`` runs it again).
 
 - ``sentiment``: the shipped sentiment adapter (fresh vs rotten snippets of the same movie);
 - ``topic``: the shipped on-film adapter (the base model's continuation of a review opening when told it reads
@@ -15,7 +16,9 @@ pay for (benchmarks/results/2026-11-25-two-reward-demo.md).
 
 from __future__ import annotations
 
+import json
 import math
+import shlex
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +38,11 @@ WEIGHT_PROBE_PROMPTS = 64
 # How widely the weighted on-topic scores spread, as a share of the sentiment scores' spread (chosen by
 # measurement against the demo's targets: 1.0 and 0.5 were run, the results file above has both).
 TOPIC_SPREAD_SHARE = 0.5
+# The KL coefficient by the number of rewards, each chosen by measurement: the sentiment reward alone
+# (benchmarks/results/2026-11-22-demo-tuning.md); with the on-topic reward too, 0.15 let the text collapse
+# into a template that both rewards pay for (2026-11-25-two-reward-demo.md).
+DEMO_KL_COEF = {1: 0.15, 2: 0.3}
+KL_COEF_HELP = f"{DEMO_KL_COEF[1]} with one reward, {DEMO_KL_COEF[2]} with two"
 # Targets of the fixed-rule checks: the policy names the film at least as often as the base, and keeps at
 # least this share of the base's distinct bigrams.
 TARGET_DISTINCT_2_RATIO = 0.9
@@ -255,3 +263,39 @@ def topicality_rows(topic: dict[str, dict[str, float]]) -> list[tuple[str, str, 
             ratio >= TARGET_DISTINCT_2_RATIO,
         ),
     ]
+
+
+def reward_recipe_flags(shipped_dir: Path = SHIPPED_ADAPTERS_DIR / SENTIMENT_ADAPTER_NAME) -> list[str]:
+    """The flags the shipped reward adapter was trained with (from its ``training_summary.json``), minus
+    ``--output_dir``; empty (the training defaults) if the summary is missing.
+
+    Example:
+        >>> reward_recipe_flags(Path("/nonexistent"))
+        []
+    """
+    summary_file = shipped_dir / "training_summary.json"
+    if not summary_file.is_file():
+        return []
+    command = json.loads(summary_file.read_text()).get("command") or ""
+    words = shlex.split(command)
+    flags = words[next((i for i, word in enumerate(words) if word.startswith("--")), len(words)) :]
+    kept: list[str] = []
+    skip_value = False
+    for word in flags:
+        if skip_value:
+            skip_value = False
+        elif word in ("--output_dir", "--output-dir"):
+            skip_value = True
+        elif not word.startswith(("--output_dir=", "--output-dir=")):
+            kept.append(word)
+    return kept
+
+
+def rebuild_sentiment_adapter(output_dir: Path) -> str:
+    """Train the sentiment adapter again with its recipe into ``output_dir/reward``; returns that folder."""
+    from marl.train.reward_training import parse_arguments, run
+
+    reward_dir = output_dir / "reward"
+    flags = [*reward_recipe_flags(), "--output_dir", str(reward_dir)]
+    run(parse_arguments(flags), command=shlex.join(["marl", "train-reward", *flags]))
+    return str(reward_dir)

@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from marl.apps.demo import DemoArguments, demo_rloo_config, reward_recipe_flags, verdict_rows
+from marl.apps.demo import (
+    DEMO_KL_COEF,
+    DemoArguments,
+    demo_rloo_config,
+    verdict_rows,
+)
+from marl.apps.demo_rewards import reward_recipe_flags
 from marl.train.plotting import PANELS, logged_panels, plot_training_curves, read_metrics
 
 
@@ -65,6 +71,12 @@ def test_demo_config_is_the_embedded_model_in_4bit(tmp_path):
     assert config.total_episodes == 128 and config.kl_coef == 0.1
     completions_per_update = arguments.per_device_train_batch_size * arguments.num_mini_batches
     assert config.batch_sizes(1, 1000).num_total_batches == 128 // completions_per_update
+
+
+def test_the_kl_coefficient_defaults_by_the_number_of_rewards():
+    assert DemoArguments().kl_coef == DEMO_KL_COEF[1] == 0.15
+    assert DemoArguments(rewards="sentiment,topic").kl_coef == DEMO_KL_COEF[2] == 0.3
+    assert DemoArguments(rewards="sentiment,topic", kl_coef=0.05).kl_coef == 0.05
 
 
 def test_reward_recipe_is_read_from_the_shipped_summary(tmp_path):
