@@ -6,13 +6,8 @@ import json
 
 import pytest
 
-from marl.apps.demo import (
-    DEMO_KL_COEF,
-    DemoArguments,
-    demo_rloo_config,
-    verdict_rows,
-)
-from marl.apps.demo_rewards import reward_recipe_flags
+from marl.apps.demo import DemoArguments, demo_rloo_config, verdict_rows
+from marl.apps.demo_rewards import DEMO_KL_COEF, reward_recipe_flags
 from marl.train.plotting import PANELS, logged_panels, plot_training_curves, read_metrics
 
 
