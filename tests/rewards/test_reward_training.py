@@ -170,6 +170,22 @@ def test_rotten_tomatoes_pairs_hold_out_whole_movies() -> None:
     assert train["chosen"] == again["chosen"]
 
 
+def test_full_rotten_tomatoes_pairs_train_on_more_movies_and_hold_out_the_same_pairs() -> None:
+    from marl.data import assets
+
+    train, held_out = load_preference_data("rotten-tomatoes-full", seed=0)
+    small_train, small_held_out = load_preference_data("rotten-tomatoes", seed=0)
+    assert held_out["chosen"] == small_held_out["chosen"]
+    assert held_out["rejected"] == small_held_out["rejected"]
+    assert len(train) > 4 * len(small_train)
+    # No movie and no text of the RL prompts or of the held-out pairs reaches training.
+    parts = assets.split_rotten_tomatoes(seed=0)
+    for name in ("rl", "eval"):
+        assert not set(train["movie"]) & set(parts[name]["movie"])
+        assert not (set(train["chosen"]) | set(train["rejected"])) & set(parts[name]["text"])
+    assert set(small_train["movie"]) < set(train["movie"])
+
+
 def test_local_file_is_split_and_checked(tmp_path: Path) -> None:
     path = tmp_path / "pairs.jsonl"
     rows = [{"chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(20)]
