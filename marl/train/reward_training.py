@@ -330,16 +330,16 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
     """
     check_output_dir(arguments.output_dir)  # before the data, whose on-topic pairs take minutes to sample
     continue_like = drift_like = None
+    # Model-written sides are sampled from the base the adapter is trained on, loaded as it will be.
+    sampling = dict(quantization=arguments.quantization, seed=arguments.seed, threads=arguments.threads)
     if arguments.dataset in (TOPIC_DATASET, FILM_DATASET):
-        # The on-topic pairs set real continuations against the base's own (and a drifted policy's), the
-        # on-film pairs the base's against the base's: sample them from the base the adapter is trained on,
-        # loaded as it will be.
-        sampling = dict(quantization=arguments.quantization, seed=arguments.seed, threads=arguments.threads)
+        # The on-topic pairs set real continuations against the base's own, the on-film pairs the base's
+        # against the base's.
         continue_like = model_continuer(arguments.model_name_or_path, **sampling)
-        if arguments.drifted_policy is not None:
-            drift_like = model_continuer(
-                arguments.model_name_or_path, policy_adapter=arguments.drifted_policy, **sampling
-            )
+    if arguments.drifted_policy is not None:
+        drift_like = model_continuer(
+            arguments.model_name_or_path, policy_adapter=arguments.drifted_policy, **sampling
+        )
     train_pairs, eval_pairs = load_preference_data(
         arguments.dataset,
         eval_fraction=arguments.eval_fraction,

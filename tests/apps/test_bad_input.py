@@ -426,7 +426,7 @@ CASES += [
     Case(
         REWARD,
         ["--drifted_policy", "{files}/missing"],
-        r"--drifted_policy is only used by --dataset rotten-tomatoes-topic",
+        r"--drifted_policy is only used by --dataset rotten-tomatoes-topic or rotten-tomatoes-full",
     ),
     Case(
         REWARD,
@@ -436,6 +436,11 @@ CASES += [
     Case(
         REWARD,
         ["--dataset", "rotten-tomatoes-topic", "--drifted_policy", "{files}/missing"],
+        r"policy adapter folder .*missing does not exist",
+    ),
+    Case(
+        REWARD,
+        ["--dataset", "rotten-tomatoes-full", "--drifted_policy", "{files}/missing"],
         r"policy adapter folder .*missing does not exist",
     ),
     Case(

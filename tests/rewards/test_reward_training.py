@@ -186,6 +186,28 @@ def test_full_rotten_tomatoes_pairs_train_on_more_movies_and_hold_out_the_same_p
     assert set(small_train["movie"]) < set(train["movie"])
 
 
+def test_a_drifted_policy_adds_one_pair_per_four_fresh_snippets_to_both_parts() -> None:
+    asked: list[tuple[str, str]] = []
+
+    def drift_like(openings, continuations):
+        asked.extend(zip(openings, continuations, strict=True))
+        return [" I'm thrilled to help" for _ in openings]
+
+    plain_train, plain_held_out = load_preference_data("rotten-tomatoes-full", seed=0)
+    train, held_out = load_preference_data("rotten-tomatoes-full", seed=0, drift_like=drift_like)
+    for plain, drifted in ((plain_train, train), (plain_held_out, held_out)):
+        added = drifted.select(range(len(plain), len(drifted)))
+        assert drifted.select(range(len(plain)))["chosen"] == plain["chosen"]
+        assert 0.2 * len(plain) < len(added) <= len(plain) / 4 + 1
+        assert set(added["chosen"]) <= set(plain["chosen"])  # fresh snippets of the same part
+        for chosen, rejected in zip(added["chosen"], added["rejected"], strict=True):
+            opening = " ".join(chosen.split()[:4])
+            assert rejected == opening + " I'm thrilled to help"
+    # The policy continues the opening alone; the snippet's own words only set the length.
+    assert all(len(opening.split()) == 4 for opening, _ in asked)
+    assert all(not continuation.startswith(opening) for opening, continuation in asked)
+
+
 def test_local_file_is_split_and_checked(tmp_path: Path) -> None:
     path = tmp_path / "pairs.jsonl"
     rows = [{"chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(20)]
