@@ -28,21 +28,16 @@ def read_completions(files: list[str]) -> list[tuple[str, str, str]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("adapter", help="An on-topic reward adapter folder (marl train-reward).")
-    parser.add_argument("completions", nargs="+", help="eval_completions.jsonl files of marl demo runs.")
-    options = parser.parse_args()
-
+def load_adapter_scorer(adapter: str):
+    """``score(text) -> float``: the reward adapter folder ``adapter`` on the 4-bit base, reading ``text``
+    + EOS at the last token that is not the padding id of the adapter's ``marl_reward.json``, as marl does."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from marl.data.assets import resolve_model_path
-    from marl.data.topicality import names_the_film
     from marl.model.quantization import bitsandbytes_config
 
-    torch.set_num_threads(1)
     path = resolve_model_path("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(path)
     base = AutoModelForSequenceClassification.from_pretrained(
@@ -51,18 +46,32 @@ def main() -> None:
         quantization_config=bitsandbytes_config("4bit", torch.float32),
         dtype=torch.float32,
     )
-    model = PeftModel.from_pretrained(base, options.adapter).eval()
-    base.config.pad_token_id = json.loads((Path(options.adapter) / "marl_reward.json").read_text())[
-        "pad_token_id"
-    ]
+    model = PeftModel.from_pretrained(base, adapter).eval()
+    base.config.pad_token_id = json.loads((Path(adapter) / "marl_reward.json").read_text())["pad_token_id"]
+
+    def score(text: str) -> float:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        with torch.no_grad():
+            return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+    return score
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("adapter", help="An on-topic reward adapter folder (marl train-reward).")
+    parser.add_argument("completions", nargs="+", help="eval_completions.jsonl files of marl demo runs.")
+    options = parser.parse_args()
+
+    import torch
+
+    from marl.data.topicality import names_the_film
+
+    torch.set_num_threads(1)
+    score = load_adapter_scorer(options.adapter)
     scores: dict[tuple[str, bool], list[float]] = {}
-    with torch.no_grad():
-        for model_name, prompt, completion in read_completions(options.completions):
-            ids = tokenizer(prompt + completion, add_special_tokens=False)["input_ids"] + [
-                tokenizer.eos_token_id
-            ]
-            score = float(model(input_ids=torch.tensor([ids])).logits[0, 0])
-            scores.setdefault((model_name, names_the_film(completion)), []).append(score)
+    for model_name, prompt, completion in read_completions(options.completions):
+        scores.setdefault((model_name, names_the_film(completion)), []).append(score(prompt + completion))
     print(f"adapter: {options.adapter}")
     print("| completions of | naming the film: n, mean score | not naming it: n, mean score | difference |")
     print("|---|---|---|---|")
