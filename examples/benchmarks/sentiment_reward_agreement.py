@@ -9,7 +9,7 @@ fixed probe: "This movie could be" and twelve hand-written endings, from raves t
 says nothing of a film and a neutral plot line (the probe of benchmarks/results/2026-11-22-demo-tuning.md).
 
     python examples/benchmarks/sentiment_reward_agreement.py \\
-        adapters/smollm2-135m-rotten-tomatoes-reward adapters/smollm2-135m-rotten-tomatoes-full-reward \\
+        adapters/smollm2-135m-rotten-tomatoes-reward runs/full-reward \\
         --completions runs/demo-seed0/policy/eval_completions.jsonl \\
         runs/demo-seed1/policy/eval_completions.jsonl
 """
