@@ -174,8 +174,10 @@ def with_drift_pairs(
 ) -> datasets.Dataset:
     """``pairs`` (fresh snippet ``chosen``, rotten ``rejected``) and, for one pair in ``every`` (seeded) whose
     fresh snippet is long enough to continue, a pair of that snippet (chosen) against its first words
-    continued by ``drift_like`` (a policy trained on a reward alone, as long as the snippet's own
-    continuation; rejected): a plainly positive review over the upbeat text a policy drifts into.
+    continued by ``drift_like`` (a policy whose text drifted, as long as the snippet's own continuation;
+    rejected): a plainly positive review over the upbeat text a policy drifts into. Measured once, it taught
+    a sentiment reward to mark down a policy's text as such (benchmarks/results/2026-11-25-two-reward-demo.md,
+    section 5).
 
     Example:
         >>> import datasets
