@@ -193,21 +193,22 @@ def with_drift_pairs(
 
     order = list(range(len(pairs)))
     random.Random(seed).shuffle(order)
+    chosen, movies = list(pairs["chosen"]), list(pairs["movie"])
     picked = [
-        pairs[index]
+        index
         for index in sorted(order[::every])
-        if len(pairs[index]["chosen"].split()) >= OPENING_WORDS + MIN_CONTINUATION_WORDS
+        if len(chosen[index].split()) >= OPENING_WORDS + MIN_CONTINUATION_WORDS
     ]
-    snippets = [row["chosen"].split() for row in picked]
+    snippets = [chosen[index].split() for index in picked]
     openings = [" ".join(words[:OPENING_WORDS]) for words in snippets]
     continued = drift_like(openings, [" " + " ".join(words[OPENING_WORDS:]) for words in snippets])
     if len(continued) != len(openings):
         raise ValueError(f"drift_like returned {len(continued)} texts for {len(openings)} openings")
     drift = datasets.Dataset.from_dict(
         {
-            "chosen": [row["chosen"] for row in picked],
+            "chosen": [chosen[index] for index in picked],
             "rejected": [opening + text for opening, text in zip(openings, continued, strict=True)],
-            "movie": [row["movie"] for row in picked],
+            "movie": [movies[index] for index in picked],
         }
     )
     return datasets.concatenate_datasets([pairs.select_columns(drift.column_names), drift])

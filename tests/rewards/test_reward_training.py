@@ -203,9 +203,10 @@ def test_a_drifted_policy_adds_one_pair_per_four_fresh_snippets_to_both_parts() 
         for chosen, rejected in zip(added["chosen"], added["rejected"], strict=True):
             opening = " ".join(chosen.split()[:4])
             assert rejected == opening + " I'm thrilled to help"
-    # The policy continues the opening alone; the snippet's own words only set the length.
+    # The policy reads the 4-word opening; the rest of the same snippet only sets the length.
+    snippets = {" ".join(text.split()) for part in (plain_train, plain_held_out) for text in part["chosen"]}
     assert all(len(opening.split()) == 4 for opening, _ in asked)
-    assert all(not continuation.startswith(opening) for opening, continuation in asked)
+    assert all(" ".join((opening + continuation).split()) in snippets for opening, continuation in asked)
 
 
 def test_local_file_is_split_and_checked(tmp_path: Path) -> None:
