@@ -39,20 +39,22 @@ def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out 
         "length",
     ):
         table.add_column(column, justify="left" if column == "model" else "right")
-    for name in ("base", "policy"):
+    # The policy's starting adapter, when it is the policy's reference, sits between the two.
+    comparisons = {"reference": "reference_comparison", "policy": "comparison"}
+    for name in ("base", "reference", "policy"):
         if name not in summary:
             continue
         scores = summary[name]
         win = "—"
-        if name == "policy":
-            comparison = summary["comparison"]
+        if name in comparisons:
+            comparison = summary[comparisons[name]]
             win = (
                 f"{comparison['win_rate']:.1%} ({comparison['wins']}W {comparison['ties']}T "
                 f"{comparison['losses']}L)"
             )
         kl = scores["kl"] if name == "policy" else None
         table.add_row(
-            name,
+            "reference (the policy's start)" if name == "reference" else name,
             show(scores["reward_score"]),
             show(scores["judge_score"]),
             win,

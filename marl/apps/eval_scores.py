@@ -110,8 +110,9 @@ def generate_and_score(
     sampler: str | None = None,
     reward_names: Sequence[str] | None = None,
 ) -> dict[str, ScoredCompletions]:
-    """Sample and measure completions of the base (``"base"``) and, if ``with_policy``, of policy ``policy``
-    (default: the model's first policy), keyed ``"policy"``. ``after_batch`` is called after every batch
+    """Sample and measure completions of the base (``"base"``, adapters disabled) and, if ``with_policy``, of
+    policy ``policy`` (default: the model's first policy), keyed ``"policy"``, and of its starting adapter
+    (``"reference"``) when that is its KL reference. ``after_batch`` is called after every batch
     (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`). ``sampler`` names a registered sampler (default:
     the one training uses by default, ``RLOOConfig.sampler``). ``reward_names``: the reward adapters that
     score each completion (default: the model's first); the first fills ``reward_scores``, each one its
@@ -130,6 +131,7 @@ def generate_and_score(
     from marl.algo.tensors import masked_sum
     from marl.config import RLOOConfig
     from marl.data.prompts import prompt_text
+    from marl.model.records import BASE_VIEW, REFERENCE_VIEW
     from marl.rewards import RewardParts, RewardSetting, plan_rewards
     from marl.rollout.prompts import prepare_text_prompts
     from marl.rollout.samplers import SamplerSettings, get_sampler
@@ -156,7 +158,12 @@ def generate_and_score(
     names = list(model.rewards)[:1] if reward_names is None else list(reward_names)
     settings = [RewardSetting("eos_adapter", name) for name in names]
     rewards = plan_rewards(settings).build(RewardParts(model, tokenizer, batch_size))
-    views = {"base": "reference", "policy": "policy"} if with_policy else {"base": "reference"}
+    views = {"base": BASE_VIEW}
+    if with_policy and model.get_policy(policy).reference_adapter is not None:
+        # A policy whose reference is its starting adapter is also measured against that start.
+        views["reference"] = REFERENCE_VIEW
+    if with_policy:
+        views["policy"] = "policy"
     results = {name: ScoredCompletions() for name in views}
     starts = range(0, len(prompts), batch_size)
     for batch_index, start in enumerate(tqdm(starts, desc="evaluating", unit="batch", disable=not progress)):
@@ -164,7 +171,7 @@ def generate_and_score(
         batch = rollout_sampler.batch(prepared[start : start + batch_size])
         for name, view in views.items():
             torch.manual_seed(seed + batch_index)
-            # The base is the reference view of the same model (adapters disabled), not a second copy.
+            # The base is a view of the same model (adapters disabled), not a second copy.
             samples = rollout_sampler.sample(batch, k=1, view=view)
             record = results[name]
             record.completions.extend(samples.completions)
@@ -187,7 +194,8 @@ def generate_and_score(
 
 
 def summarize(samples: dict[str, ScoredCompletions]) -> dict[str, Any]:
-    """Means per model and, with a policy, the judge win rate of the policy over the base.
+    """Means per model and, with a policy, the judge win rate of the policy over the base; with the policy's
+    starting adapter (``"reference"``), also that start's win rate over the base and the policy's over it.
 
     Example:
         >>> summary = summarize(samples)  # doctest: +SKIP
@@ -197,4 +205,8 @@ def summarize(samples: dict[str, ScoredCompletions]) -> dict[str, Any]:
     if "policy" in samples:
         comparison = win_rate(samples["policy"].judge_scores, samples["base"].judge_scores)
         summary["comparison"] = asdict(comparison)
+    if "reference" in samples:
+        reference = samples["reference"].judge_scores
+        summary["reference_comparison"] = asdict(win_rate(reference, samples["base"].judge_scores))
+        summary["comparison_to_reference"] = asdict(win_rate(samples["policy"].judge_scores, reference))
     return summary

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from marl.model.families import LogitHead
 
 __all__ = [
+    "BASE_VIEW",
     "DEFAULT_POLICY",
     "REFERENCE_SUFFIX",
     "REFERENCE_VIEW",
@@ -46,6 +47,9 @@ __all__ = [
 ]
 
 REFERENCE_VIEW = "reference"
+# The base with adapters disabled, whatever a policy's reference is; PEFT's own name for "no adapter", which
+# no adapter may take (check_adapter_name).
+BASE_VIEW = "__base__"
 REFERENCE_SUFFIX = "-reference"
 # PEFT stores adapters in module dictionaries (no dots) and uses "__base__" for "no adapter".
 _ADAPTER_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
@@ -102,7 +106,7 @@ class LoadedModel:
 
 def check_adapter_name(name: str, taken: list[str], role: str) -> None:
     """Refuse a name that is not a plain identifier, is reserved, or is already used on this base."""
-    if not isinstance(name, str) or not _ADAPTER_NAME.match(name) or name == "__base__":
+    if not isinstance(name, str) or not _ADAPTER_NAME.match(name) or name == BASE_VIEW:
         raise ConfigError(
             f"{role} name {name!r} is not usable: use letters, digits, '_' and '-' (no dots or spaces)"
         )

@@ -24,7 +24,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from marl.errors import ConfigError
-from marl.model.records import DEFAULT_POLICY, REFERENCE_VIEW, PolicyAdapter, RewardAdapter
+from marl.model.records import BASE_VIEW, DEFAULT_POLICY, REFERENCE_VIEW, PolicyAdapter, RewardAdapter
 
 
 @dataclass
@@ -169,8 +169,19 @@ class AdapterViews:
         """
         return self._view(self.get_policy(policy).reference_adapter)
 
+    def base(self) -> contextlib.AbstractContextManager[Self]:
+        """Context manager: the base with adapters disabled, also where a policy's reference is its frozen
+        starting copy.
+
+        Example:
+            >>> with model.base():  # doctest: +SKIP
+            ...     base_logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
+        """
+        return self._view(None)
+
     def view(self, name: str) -> contextlib.AbstractContextManager[Self]:
-        """Context manager: ``"policy"``, ``"reference"`` (however it is built) or any adapter name.
+        """Context manager: ``"policy"``, ``"reference"`` (however it is built), ``BASE_VIEW`` (the base,
+        :meth:`base`) or any adapter name.
 
         Example:
             >>> with model.view("reference"):  # doctest: +SKIP
@@ -180,6 +191,8 @@ class AdapterViews:
             return self.policy()
         if name == REFERENCE_VIEW:
             return self.reference()
+        if name == BASE_VIEW:
+            return self.base()
         if name in self.policies:
             return self.policy(name)
         return self.use_adapter(name)

@@ -64,7 +64,8 @@ class Sampler(Protocol):
         ...
 
     def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
-        """``k`` completions of every prompt under ``view`` (``"policy"`` or ``"reference"``), k-major (row
+        """``k`` completions of every prompt under ``view`` (``"policy"``, ``"reference"`` or the base with
+        adapters disabled, :data:`marl.model.records.BASE_VIEW`), k-major (row
         ``j * P + i`` is sample ``j`` of prompt ``i``), cut after their stop token and decoded."""
         ...
 

@@ -22,6 +22,7 @@ import torch
 from marl.errors import ConfigError, DataError
 from marl.model.generation import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
 from marl.model.multi_adapter import position_ids_from_mask
+from marl.model.records import BASE_VIEW, DEFAULT_POLICY, REFERENCE_VIEW
 from marl.rollout.prompts import Prompt, PromptBatch
 from marl.rollout.records import Samples
 
@@ -73,7 +74,8 @@ class TransformersSampler:
         return PromptBatch.of(prompts, self.sampling.pad_token_id, self.model.device)
 
     def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
-        """``k`` completions of every prompt under ``view`` (``"policy"`` or ``"reference"``), k-major."""
+        """``k`` completions of every prompt under ``view`` (``"policy"``, ``"reference"`` or the base,
+        :data:`marl.model.records.BASE_VIEW`), k-major."""
         return Samples.from_responses(
             prompts,
             k,
@@ -124,9 +126,13 @@ class TransformersSampler:
         )
 
     def _view(self, view: str) -> contextlib.AbstractContextManager:
-        if view == "reference":
+        if view == REFERENCE_VIEW:
             return self.model.reference(self.policy)
-        return self.model.policy(self.policy)
+        if view == BASE_VIEW:
+            return self.model.base()
+        if view == DEFAULT_POLICY:
+            return self.model.policy(self.policy)
+        raise ValueError(f"view must be {DEFAULT_POLICY!r}, {REFERENCE_VIEW!r} or BASE_VIEW, got {view!r}")
 
     def _shared_prompt_cache(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, copies: int) -> Any:
         """KV cache of all prompt tokens but the last (generate feeds that one), repeated ``copies`` times.

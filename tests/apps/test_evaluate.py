@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from marl.apps.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation, win_rate
+from marl.model.records import BASE_VIEW
 
 from support.tiny import write_jsonl
 
@@ -172,5 +173,46 @@ def test_the_sampler_flag_picks_a_registered_sampler(eval_setup, tmp_path):
     finally:
         del SAMPLERS["counting"]
     batches = -(-len(PROMPTS) // 3)
-    assert calls == ["reference", "policy"] * batches
+    assert calls == [BASE_VIEW, "policy"] * batches
     assert counted == evaluate(eval_setup, eval_setup["trained_policy"], tmp_path / "default")
+
+
+def test_a_policy_started_from_an_adapter_is_measured_against_the_base_and_its_start(eval_setup, tmp_path):
+    """With a frozen copy of its starting adapter as reference, the base is still the base (adapters
+    disabled), and the start is measured too: here the start is the trained adapter and the policy is still
+    equal to it, so the policy ties its start everywhere, and the base's completions are those of a model
+    whose reference is the base."""
+    from marl.apps.eval_scores import generate_and_score, summarize
+    from marl.model.build import load_tokenizer
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rewards import load_judge
+
+    start = save_policy_adapter(eval_setup["base"], tmp_path / "start", 3.0)
+
+    def run(reference):
+        model = MultiAdapterModel.from_pretrained(
+            eval_setup["base"],
+            policy_adapter=str(start),
+            reward_adapter=eval_setup["reward"],
+            reference=reference,
+        )
+        tokenizer = load_tokenizer(eval_setup["base"])
+        judge = load_judge(f"{__name__}:length_judge")
+        samples = generate_and_score(
+            model, tokenizer, PROMPTS, judge, response_length=6, batch_size=3, progress=False
+        )
+        return samples, summarize(samples)
+
+    started, summary = run("initial-policy")
+    plain, _ = run("base")
+    assert list(started) == ["base", "reference", "policy"] and list(plain) == ["base", "policy"]
+    assert started["base"].completions == plain["base"].completions
+    assert started["reference"].completions == started["policy"].completions == plain["policy"].completions
+    assert started["base"].completions != started["policy"].completions
+    assert summary["comparison_to_reference"]["ties"] == len(PROMPTS)
+    assert summary["reference_comparison"] == summary["comparison"]
+    assert started["policy"].kls == [0.0] * len(PROMPTS)
+
+
+def length_judge(texts):
+    return [float(len(text)) for text in texts]
