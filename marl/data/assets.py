@@ -367,6 +367,20 @@ def build_preference_pairs(dataset: datasets.Dataset, seed: int = 0) -> datasets
     return datasets.Dataset.from_dict({name: [column[i] for i in order] for name, column in pairs.items()})
 
 
+def split_opening(text: str, num_words: int) -> tuple[str, str] | None:
+    """A snippet's first ``num_words`` words (the opening an RL prompt is made of) and the rest, which starts
+    with a space; ``None`` when nothing would be left to continue.
+
+    Example:
+        >>> split_opening("The film is a quiet triumph.", 4)
+        ('The film is a', ' quiet triumph.')
+    """
+    words = text.split()
+    if len(words) <= num_words:
+        return None
+    return " ".join(words[:num_words]), " " + " ".join(words[num_words:])
+
+
 def build_rl_prompts(
     dataset: datasets.Dataset, num_words: int = 4, seed: int = 0, exclude: Collection[str] = ()
 ) -> datasets.Dataset:
@@ -392,10 +406,10 @@ def build_rl_prompts(
     seen: set[str] = set(exclude)
     prompts: list[str] = []
     for text in dataset["text"]:
-        words = text.split()
-        if len(words) <= num_words:  # nothing would be left to continue
+        split = split_opening(text, num_words)
+        if split is None:  # nothing would be left to continue
             continue
-        prompt = " ".join(words[:num_words])
+        prompt = split[0]
         if prompt not in seen:
             seen.add(prompt)
             prompts.append(prompt)

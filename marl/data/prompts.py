@@ -156,6 +156,37 @@ def rotten_tomatoes_prompts(
     return assets.build_rl_prompts(parts["eval"], num_words=num_words, seed=seed, exclude=exclude)
 
 
+def rotten_tomatoes_warm_start(
+    num_words: int = 4, seed: int = 0, label: int | None = None
+) -> datasets.Dataset:
+    """Warm-start examples for the bundled prompts (:mod:`marl.train.warm_start`): each snippet of the ``rl``
+    movies, the movies of the ``train`` prompts, split into its first ``num_words`` words (``prompt``) and
+    the rest (``completion``). ``label`` keeps only rotten (0) or fresh (1) snippets; ``None`` keeps both.
+    The held-out movies' snippets are never among them.
+
+    Example:
+        >>> examples = rotten_tomatoes_warm_start()
+        >>> row = examples[0]
+        >>> len(row["prompt"].split()), row["completion"].startswith(" ")
+        (4, True)
+        >>> held_out = set(rotten_tomatoes_prompts("test")["prompt"])
+        >>> any(prompt in held_out for prompt in examples["prompt"])
+        False
+    """
+    import datasets
+
+    from marl.data import assets
+
+    snippets = assets.split_rotten_tomatoes(seed=seed)["rl"]
+    rows = {"prompt": [], "completion": []}
+    for text, snippet_label in zip(snippets["text"], snippets["label"], strict=True):
+        split = assets.split_opening(text, num_words)
+        if split is not None and label in (None, snippet_label):
+            rows["prompt"].append(split[0])
+            rows["completion"].append(split[1])
+    return datasets.Dataset.from_dict(rows)
+
+
 def load_prompt_dataset(
     dataset_name: str,
     split: str = "train",
