@@ -3,11 +3,14 @@
 1. Reward: the reward adapter shipped in ``adapters/smollm2-135m-rotten-tomatoes-reward`` (LoRA + score head
    trained on fresh-vs-rotten critic snippets), or rebuilt with ``--train_reward``; with ``--rewards
    sentiment,topic`` also the on-topic adapter, weighted as measured (:mod:`marl.apps.demo_rewards`).
-2. RLOO: a policy LoRA on the same 4-bit base learns to continue Rotten Tomatoes review openings ("The film
-   is a ...") so that the reward adapter likes them; the reference is the base with adapters disabled.
-3. Evaluation on held-out prompts from other movies: base vs policy under the reward adapter and under VADER,
-   a rule-based judge that no model here was trained on, so a policy that fools the reward adapter without
-   becoming more positive shows up as a missed target.
+2. Warm start (:mod:`marl.apps.demo_policy`): the policy LoRA is first fine-tuned on what positive critics
+   wrote about the RL prompts' movies; ``--warm_start_epochs 0`` skips it.
+   RLOO: the policy LoRA on the same 4-bit base learns to continue Rotten Tomatoes review openings ("The film
+   is a ...") so that the reward adapter likes them; the reference is a frozen copy of the warm start (the
+   base with adapters disabled without one).
+3. Evaluation on held-out prompts from other movies: base (adapters disabled) vs policy, and the warm start,
+   under the reward adapter and under VADER, a rule-based judge that no model here was trained on, so a
+   policy that fools the reward adapter without becoming more positive shows up as a missed target.
 4. A PNG of the training curves next to the policy adapter, and a verdict table against the targets, with
    two checks no reward sees: the share of completions naming the film, and distinct-2.
 
@@ -24,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marl.apps import demo_policy
 from marl.apps.demo_rewards import (
     DEMO_KL_COEF,
     KL_COEF_HELP,
@@ -110,7 +114,17 @@ class DemoArguments:
         default=4, metadata={"help": "Optimizer steps per pass over a rollout (batch = size × mini-batches)."}
     )
     num_ppo_epochs: int = field(default=1, metadata={"help": "Passes over each rollout."})
-    learning_rate: float = field(default=1e-3, metadata={"help": "Policy LoRA learning rate."})
+    warm_start_epochs: float = field(
+        default=0.0,
+        metadata={
+            "help": "Epochs of the policy's supervised warm start on the fresh critic snippets of the RL "
+            "movies, before RLOO (whose reference is then a frozen copy of the warm start); 0: RLOO starts "
+            "from a fresh LoRA, with the base as reference."
+        },
+    )
+    learning_rate: float | None = field(
+        default=None, metadata={"help": f"RLOO's learning rate. Default: {demo_policy.LEARNING_RATE_HELP}."}
+    )
     kl_coef: float | None = field(
         default=None,
         metadata={"help": f"KL penalty weight. Default: {KL_COEF_HELP} (each chosen by measurement)."},
@@ -130,6 +144,7 @@ class DemoArguments:
         rewards = parse_rewards(self.rewards)
         if self.kl_coef is None:
             self.kl_coef = DEMO_KL_COEF[len(rewards)]
+        self.learning_rate = demo_policy.rl_learning_rate(self.warm_start_epochs, self.learning_rate)
         check_topic_weight(self.topic_weight)
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
@@ -190,6 +205,9 @@ def expected_seconds(arguments: DemoArguments, threads: int) -> float:
     length = arguments.response_length / 20
     per_completion = MEASURED_SECONDS_PER_COMPLETION[cores]
     evaluation = MEASURED_EVAL_SECONDS[cores] * length * arguments.num_eval_prompts / TARGET_EVAL_PROMPTS
+    if arguments.warm_start_epochs > 0:  # the warm start, and its completions measured with the others'
+        evaluation *= 1.5
+        evaluation += demo_policy.WARM_START_SECONDS_PER_EPOCH[cores] * arguments.warm_start_epochs
     return MEASURED_LOAD_SECONDS + per_completion * length * arguments.total_episodes + evaluation
 
 
@@ -293,6 +311,10 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     config = demo_rloo_config(
         arguments, output_dir / "policy", adapter_entries if len(adapter_entries) > 1 else reward_adapter
     )
+    if arguments.warm_start_epochs > 0:
+        config.policy_adapter = demo_policy.warm_start_demo_policy(
+            output_dir, config, arguments.warm_start_epochs, console.print
+        )
     console.print("[bold]2/4[/bold] loading the base in 4-bit with the policy and reward adapters")
     model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
@@ -354,7 +376,8 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         reward_names=list(config.reward_adapter_folders()) if len(reward_names) > 1 else None,
     )
     summary = summarize(samples)
-    summary["topicality"] = topicality_summary(samples["base"].completions, samples["policy"].completions)
+    texts = {name: record.completions for name, record in samples.items()}
+    summary["topicality"] = topicality_summary(texts["base"], texts["policy"], texts.get("reference"))
     if weighing is not None:
         summary["reward_weights"] = weighing
         summary["reward_scores_by_name"] = reward_means_by_name(samples)

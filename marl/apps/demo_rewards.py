@@ -223,8 +223,11 @@ def reward_means_by_name(samples: dict[str, Any]) -> dict[str, dict[str, float]]
     }
 
 
-def topicality_summary(base: Sequence[str], policy: Sequence[str]) -> dict[str, dict[str, float]]:
-    """The fixed-rule checks of base and policy completions: the share naming the film and distinct-2.
+def topicality_summary(
+    base: Sequence[str], policy: Sequence[str], reference: Sequence[str] | None = None
+) -> dict[str, dict[str, float]]:
+    """The fixed-rule checks of base and policy completions (and of the policy's start, ``reference``, when
+    given): the share naming the film and distinct-2.
 
     Example:
         >>> base, policy = ["the film is fine", "a slow plot"], ["an immersive journey", "an immersive ride"]
@@ -233,9 +236,10 @@ def topicality_summary(base: Sequence[str], policy: Sequence[str]) -> dict[str, 
     """
     from marl.data.topicality import distinct_2, film_share
 
+    named = {"base": base, "policy": policy, **({"reference": reference} if reference is not None else {})}
     return {
         name: {"film_share": film_share(texts), "distinct_2": distinct_2(texts)}
-        for name, texts in (("base", base), ("policy", policy))
+        for name, texts in named.items()
     }
 
 

@@ -512,6 +512,7 @@ CASES += [
     Case(DEMO, ["--num_mini_batches", "0"], r"num_mini_batches=0 must be"),
     Case(DEMO, ["--num_ppo_epochs", "0"], r"num_ppo_epochs=0 must be"),
     Case(DEMO, ["--learning_rate", "nan"], r"--learning_rate=nan is not a finite number"),
+    Case(DEMO, ["--warm_start_epochs", "-1"], r"--warm_start_epochs=-1.0 must be 0 \(no warm start\)"),
     Case(DEMO, ["--kl_coef", "inf"], r"--kl_coef=inf is not a finite number"),
     Case(DEMO, ["--response_length", "0"], r"response_length=0 must be a positive integer"),
     Case(DEMO, ["--temperature", "0"], r"temperature=0.0 must be > 0"),

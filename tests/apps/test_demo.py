@@ -7,6 +7,7 @@ import json
 import pytest
 
 from marl.apps.demo import DemoArguments, demo_rloo_config, verdict_rows
+from marl.apps.demo_policy import DEMO_LEARNING_RATE
 from marl.apps.demo_rewards import DEMO_KL_COEF, reward_recipe_flags
 from marl.train.plotting import PANELS, logged_panels, plot_training_curves, read_metrics
 
@@ -72,6 +73,12 @@ def test_the_kl_coefficient_defaults_by_the_number_of_rewards():
     assert DemoArguments().kl_coef == DEMO_KL_COEF[1] == 0.15
     assert DemoArguments(rewards="sentiment,topic").kl_coef == DEMO_KL_COEF[2] == 0.3
     assert DemoArguments(rewards="sentiment,topic", kl_coef=0.05).kl_coef == 0.05
+
+
+def test_the_learning_rate_defaults_by_the_policy_start():
+    assert DemoArguments().learning_rate == DEMO_LEARNING_RATE[False] == 1e-3
+    assert DemoArguments(warm_start_epochs=1).learning_rate == DEMO_LEARNING_RATE[True] == 3e-4
+    assert DemoArguments(learning_rate=5e-4).learning_rate == 5e-4
 
 
 def test_reward_recipe_is_read_from_the_shipped_summary(tmp_path):
