@@ -30,23 +30,16 @@ from marl.cpu_threads import apply_threads
 from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
 from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError, DataError, ModelError, RunFolderError
-from marl.model.adapters import (
-    ADAPTER_CONFIG_NAME,
-    SAFETENSORS_WEIGHTS_NAME,
-    check_target_modules,
-    write_reward_reading,
-)
+from marl.model.adapters import check_target_modules, write_reward_reading
 from marl.model.quantization import default_compute_dtype
 from marl.train.continuations import model_continuer
 from marl.train.reward_report import SUMMARY_FILE, provenance, write_report
 from marl.train.reward_settings import RewardAdapterArguments, RewardTrainingSettings
+from marl.train.trl_trainers import free_core_callbacks, save_adapter_folder, train_in_compute_dtype
 
 if TYPE_CHECKING:
     import datasets
     import torch
-
-# What the adapter folder keeps: everything else PEFT or the trainer might write is left out.
-ADAPTER_FILES = (ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -211,7 +204,6 @@ def train_reward_adapter(
     """
     import torch
     from peft import LoraConfig, TaskType
-    from transformers import TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
     from marl.data.assets import resolve_model_path
@@ -226,11 +218,6 @@ def train_reward_adapter(
     torch.manual_seed(settings.seed)  # the score head is freshly initialised when the base is loaded
     model, tokenizer = _load_reward_base(resolve_model_path(model_name_or_path), settings.quantization, dtype)
     governor = apply_threads(settings.threads, model.device.type)
-
-    class FollowFreeCores(TrainerCallback):
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            governor()
-
     peft_config = LoraConfig(
         task_type=TaskType.SEQ_CLS,
         r=settings.lora_r,
@@ -261,13 +248,9 @@ def train_reward_adapter(
             eval_dataset=eval_pairs,
             processing_class=tokenizer,
             peft_config=peft_config,
-            callbacks=[FollowFreeCores()] if governor is not None else None,
+            callbacks=free_core_callbacks(governor),
         )
-        # For quantized bases RewardTrainer casts the trainable weights to bfloat16, expecting bf16 autocast;
-        # train them in the compute dtype instead so that they match the activations (float32 on CPU).
-        for parameter in trainer.model.parameters():
-            if parameter.requires_grad and parameter.dtype != dtype:
-                parameter.data = parameter.data.to(dtype)
+        train_in_compute_dtype(trainer.model, dtype)
         for name, pairs in (("training", trainer.train_dataset), ("held-out", trainer.eval_dataset)):
             if len(pairs) == 0:
                 raise DataError(
@@ -280,15 +263,7 @@ def train_reward_adapter(
         accuracy_after = pairwise_accuracy(trainer.model, trainer.eval_dataset, pad_id)
         peft_model = trainer.model
 
-    # Record the base as the caller named it (e.g. the embedded id), not a path that only exists on this
-    # machine.
-    peft_model.peft_config["default"].base_model_name_or_path = model_name_or_path
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".saving-", dir=output_dir) as staging:
-        # Embeddings are not trained; saying so also stops PEFT from looking the base up online to decide.
-        peft_model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
-        for name in ADAPTER_FILES:
-            os.replace(Path(staging) / name, output_dir / name)
+    save_adapter_folder(peft_model, output_dir, model_name_or_path)
     # Where the score is read depends on the padding id used in training: record it with the adapter.
     write_reward_reading(output_dir, tokenizer.pad_token_id, tokenizer.pad_token)
 

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import apply_threads
 from marl.errors import DataError
-from marl.model.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from marl.model.quantization import default_compute_dtype
 from marl.model_settings import policy_lora_config
+from marl.train.trl_trainers import free_core_callbacks, save_adapter_folder, train_in_compute_dtype
 
 if TYPE_CHECKING:
     import datasets
@@ -90,7 +90,7 @@ def warm_start_policy(
         {'examples': 739, 'optimizer_steps': 47, ...}
     """
     import torch
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     from marl.data.assets import resolve_model_path
@@ -106,11 +106,6 @@ def warm_start_policy(
     torch.manual_seed(seed)  # the LoRA's initial weights
     model = load_base(AutoModelForCausalLM, path, quantization=quantization, dtype=dtype)
     governor = apply_threads(threads, model.device.type)
-
-    class FollowFreeCores(TrainerCallback):
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            governor()
-
     with tempfile.TemporaryDirectory(prefix="marl-warm-start-") as scratch:
         config = SFTConfig(
             output_dir=scratch,
@@ -132,24 +127,13 @@ def warm_start_policy(
             train_dataset=train_rows,
             processing_class=tokenizer,
             peft_config=lora_config or policy_lora_config(),
-            callbacks=[FollowFreeCores()] if governor is not None else None,
+            callbacks=free_core_callbacks(governor),
         )
-        # For quantized bases SFTTrainer casts the trainable weights to bfloat16, expecting bf16 autocast;
-        # train them in the compute dtype instead, as the RL update will.
-        for parameter in trainer.model.parameters():
-            if parameter.requires_grad and parameter.dtype != dtype:
-                parameter.data = parameter.data.to(dtype)
+        train_in_compute_dtype(trainer.model, dtype)
         train_output = trainer.train()
         peft_model = trainer.model
 
-    # Record the base as the caller named it (e.g. the embedded id), not a path that only exists here.
-    peft_model.peft_config["default"].base_model_name_or_path = model_name_or_path
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".saving-", dir=output_dir) as staging:
-        peft_model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
-        for name in (ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME):
-            os.replace(Path(staging) / name, output_dir / name)
+    save_adapter_folder(peft_model, Path(output_dir), model_name_or_path)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {
         "examples": len(train_rows),
