@@ -23,19 +23,23 @@ import dataclasses
 import os
 import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import apply_threads
 from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
 from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
-from marl.errors import ConfigError, DataError, ModelError, RunFolderError
+from marl.errors import ConfigError, DataError, ModelError
 from marl.model.adapters import check_target_modules, write_reward_reading
 from marl.model.quantization import default_compute_dtype
 from marl.train.continuations import model_continuer
 from marl.train.reward_report import SUMMARY_FILE, provenance, write_report
 from marl.train.reward_settings import RewardAdapterArguments, RewardTrainingSettings
-from marl.train.trl_trainers import free_core_callbacks, save_adapter_folder, train_in_compute_dtype
+from marl.train.trl_trainers import (
+    check_output_dir,
+    free_core_callbacks,
+    save_adapter_folder,
+    train_in_compute_dtype,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -153,19 +157,6 @@ def pairwise_accuracy(model, tokenized_pairs, pad_token_id: int, batch_size: int
     finally:
         model.train(was_training)
     return wins / len(tokenized_pairs)
-
-
-def check_output_dir(output_dir: str | os.PathLike) -> Path:
-    """``output_dir`` as a path, refused if it is a file or a folder that is not empty (nothing the user had
-    there is overwritten)."""
-    output_dir = Path(output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise RunFolderError(f"--output_dir {output_dir} is a file: pass a folder")
-    if output_dir.exists() and any(output_dir.iterdir()):
-        raise RunFolderError(
-            f"--output_dir {output_dir} exists and is not empty; choose a new output_dir or empty it first"
-        )
-    return output_dir
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from marl.errors import RunFolderError
 from marl.model.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 
 if TYPE_CHECKING:
@@ -54,3 +55,16 @@ def save_adapter_folder(peft_model: Any, output_dir: Path, base_name: str) -> No
         peft_model.save_pretrained(staging, safe_serialization=True, save_embedding_layers=False)
         for name in ADAPTER_FILES:
             os.replace(Path(staging) / name, output_dir / name)
+
+
+def check_output_dir(output_dir: str | os.PathLike) -> Path:
+    """``output_dir`` as a path, refused if it is a file or a folder that is not empty (nothing the user had
+    there is overwritten)."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise RunFolderError(f"--output_dir {output_dir} is a file: pass a folder")
+    if output_dir.exists() and any(output_dir.iterdir()):
+        raise RunFolderError(
+            f"--output_dir {output_dir} exists and is not empty; choose a new output_dir or empty it first"
+        )
+    return output_dir

@@ -18,14 +18,18 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import apply_threads
 from marl.errors import DataError
 from marl.model.quantization import default_compute_dtype
 from marl.model_settings import policy_lora_config
-from marl.train.trl_trainers import free_core_callbacks, save_adapter_folder, train_in_compute_dtype
+from marl.train.trl_trainers import (
+    check_output_dir,
+    free_core_callbacks,
+    save_adapter_folder,
+    train_in_compute_dtype,
+)
 
 if TYPE_CHECKING:
     import datasets
@@ -96,6 +100,7 @@ def warm_start_policy(
     from marl.data.assets import resolve_model_path
     from marl.model.build import load_base, load_tokenizer
 
+    output_dir = check_output_dir(output_dir)  # an adapter already there is not overwritten
     started = time.perf_counter()
     dtype = dtype or default_compute_dtype()
     path = resolve_model_path(model_name_or_path)
@@ -133,7 +138,7 @@ def warm_start_policy(
         train_output = trainer.train()
         peft_model = trainer.model
 
-    save_adapter_folder(peft_model, Path(output_dir), model_name_or_path)
+    save_adapter_folder(peft_model, output_dir, model_name_or_path)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {
         "examples": len(train_rows),

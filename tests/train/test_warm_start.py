@@ -97,3 +97,16 @@ def test_warm_start_refuses_examples_without_completion_tokens(tiny_llama_dir: P
     with pytest.raises(DataError, match="non-empty completions"):
         warm_start_policy(str(tiny_llama_dir), empty, tmp_path / "w", quantization=None, threads=1)
     assert not (tmp_path / "w").exists()
+
+
+def test_warm_start_refuses_a_folder_that_holds_files_and_leaves_them(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    from marl.errors import RunFolderError
+
+    kept = tmp_path / "adapter" / "adapter_config.json"
+    kept.parent.mkdir()
+    kept.write_text("{}")
+    with pytest.raises(RunFolderError, match="exists and is not empty"):
+        warm_start_policy(str(tiny_llama_dir), EXAMPLES, kept.parent, quantization=None, threads=1)
+    assert kept.read_text() == "{}"
