@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from marl.data.praise_pairs import PRAISE_DATASET, describe_praise_pairs, praise_pair_parts
 from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
 from marl.data.topic_pairs import (
     FILM_DATASET,
@@ -50,9 +51,11 @@ def load_preference_data(
     of a review opening against the base model's or another film's), from the same movies; the base model's
     text comes from ``continue_like`` (required for this dataset) and a drifted policy's from ``drift_like``
     (optional). ``"rotten-tomatoes-film"``: the base's continuation of an opening when told it reads a film
-    review against its continuation of the bare opening (also through ``continue_like``). A local
-    ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows is held out.
-    Subsampling keeps a seeded random subset.
+    review against its continuation of the bare opening (also through ``continue_like``).
+    ``"rotten-tomatoes-praise"``: the base's continuation of an opening asked for a glowing review against
+    its continuation asked for a scathing one (:mod:`marl.data.praise_pairs`, through ``continue_like``).
+    A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows is held
+    out. Subsampling keeps a seeded random subset.
 
     Example:
         >>> train, held_out = load_preference_data("rotten-tomatoes", max_train_pairs=256)
@@ -72,6 +75,12 @@ def load_preference_data(
         held_out = assets.build_preference_pairs(parts["eval"], seed=seed)
         if drift_like is not None:
             train, held_out = (with_drift_pairs(pairs, drift_like, seed=seed) for pairs in (train, held_out))
+    elif dataset == PRAISE_DATASET:
+        if continue_like is None:
+            raise ValueError(f"the {dataset!r} pairs need continue_like, the base model's sampler")
+        train, held_out = praise_pair_parts(
+            continue_like, max_train_pairs=max_train_pairs, max_eval_pairs=max_eval_pairs, seed=seed
+        )
     elif dataset in (TOPIC_DATASET, FILM_DATASET):
         if continue_like is None:
             raise ValueError(f"the {dataset!r} pairs need continue_like, the base model's sampler")
@@ -130,9 +139,11 @@ def describe_preference_data(
             f"`marl.data.assets.split_rotten_tomatoes(seed={seed})` (`marl.data.preferences."
             f"full_reward_snippets`), held-out pairs from its `eval` movies{drift}"
         )
-    if dataset in (TOPIC_DATASET, FILM_DATASET):
+    if dataset in (TOPIC_DATASET, FILM_DATASET, PRAISE_DATASET):
         from marl.config import RLOOConfig  # the base model's text is sampled at the rollouts' temperature
 
+        if dataset == PRAISE_DATASET:
+            return describe_praise_pairs(seed, RLOOConfig.temperature)
         if dataset == FILM_DATASET:
             return describe_film_pairs(seed, RLOOConfig.temperature)
         return describe_topic_pairs(seed, RLOOConfig.temperature, drifted_policy)
@@ -218,7 +229,7 @@ def _load_pair_file(path: Path) -> datasets.Dataset:
     if not path.is_file():
         raise MissingPathError(
             f"dataset {str(path)!r} is not '{ROTTEN_TOMATOES}', '{ROTTEN_TOMATOES_FULL}', "
-            f"'{TOPIC_DATASET}', '{FILM_DATASET}' or an existing file; pass one of those"
+            f"'{TOPIC_DATASET}', '{FILM_DATASET}', '{PRAISE_DATASET}' or an existing file; pass one of those"
         )
     builder = FILE_BUILDERS.get(file_suffix(path))
     if builder is None:

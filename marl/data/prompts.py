@@ -40,8 +40,10 @@ def dataset_name_field(help_prefix: str = "Prompts"):
 def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple[list[int], str]:
     """Token ids and text of one prompt: plain text as it is, a conversation through the chat template.
 
-    A conversation is a list of ``{"role", "content"}`` messages, rendered with a generation prompt. Training
-    and evaluation both tokenize through this function, so their prompts look the same to the model.
+    A conversation is a list of ``{"role", "content"}`` messages, rendered with a generation prompt; one that
+    ends in an assistant message is rendered with that message left open, to be continued (TRL's rule for
+    such prompts). Training and evaluation both tokenize through this function, so their prompts look the
+    same to the model.
 
     Example:
         >>> ids, text = tokenize_prompt(tokenizer, [{"role": "user", "content": "Hi"}])  # doctest: +SKIP
@@ -61,7 +63,10 @@ def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple
             f"{where} is a conversation but the tokenizer has no chat template; set "
             "tokenizer.chat_template or use plain-text prompts"
         )
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    continued = prompt[-1]["role"] == "assistant"
+    text = tokenizer.apply_chat_template(
+        prompt, add_generation_prompt=not continued, continue_final_message=continued, tokenize=False
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"], text
 
 

@@ -91,7 +91,7 @@ def build_topic_pairs(
     import datasets
 
     fresh = RT_LABELS.index("fresh")
-    rows = _shuffled_rows(dataset, num_words, seed)
+    rows = shuffled_snippet_rows(dataset, num_words, seed)
     rotten_rows = [index for index, (_, label, _) in enumerate(rows) if label != fresh]
     # (row, kind, rejected continuation or None while a model's text is still to be sampled)
     planned: list[tuple[int, str, str | None]] = []
@@ -114,7 +114,7 @@ def build_topic_pairs(
     ):
         if writer is not None:
             to_sample = [index for index, planned_kind, _ in planned if planned_kind == kind]
-            sampled[kind] = iter(_continue(writer, name, to_sample, rows, num_words))
+            sampled[kind] = iter(continued_rows(writer, name, to_sample, rows, num_words))
     pairs: dict[str, list[str]] = {"chosen": [], "rejected": [], "movie": [], "kind": []}
     for index, kind, rejected in planned:
         words, _, movie = rows[index]
@@ -152,10 +152,12 @@ def build_film_pairs(
     """
     import datasets
 
-    rows = _shuffled_rows(dataset, num_words, seed)[:max_pairs]
+    rows = shuffled_snippet_rows(dataset, num_words, seed)[:max_pairs]
     every_row = list(range(len(rows)))
-    cued = _continue(continue_like, "continue_like (cued)", every_row, rows, num_words, cue=FILM_REVIEW_CUE)
-    bare = _continue(continue_like, "continue_like", every_row, rows, num_words)
+    cued = continued_rows(
+        continue_like, "continue_like (cued)", every_row, rows, num_words, cue=FILM_REVIEW_CUE
+    )
+    bare = continued_rows(continue_like, "continue_like", every_row, rows, num_words)
     openings = [" ".join(words[:num_words]) for words, _, _ in rows]
     return datasets.Dataset.from_dict(
         {
@@ -167,8 +169,11 @@ def build_film_pairs(
     )
 
 
-def _shuffled_rows(dataset: datasets.Dataset, num_words: int, seed: int) -> list[tuple[list[str], int, str]]:
-    # (words, label, movie) of every snippet long enough to continue, in a seeded order.
+def shuffled_snippet_rows(
+    dataset: datasets.Dataset, num_words: int, seed: int
+) -> list[tuple[list[str], int, str]]:
+    """``(words, label, movie)`` of every snippet long enough to continue after ``num_words``, in a seeded
+    order (the order every model-written pair set takes its snippets in)."""
     rows = [
         (text.split(), label, movie)
         for text, label, movie in zip(dataset["text"], dataset["label"], dataset["movie"], strict=True)
@@ -178,11 +183,11 @@ def _shuffled_rows(dataset: datasets.Dataset, num_words: int, seed: int) -> list
     return rows
 
 
-def _continue(
+def continued_rows(
     writer: ContinueLike, name: str, to_sample: list[int], rows: list, num_words: int, cue: str = ""
 ) -> list[str]:
-    # One call for every opening the writer continues (after ``cue``), each measured against the snippet's
-    # own words.
+    """``writer``'s continuations of the openings of ``rows[to_sample]`` (after ``cue``), in one call, each
+    measured against its snippet's own words; ``name`` names the writer in the error for a wrong count."""
     if not to_sample:
         return []
     continued = writer(

@@ -32,7 +32,9 @@ def model_continuer(
     given) once, on its first call, and samples its continuation of each opening at the rollouts' default
     temperature (:class:`marl.RLOOConfig`), seeded per batch from ``seed``, with ``threads`` torch threads as
     ``--threads`` sets them (:func:`marl.cpu_threads.apply_threads`). Without ``policy_adapter`` the base
-    writes (adapters off); with it, that policy does.
+    writes (adapters off); with it, that policy does. Called with ``instruction=TEXT``, it continues each
+    opening as the start of the model's chat answer to the user message ``TEXT`` (the tokenizer's chat
+    template), and the returned text is that answer's continuation.
 
     Example:
         >>> continue_like = model_continuer("smollm2-135m-instruct", quantization="4bit", seed=0)
@@ -52,7 +54,9 @@ def model_continuer(
         )
         return model, load_tokenizer(model.name_or_path), apply_threads(threads, model.device.type)
 
-    def continue_like(openings: Sequence[str], continuations: Sequence[str]) -> list[str]:
+    def continue_like(
+        openings: Sequence[str], continuations: Sequence[str], instruction: str | None = None
+    ) -> list[str]:
         import torch
 
         from marl.config import RLOOConfig
@@ -65,6 +69,11 @@ def model_continuer(
             min(len(tokenizer(text, add_special_tokens=False)["input_ids"]), MAX_SAMPLED_TOKENS)
             for text in continuations
         ]
+        if instruction is not None:  # the opening begins the model's answer to the instruction
+            openings = [
+                [{"role": "user", "content": instruction}, {"role": "assistant", "content": opening}]
+                for opening in openings
+            ]
         prompts = prepare_text_prompts(
             openings, tokenizer, "review openings", model=model, response_length=MAX_SAMPLED_TOKENS
         )

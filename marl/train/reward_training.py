@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from marl.cpu_threads import apply_threads
+from marl.data.praise_pairs import PRAISE_DATASET
 from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
 from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError, DataError, ModelError
@@ -298,9 +299,9 @@ def run(arguments: RewardAdapterArguments, command: str | None = None) -> dict[s
     continue_like = drift_like = None
     # Model-written sides are sampled from the base the adapter is trained on, loaded as it will be.
     sampling = dict(quantization=arguments.quantization, seed=arguments.seed, threads=arguments.threads)
-    if arguments.dataset in (TOPIC_DATASET, FILM_DATASET):
-        # The on-topic pairs set real continuations against the base's own, the on-film pairs the base's
-        # against the base's.
+    if arguments.dataset in (TOPIC_DATASET, FILM_DATASET, PRAISE_DATASET):
+        # The on-topic pairs set real continuations against the base's own, the on-film and the praise
+        # pairs the base's against the base's.
         continue_like = model_continuer(arguments.model_name_or_path, **sampling)
     if arguments.drifted_policy is not None:
         drift_like = model_continuer(
