@@ -1,16 +1,18 @@
 """``marl demo``: the whole pipeline, offline, on the embedded SmolLM2-135M-Instruct loaded in 4-bit.
 
-1. Reward: the reward adapter shipped in ``adapters/smollm2-135m-rotten-tomatoes-reward`` (LoRA + score head
-   trained on fresh-vs-rotten critic snippets), or rebuilt with ``--train_reward``; with ``--rewards
-   sentiment,topic`` also the on-topic adapter, weighted as measured (:mod:`marl.apps.demo_rewards`).
-2. Warm start (:mod:`marl.apps.demo_policy`): the policy LoRA is first fine-tuned on what positive critics
-   wrote about the RL prompts' movies; ``--warm_start_epochs 0`` skips it.
+1. Rewards: two reward adapters on the same loaded base (:mod:`marl.apps.demo_rewards`): the sentiment adapter
+   shipped in ``adapters/smollm2-135m-rotten-tomatoes-reward`` (LoRA + score head trained on fresh-vs-rotten
+   critic snippets, or rebuilt with ``--train_reward``) and the on-film adapter, weighted as measured at the
+   start; ``--rewards sentiment`` trains against the sentiment adapter alone.
+2. Optionally (``--warm_start_epochs N``, off by default; :mod:`marl.apps.demo_policy`) a supervised warm
+   start of the policy LoRA on what positive critics wrote about the RL prompts' movies.
    RLOO: the policy LoRA on the same 4-bit base learns to continue Rotten Tomatoes review openings ("The film
-   is a ...") so that the reward adapter likes them; the reference is a frozen copy of the warm start (the
-   base with adapters disabled without one).
-3. Evaluation on held-out prompts from other movies: base (adapters disabled) vs policy, and the warm start,
-   under the reward adapter and under VADER, a rule-based judge that no model here was trained on, so a
-   policy that fools the reward adapter without becoming more positive shows up as a missed target.
+   is a ...") so that the reward adapters like them; the reference is the base with adapters disabled (a
+   frozen copy of the warm start after one).
+3. Evaluation on held-out prompts from other movies: base (adapters disabled) vs policy (and vs the warm
+   start after one), under the reward adapters and under VADER, a rule-based judge that no model here was
+   trained on, so a policy that fools the reward adapter without becoming more positive shows up as a missed
+   target.
 4. A PNG of the training curves next to the policy adapter, and a verdict table against the targets, with
    two checks no reward sees: the share of completions naming the film, and distinct-2.
 
@@ -89,15 +91,16 @@ class DemoArguments:
         metadata={"help": "Sentiment reward adapter folder (ignored with --train_reward)."},
     )
     rewards: str = field(
-        default="sentiment",
+        default="sentiment,topic",
         metadata={
-            "help": f"Rewards to train against, comma-separated from {list(REWARD_CHOICES)}: 'sentiment' "
-            "(one reward adapter) or 'sentiment,topic' (also the on-topic adapter, on the same base)."
+            "help": f"Rewards to train against, comma-separated from {list(REWARD_CHOICES)}: "
+            "'sentiment,topic' (the sentiment and the on-topic adapter, on the same base) or 'sentiment' "
+            "(one reward adapter)."
         },
     )
     topic_reward_adapter: str = field(
         default=str(SHIPPED_ADAPTERS_DIR / TOPIC_ADAPTER_NAME),
-        metadata={"help": "On-topic reward adapter folder (with --rewards sentiment,topic)."},
+        metadata={"help": "On-topic reward adapter folder (unused with --rewards sentiment)."},
     )
     topic_weight: float | None = field(
         default=None,
@@ -289,9 +292,8 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
             "or pass --reward_adapter DIR"
         )
     reward_names = chosen_rewards(arguments.rewards, arguments.topic_reward_adapter)
-    console.rule(
-        "[bold]marl demo[/bold]: RLOO on SmolLM2-135M-Instruct (4-bit) with a reward adapter, offline"
-    )
+    adapters = "a reward adapter" if len(reward_names) == 1 else f"{len(reward_names)} reward adapters"
+    console.rule(f"[bold]marl demo[/bold]: RLOO on SmolLM2-135M-Instruct (4-bit) with {adapters}, offline")
 
     if arguments.train_reward:
         console.print(

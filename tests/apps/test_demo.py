@@ -70,9 +70,10 @@ def test_demo_config_is_the_embedded_model_in_4bit(tmp_path):
 
 
 def test_the_kl_coefficient_defaults_by_the_number_of_rewards():
-    assert DemoArguments().kl_coef == DEMO_KL_COEF[1] == 0.15
-    assert DemoArguments(rewards="sentiment,topic").kl_coef == DEMO_KL_COEF[2] == 0.3
-    assert DemoArguments(rewards="sentiment,topic", kl_coef=0.05).kl_coef == 0.05
+    assert DemoArguments().rewards == "sentiment,topic"  # the two-reward demo is the default
+    assert DemoArguments().kl_coef == DEMO_KL_COEF[2] == 0.3
+    assert DemoArguments(rewards="sentiment").kl_coef == DEMO_KL_COEF[1] == 0.15
+    assert DemoArguments(rewards="sentiment", kl_coef=0.05).kl_coef == 0.05
 
 
 def test_the_learning_rate_defaults_by_the_policy_start():
