@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from marl.data.topic_pairs import OPENING_WORDS, continued_rows, shuffled_snippet_rows
+from marl.data.topic_pairs import OPENING_WORDS, ContinueLike, build_model_written_pairs
 
 if TYPE_CHECKING:
     import datasets
@@ -59,27 +59,19 @@ def build_praise_pairs(
         >>> pair["chosen"], pair["rejected"]
         ('The film is a (loved)', 'The film is a (hated)')
     """
-    import datasets
 
-    rows = shuffled_snippet_rows(dataset, num_words, seed)[:max_pairs]
-    every_row = list(range(len(rows)))
-
-    def asked_for(instruction: str, name: str) -> list[str]:
+    def asked(instruction: str) -> ContinueLike:
         def writer(openings: Sequence[str], continuations: Sequence[str]) -> list[str]:
             return continue_like(openings, continuations, instruction=instruction)
 
-        return continued_rows(writer, name, every_row, rows, num_words)
+        return writer
 
-    praised = asked_for(PRAISE_INSTRUCTION, "continue_like (praise)")
-    panned = asked_for(PAN_INSTRUCTION, "continue_like (pan)")
-    openings = [" ".join(words[:num_words]) for words, _, _ in rows]
-    return datasets.Dataset.from_dict(
-        {
-            "chosen": [opening + text for opening, text in zip(openings, praised, strict=True)],
-            "rejected": [opening + text for opening, text in zip(openings, panned, strict=True)],
-            "movie": [movie for _, _, movie in rows],
-            "kind": [PRAISED_BASE_TEXT] * len(rows),
-        }
+    writers = {
+        "continue_like (praise)": asked(PRAISE_INSTRUCTION),
+        "continue_like (pan)": asked(PAN_INSTRUCTION),
+    }
+    return build_model_written_pairs(
+        dataset, writers, PRAISED_BASE_TEXT, num_words=num_words, max_pairs=max_pairs, seed=seed
     )
 
 

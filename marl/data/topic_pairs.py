@@ -150,21 +150,59 @@ def build_film_pairs(
         >>> pair["chosen"], pair["rejected"]
         ('The film is a (film)', 'The film is a (other)')
     """
+
+    def cued(openings: Sequence[str], continuations: Sequence[str]) -> list[str]:
+        return continue_like([FILM_REVIEW_CUE + opening for opening in openings], continuations)
+
+    return build_model_written_pairs(
+        dataset,
+        {"continue_like (cued)": cued, "continue_like": continue_like},
+        CUED_BASE_TEXT,
+        num_words=num_words,
+        max_pairs=max_pairs,
+        seed=seed,
+    )
+
+
+def build_model_written_pairs(
+    dataset: datasets.Dataset,
+    writers: dict[str, ContinueLike],
+    kind: str,
+    *,
+    num_words: int = OPENING_WORDS,
+    max_pairs: int | None = None,
+    seed: int = 0,
+) -> datasets.Dataset:
+    """Preference pairs both of whose sides a model wrote: for each snippet (seeded order, at most
+    ``max_pairs``), the opening continued by the first of ``writers`` (chosen) and by the second (rejected),
+    each cut to the snippet's own continuation's length, called in that order with every opening at once.
+    ``writers`` maps a name, for the error when a writer returns a wrong count, to the writer. Output
+    columns as :func:`build_topic_pairs`', every ``kind`` the one given.
+
+    Example:
+        >>> import datasets
+        >>> reviews = datasets.Dataset.from_dict({"text": ["The film is a quiet triumph of craft"],
+        ...                                       "label": [1], "movie": ["a"]})
+        >>> def says(word):
+        ...     return lambda openings, continuations: [f" {word}" for _ in openings]
+        >>> pair = build_model_written_pairs(reviews, {"yes": says("yes"), "no": says("no")}, "demo")[0]
+        >>> pair["chosen"], pair["rejected"], pair["kind"]
+        ('The film is a yes', 'The film is a no', 'demo')
+    """
     import datasets
 
     rows = shuffled_snippet_rows(dataset, num_words, seed)[:max_pairs]
     every_row = list(range(len(rows)))
-    cued = continued_rows(
-        continue_like, "continue_like (cued)", every_row, rows, num_words, cue=FILM_REVIEW_CUE
+    chosen, rejected = (
+        continued_rows(writer, name, every_row, rows, num_words) for name, writer in writers.items()
     )
-    bare = continued_rows(continue_like, "continue_like", every_row, rows, num_words)
     openings = [" ".join(words[:num_words]) for words, _, _ in rows]
     return datasets.Dataset.from_dict(
         {
-            "chosen": [opening + text for opening, text in zip(openings, cued, strict=True)],
-            "rejected": [opening + text for opening, text in zip(openings, bare, strict=True)],
+            "chosen": [opening + text for opening, text in zip(openings, chosen, strict=True)],
+            "rejected": [opening + text for opening, text in zip(openings, rejected, strict=True)],
             "movie": [movie for _, _, movie in rows],
-            "kind": [CUED_BASE_TEXT] * len(rows),
+            "kind": [kind] * len(rows),
         }
     )
 
@@ -184,14 +222,14 @@ def shuffled_snippet_rows(
 
 
 def continued_rows(
-    writer: ContinueLike, name: str, to_sample: list[int], rows: list, num_words: int, cue: str = ""
+    writer: ContinueLike, name: str, to_sample: list[int], rows: list, num_words: int
 ) -> list[str]:
-    """``writer``'s continuations of the openings of ``rows[to_sample]`` (after ``cue``), in one call, each
-    measured against its snippet's own words; ``name`` names the writer in the error for a wrong count."""
+    """``writer``'s continuations of the openings of ``rows[to_sample]``, in one call, each measured against
+    its snippet's own words; ``name`` names the writer in the error for a wrong count."""
     if not to_sample:
         return []
     continued = writer(
-        [cue + " ".join(rows[index][0][:num_words]) for index in to_sample],
+        [" ".join(rows[index][0][:num_words]) for index in to_sample],
         [" " + " ".join(rows[index][0][num_words:]) for index in to_sample],
     )
     if len(continued) != len(to_sample):
