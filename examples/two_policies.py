@@ -8,7 +8,7 @@ that no model here was trained on. The memory card at the start shows one base h
 
     python examples/two_policies.py --output_dir runs/two-policies
 
-The training settings are the demo's (``marl demo --help``); the results land in
+The training settings are the one-reward demo's (``marl demo --rewards sentiment``); the results land in
 ``<output_dir>/two_policies.json`` and each policy's run folder.
 """
 
@@ -64,7 +64,8 @@ def main() -> None:
     eval_prompts = list(
         rotten_tomatoes_prompts("test", seed=options.seed)["prompt"][: options.num_eval_prompts]
     )
-    demo = DemoArguments(seed=options.seed, total_episodes=options.total_episodes)
+    # The one-reward demo's settings: each policy has the sentiment adapter (signed) and the fluency function.
+    demo = DemoArguments(seed=options.seed, total_episodes=options.total_episodes, rewards="sentiment")
     # The sentiment adapter scores text + EOS, as it was trained (see
     # marl.rewards.EosTerminatedAdapterReward).
     sentiment = EosTerminatedAdapterReward(model, tokenizer, "sentiment", rows_per_pass=64)

@@ -114,7 +114,8 @@ class Job:
 def demo_settings(job: Job):
     from marl.apps.demo import REWARD_ADAPTER_NAME, DemoArguments, demo_rloo_config
 
-    arguments = DemoArguments(seed=job.seed)
+    # The one-reward demo: TRL's trainers are compared on the one reward model they both load.
+    arguments = DemoArguments(seed=job.seed, rewards="sentiment")
     if job.total_episodes is not None:
         arguments = dataclasses.replace(arguments, total_episodes=job.total_episodes)
     if job.num_eval_prompts is not None:
