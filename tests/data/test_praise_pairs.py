@@ -22,6 +22,8 @@ from marl.data.prompts import tokenize_prompt
 from marl.model.build import load_tokenizer
 from marl.train.continuations import model_continuer
 
+from support.families import FAMILIES
+
 
 def reviews():
     return datasets.Dataset.from_dict(
@@ -84,7 +86,7 @@ def test_the_bundled_praise_pairs_hold_out_other_movies():
         load_preference_data(PRAISE_DATASET)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama3"])
+@pytest.mark.parametrize("family", FAMILIES)  # each chat-template layout: plain, ChatML, Llama-3
 def test_a_conversation_ending_in_an_assistant_message_is_continued_as_trl_renders_it(family, family_dir):
     tokenizer = load_tokenizer(str(family_dir(family)))
     prompt = [{"role": "user", "content": "Praise it."}, {"role": "assistant", "content": "The film is"}]
@@ -119,7 +121,12 @@ def test_an_instructed_continuation_answers_the_instruction(family_dir, monkeypa
     # The opening begins the model's chat answer to the instruction; without one it is continued as text.
     expected = [
         apply_chat_template(
-            {"prompt": [{"role": "user", "content": PRAISE_INSTRUCTION}, {"role": "assistant", "content": o}]},
+            {
+                "prompt": [
+                    {"role": "user", "content": PRAISE_INSTRUCTION},
+                    {"role": "assistant", "content": o},
+                ]
+            },
             tokenizer,
         )["prompt"]
         for o in openings
