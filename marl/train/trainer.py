@@ -90,8 +90,7 @@ class RLOOTrainer:
             completion, :class:`marl.rewards.RewardSource` objects. They are combined as
             ``Σ_i w_i · r_i`` with ``config.reward_weights`` (1 each by default); see
             :mod:`marl.rewards.weighted`.
-        judge: optional ``judge(texts) -> scores`` (higher is better, e.g.
-        :func:`marl.rewards.load_judge`)
+        judge: optional ``judge(texts) -> scores`` (higher is better, e.g. :func:`marl.rewards.load_judge`)
             that no training signal sees; with ``eval_dataset``, each sample table also scores the first
             ``JUDGED_EVAL_ROWS`` held-out prompts with it and logs ``eval/judge_score`` beside ``eval/score``
             (the reward's mean on them), so that a rise of the reward without a rise of the judge shows.

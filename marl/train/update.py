@@ -39,11 +39,13 @@ class PolicyUpdate:
 
     Args:
         config: the run's settings (epochs, batch sizes, clipping, KL).
-        model, policy: the model and the name of the policy adapter that trains.
+        model: the model that holds the policy adapter.
+        policy: the name of the policy adapter that trains.
         sampler: told after every optimizer step taken that the policy's weights changed.
         scorer: computes the policy's log-probs of a micro-batch (packed when whole prompt groups).
         parallelism: gradients, mixed precision and agreement over processes.
-        optimizer, scheduler: as prepared by ``parallelism``.
+        optimizer: as prepared by ``parallelism``.
+        scheduler: as prepared by ``parallelism``.
         sizes: the run's batch arithmetic.
         parameters: the policy adapter's trainable parameters.
 
