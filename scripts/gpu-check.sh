@@ -4,7 +4,7 @@
 # 1. the tests marked `cuda` (family-table exactness in bf16 and fp16 on CUDA, a short 4-bit and 8-bit training
 #    run with prefix packing on, an fp16 kill-and-resume), with the slow tests they need;
 # 2. the benchmark's GPU setup against TRL (examples/benchmarks/vs_trl.py --setup gpu-qwen2).
-# Without CUDA it says so and exits 0 without running anything: the CPU suite (README "Development") covers the rest.
+# Without CUDA it says so and exits 0 without running anything: the CPU suite (README, "Development") covers the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

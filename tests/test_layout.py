@@ -1,5 +1,5 @@
 """The package's shape: each layer imports only from itself and the layers below, no import cycles, small
-modules. These are the rules that keep each extension point a one-file change (README, "Layout")."""
+modules. These are the rules that keep each extension point a one-file change (docs/concepts/layout.md)."""
 
 from __future__ import annotations
 

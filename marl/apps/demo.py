@@ -62,7 +62,7 @@ TARGET_WIN_RATE = 0.80
 TARGET_EVAL_PROMPTS = 200
 # Sample tables during training, each scoring held-out prompts with the reward adapter and VADER (the curves).
 DEMO_SAMPLE_GENERATIONS = 8
-# Measured with the defaults on a 2-core x86-64 CPU (README, "What the demo does"), by free cores: 2 = the
+# Measured with the defaults on a 2-core x86-64 CPU (docs/guides/demo.md), by free cores: 2 = the
 # demo alone (seed 0), 1 = another process holding the other core (seeds 1 and 2). Loading (with the one-off
 # model conversion), seconds per training completion (sample tables included), and the final evaluation.
 MEASURED_LOAD_SECONDS = 25.0
@@ -72,7 +72,7 @@ MEASURED_EVAL_SECONDS = {1: 150.0, 2: 100.0}
 
 @dataclass
 class DemoArguments:
-    """Settings of ``marl demo``; the defaults are the tuned demo (the README quotes its measured numbers)."""
+    """Settings of ``marl demo``; the defaults are the tuned demo (docs/guides/demo.md quotes its measured numbers)."""
 
     output_dir: str | None = field(
         default=None,
