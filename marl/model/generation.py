@@ -33,12 +33,19 @@ from marl.errors import ModelError
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How the rollout (and ``marl evaluate``) samples: temperature, length, where to stop, what pads."""
+    """How the rollout (and ``marl evaluate``) samples: temperature, length, where to stop, what pads.
+
+    ``synced_processes``: every process of the run takes part in every forward pass (a base sharded over the
+    processes, where each forward gathers the layers): each process then keeps running forward passes, drawing
+    nothing, until the rows of EVERY process have stopped (``generate``'s ``synced_gpus``), instead of
+    stopping when its own rows have. The tokens drawn are the same either way.
+    """
 
     temperature: float
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]  # empty: every completion runs to max_new_tokens
     pad_token_id: int
+    synced_processes: bool = False
 
 
 def _as_ids(value: int | Sequence[int] | None) -> list[int]:
@@ -174,6 +181,7 @@ def generate_exactly(
             attention_mask=attention_mask,
             generation_config=config,
             past_key_values=past_key_values,
+            synced_gpus=settings.synced_processes,
             **output_options,
         )
 

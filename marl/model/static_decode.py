@@ -13,6 +13,12 @@ stopped or the length limit is reached, as ``generate``'s does. With the same se
 the same tokens as :func:`marl.model.generation.sample`, up to floating-point rounding of the logits (a
 static and a growing cache add the attention terms in another order).
 
+With ``settings.synced_processes`` (a base sharded over processes: every forward pass is a collective) the
+processes agree after every step whether any row of any process still decodes (one all-reduce); a process
+whose rows have all stopped keeps ONE of them in the batch and runs its forward passes, drawing nothing, until
+every process is done, as ``generate(..., synced_gpus=True)`` does. Its tokens and random stream are those of
+a run without the flag.
+
 :func:`static_decode_problem` says why a model cannot use it (recurrent layers in the cache: the sampler then
 samples with ``generate``).
 
@@ -135,26 +141,47 @@ def sample_static(
         dim=1,
     )
     stop_ids = torch.tensor(settings.stop_token_ids, dtype=torch.long, device=device)
+    # without a stop token every process decodes every step anyway: nothing to agree on
+    synced = settings.synced_processes and bool(settings.stop_token_ids)
     completions = torch.full((rows, steps), settings.pad_token_id, dtype=torch.long, device=device)
     # One distribution per row of the chunk, whatever has finished: finished rows keep a placeholder.
     probs = torch.full((rows, logits.shape[-1]), 1.0 / logits.shape[-1], device=device)
     active = torch.arange(rows, device=device)  # rows still decoding, in the order of the decode batch
+    idle = None  # under synced processes, the row that keeps this process's forward passes going once done
     for index in range(steps):
-        scaled = logits / settings.temperature
-        probs[active] = torch.softmax(scaled, dim=-1)
-        if scores is not None:
-            scores.append(torch.zeros_like(probs).index_copy_(0, active, scaled))
-        drawn = torch.multinomial(probs, num_samples=1).squeeze(1)
-        completions[active, index] = drawn[active]
+        if idle is None:
+            scaled = logits / settings.temperature
+            probs[active] = torch.softmax(scaled, dim=-1)
+            if scores is not None:
+                scores.append(torch.zeros_like(probs).index_copy_(0, active, scaled))
+            drawn = torch.multinomial(probs, num_samples=1).squeeze(1)
+            completions[active, index] = drawn[active]
         if index == steps - 1:
             break
-        running = ~torch.isin(drawn[active], stop_ids)
-        if not bool(running.all()):
-            if not bool(running.any()):
-                break
-            kept = running.nonzero().squeeze(1)
-            _keep_rows(cache, kept)
-            active = active[kept]
-        tokens = completions[active, index : index + 1]
-        logits = step(tokens, mask[active], next_position[active, None] + index, cache)[:, -1].float()
+        running = ~torch.isin(drawn[active], stop_ids) if idle is None else stop_ids.new_zeros(0).bool()
+        here = bool(running.any())
+        if not (_any_process(here, device) if synced else here):
+            break
+        if idle is None and not bool(running.all()):
+            if here:
+                kept = running.nonzero().squeeze(1)
+                _keep_rows(cache, kept)
+                active = active[kept]
+            else:  # every row of this process stopped while another process decodes: one row keeps this
+                # process's forward passes (collectives under a sharded base) going; nothing is drawn any more
+                _keep_rows(cache, torch.zeros(1, dtype=torch.long, device=device))
+                idle = active[:1]
+        rows_now = active if idle is None else idle
+        tokens = completions[rows_now, index : index + 1]
+        logits = step(tokens, mask[rows_now], next_position[rows_now, None] + index, cache)[:, -1].float()
     return completions
+
+
+def _any_process(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any process of the default group (one all-reduce; ``flag`` alone without
+    one)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(value)
+    return bool(value.item() > 0)

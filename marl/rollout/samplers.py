@@ -45,6 +45,9 @@ class SamplerSettings:
         autocast: a context manager factory for mixed precision (e.g. ``accelerator.autocast``).
         policy: the policy adapter that samples (default: the model's first policy); its reference is the
             ``"reference"`` view.
+        synced_processes: every process takes part in every forward pass (a sharded base): each keeps
+            running them until the rows of every process have stopped
+            (:class:`marl.model.generation.SamplingSettings`).
     """
 
     temperature: float
@@ -54,6 +57,7 @@ class SamplerSettings:
     rows_per_pass: int = 64
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     policy: str | None = None
+    synced_processes: bool = False
 
 
 class Sampler(Protocol):

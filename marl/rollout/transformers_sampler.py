@@ -66,7 +66,11 @@ class TransformersSampler:
         if settings.stop_at_eos:
             stop_ids = self.eos_token_ids
         self.sampling = SamplingSettings(
-            settings.temperature, settings.response_length, stop_ids, pad_token_id(tokenizer)
+            settings.temperature,
+            settings.response_length,
+            stop_ids,
+            pad_token_id(tokenizer),
+            synced_processes=settings.synced_processes,
         )
         self.share_prompt_cache = prompt_cache_can_be_shared(model.peft_model.get_base_model())
 

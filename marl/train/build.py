@@ -144,6 +144,7 @@ def build_training_parts(
             rows_per_pass=rows_per_pass,
             autocast=parallelism.autocast,
             policy=policy,
+            synced_processes=parallelism.shards_base,
         ),
     )
     optimizer, scheduler = parallelism.prepare(*_optimizer_and_schedule(config, sizes, parameters))
