@@ -9,11 +9,12 @@ A completion that no reward source judged has no reward: ``objective/scores``, `
 non_score_reward holds for the logged means too; NaN when none was judged), ``rewards/<name>`` over the
 completions that source judged, and ``objective/kl`` and ``objective/entropy``, which every sample has, over
 all completions. ``objective/unjudged`` counts the completions no source judged, over all processes.
+``objective/kl`` is left out where no reference pass ran (``kl_coef`` 0, :mod:`marl.algo.passes`).
 
 Example:
     >>> stats = RolloutStats(kl=2.0, entropy=6.0, non_score_reward=-0.1, rlhf_reward=1.9, scores=2.0,
-    ...                      num_eos=1.0, completions=2.0, judged=1.0, source_sums=torch.tensor([3.0]),
-    ...                      source_counts=torch.tensor([2.0]))
+    ...                      num_eos=1.0, completions=2.0, kl_completions=2.0, judged=1.0,
+    ...                      source_sums=torch.tensor([3.0]), source_counts=torch.tensor([2.0]))
     >>> metrics = rollout_metrics(stats, ["sentiment"])
     >>> metrics["rewards/sentiment"], metrics["objective/scores"], metrics["objective/unjudged"]
     (1.5, 2.0, 1.0)
@@ -43,26 +44,29 @@ class RolloutStats:
     scores: float
     num_eos: float  # completions with an end-of-sequence id among their valid tokens
     completions: float
+    kl_completions: float  # completions whose KL was computed: all, or none where no reference pass ran
     judged: float  # completions at least one reward source judged
     source_sums: torch.Tensor  # [S] each reward source's scores, over the completions it judged
     source_counts: torch.Tensor  # [S] how many completions each source judged
 
     @classmethod
     def of(cls, rollout: Any, shaped: ShapedRewards) -> RolloutStats:
-        """From a :class:`marl.rollout.records.Rollout` and its shaped rewards."""
+        """From a :class:`marl.rollout.records.Rollout` (with the policy's log-probs, which the update
+        provides where the rollout skipped that pass) and its shaped rewards."""
         source_judged = ~torch.isnan(rollout.source_scores)
 
         def judged_sum(values: torch.Tensor) -> torch.Tensor:
             return torch.where(shaped.judged, values, torch.zeros_like(values)).sum()
 
         return cls(
-            kl=shaped.kl.sum(),
+            kl=0.0 if shaped.kl is None else shaped.kl.sum(),
             entropy=masked_sum(-rollout.logprobs, rollout.response_mask).sum(),
             non_score_reward=judged_sum(shaped.non_score_reward),
             rlhf_reward=judged_sum(shaped.rlhf_reward),
             scores=judged_sum(shaped.scores),
             num_eos=rollout.contains_eos.sum(),
             completions=float(rollout.contains_eos.numel()),
+            kl_completions=0.0 if shaped.kl is None else float(shaped.kl.numel()),
             judged=shaped.judged.sum(),
             source_sums=torch.where(source_judged, rollout.source_scores, 0.0).sum(dim=0),
             source_counts=source_judged.sum(dim=0),
@@ -116,9 +120,10 @@ def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, f
         f"rewards/{name}": float(total / judged) if judged > 0 else math.nan
         for name, total, judged in zip(source_names, stats.source_sums, stats.source_counts, strict=True)
     }
+    kl = {"objective/kl": stats.kl / stats.kl_completions} if stats.kl_completions > 0 else {}
     return {
         **per_source,
-        "objective/kl": stats.kl / count,
+        **kl,
         "objective/entropy": stats.entropy / count,
         "objective/non_score_reward": judged_mean(stats.non_score_reward),
         "objective/rlhf_reward": judged_mean(stats.rlhf_reward),

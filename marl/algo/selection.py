@@ -123,7 +123,7 @@ def policy_loss(
     config: RLOOConfig,
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     num_items: torch.Tensor | float | None = None,
@@ -146,7 +146,7 @@ def policy_loss(
         new_seq, old_seq = masked_sum(new_logprobs, mask), masked_sum(old_logprobs, mask)
         out = clipped_policy_loss(new_seq, old_seq, advantages, config.cliprange, config.epsilon_high)
         loss = out.loss
-        if in_loss:
+        if in_loss and config.kl_coef != 0:  # with kl_coef 0 no reference pass ran (marl.algo.passes)
             k3 = token_level_k3_kl(new_logprobs, ref_logprobs, mask)
             loss = loss + config.kl_coef * k3.sum(dim=1).mean()
         return out, loss

@@ -75,17 +75,29 @@ class ShapedRewards(NamedTuple):
     ``rlhf_reward`` are NaN where no source judged the completion; its advantage is 0."""
 
     scores: torch.Tensor  # after the missing-EOS penalty and normalisation
-    kl: torch.Tensor  # Σ_t (logp_t − ref_logp_t) over valid tokens
-    non_score_reward: torch.Tensor  # −kl_coef · kl
+    kl: torch.Tensor | None  # Σ_t (logp_t − ref_logp_t) over valid tokens; None: not (yet) computed
+    non_score_reward: torch.Tensor  # −kl_coef · kl (0 without a KL)
     rlhf_reward: torch.Tensor  # scores + non_score_reward
     advantages: torch.Tensor
     judged: torch.Tensor  # bool: at least one reward source judged the completion
 
+    def with_kl(self, kl: torch.Tensor, kl_coef: float) -> ShapedRewards:
+        """These rewards reporting the sequence KL ``kl``, computed after the advantages (which it did not
+        enter: the KL is in the loss, or its coefficient is 0).
+
+        Example:
+            >>> one = torch.ones(1)
+            >>> ShapedRewards(one, None, 0 * one, one, one, one.bool()).with_kl(2 * one, 0.5).rlhf_reward
+            tensor([0.])
+        """
+        rlhf_reward, non_score_reward = rlhf_rewards(self.scores, kl, kl_coef)
+        return self._replace(kl=kl, non_score_reward=non_score_reward, rlhf_reward=rlhf_reward)
+
 
 def shape_rewards(
     raw_scores: torch.Tensor,
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
+    logprobs: torch.Tensor | None,
+    ref_logprobs: torch.Tensor | None,
     response_mask: torch.Tensor,
     contains_stop: torch.Tensor,
     *,
@@ -113,6 +125,9 @@ def shape_rewards(
 
     With ``token_level_kl`` the advantages come from the scores alone: the KL then enters the loss per token
     (:func:`marl.algo.losses.token_level_k3_kl`), and ``rlhf_reward`` only reports the sequence-level view.
+    ``logprobs`` or ``ref_logprobs`` is ``None`` where the rollout skipped that pass
+    (:mod:`marl.algo.passes`): the KL is then ``None`` (see :meth:`ShapedRewards.with_kl`), which the
+    advantages must not need.
 
     Example:
         >>> zero = torch.zeros(4, 1)
@@ -127,8 +142,13 @@ def shape_rewards(
         scores = apply_missing_eos_penalty(scores, contains_stop, missing_eos_penalty)
     if normalize_reward:
         scores = normalize_and_clip_rewards(scores, reward_clip_range, judged, gather)
-    kl = sequence_kl(logprobs, ref_logprobs, response_mask)
-    rlhf_reward, non_score_reward = rlhf_rewards(scores, kl, kl_coef)
+    if logprobs is not None and ref_logprobs is not None:
+        kl = sequence_kl(logprobs, ref_logprobs, response_mask)
+        rlhf_reward, non_score_reward = rlhf_rewards(scores, kl, kl_coef)
+    elif kl_coef != 0 and not token_level_kl:
+        raise ValueError("a KL folded into the reward needs the policy's and the reference's log-probs")
+    else:
+        kl, rlhf_reward, non_score_reward = None, scores, torch.zeros_like(scores)
     advantages = estimator(scores if token_level_kl else rlhf_reward, judged, k, gather)
     if normalize_advantage:
         advantages = standardize(advantages, has_judged_sibling(judged, k), gather)

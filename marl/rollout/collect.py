@@ -4,7 +4,8 @@
    cut after their stop token (:class:`marl.rollout.records.Samples`, k-major: row ``j * P + i`` is sample
    ``j`` of prompt ``i``);
 2. the scorer (:class:`marl.rollout.scoring.Scorer`) computes their policy and reference log-probs in
-   float32 at the sampling temperature, and the rows the reward sources read;
+   float32 at the sampling temperature (the passes the algorithm reads, :mod:`marl.algo.passes`), and the
+   rows the reward sources read;
 3. the reward adds its scores: a :class:`marl.rollout.records.Rollout` holds everything an update needs.
 
 Example:
@@ -21,6 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from marl.algo.passes import POLICY_PASS
+from marl.algo.shaping import ShapedRewards
+from marl.algo.tensors import sequence_kl
 from marl.model.memory import release_freed_memory
 from marl.rollout.records import Rollout, Samples
 
@@ -35,7 +39,8 @@ def collect_rollout(
     sampler: Sampler, scorer: Scorer, prompts: Sequence[Prompt], k: int, reward: WeightedRewards
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
-    and reference log-probs (``scorer``), and their scores from ``reward``."""
+    and reference log-probs where the algorithm reads them (``scorer.passes``), and their scores from
+    ``reward``."""
     samples = sampler.sample(sampler.batch(prompts), k)
     # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring (measured on SmolLM2 in
     # 4-bit: scoring's peak 900 MiB with it, 790 without; a trim takes milliseconds).
@@ -51,3 +56,17 @@ def collect_rollout(
         scores=scores.total,
         source_scores=scores.per_source,
     )
+
+
+def complete_for_metrics(
+    rollout: Rollout, shaped: ShapedRewards, scorer: Scorer, kl_coef: float
+) -> ShapedRewards:
+    """After the update, what the rollout metrics read of a rollout that skipped its policy pass: the
+    policy's log-probs (``objective/entropy``), which the update's forward provided (scored here only when
+    the update did not run), and, where the reference pass ran, the KL from them (``objective/kl``, the
+    non-score and RLHF rewards that report it). Returns ``shaped`` with that KL."""
+    if rollout.logprobs is None:  # no update forward ran (nothing was judged)
+        rollout.logprobs = scorer.logprobs(rollout, POLICY_PASS)[0]
+    if shaped.kl is not None or rollout.ref_logprobs is None:
+        return shaped
+    return shaped.with_kl(sequence_kl(rollout.logprobs, rollout.ref_logprobs, rollout.response_mask), kl_coef)

@@ -130,17 +130,19 @@ class Samples:
         values = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            values[field.name] = (
-                value[rows] if isinstance(value, torch.Tensor) else [value[i] for i in positions]
-            )
+            if isinstance(value, torch.Tensor):
+                values[field.name] = value[rows]
+            else:  # a list per row, or None: a pass the rollout skipped
+                values[field.name] = None if value is None else [value[i] for i in positions]
         return type(self)(**values)
 
 
 @dataclass
 class Rollout(Samples):
     """Samples with what the update needs: float32 log-probs under the policy at sampling time and under the
-    reference ``[B, T]``, the reward's weighted scores ``[B]`` (NaN where no source judged a completion) and
-    each source's own scores ``[B, S]``."""
+    reference ``[B, T]`` (``None`` where the algorithm does not read them, :mod:`marl.algo.passes`: the
+    update's forward then provides the policy's), the reward's weighted scores ``[B]`` (NaN where no source
+    judged a completion) and each source's own scores ``[B, S]``."""
 
     logprobs: torch.Tensor = None
     ref_logprobs: torch.Tensor = None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from marl.algo.passes import ALL_PASSES, ScoringPasses
 from marl.data.prompts import left_pad, reward_model_ids
 from marl.model.generation import pad_token_id
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
@@ -44,6 +45,7 @@ class Scorer:
             ``"reference"`` view.
         share_prompt_prefix: compute each prompt once for all its completions; switched off, with a
             warning, on a model where that is not exact (:attr:`marl.MultiAdapterModel.packing_problem`).
+        passes: which log-prob passes :meth:`logprobs` runs (:mod:`marl.algo.passes`; default both).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class Scorer:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         policy: str | None = None,
         share_prompt_prefix: bool = True,
+        passes: ScoringPasses = ALL_PASSES,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -64,6 +67,7 @@ class Scorer:
         self.autocast = autocast
         self.policy = policy or model.default_policy
         self.pad_token_id = pad_token_id(tokenizer)
+        self.passes = passes
         self.share_prompt_prefix = share_prompt_prefix and model.packing_problem is None
         if share_prompt_prefix and not self.share_prompt_prefix:
             warnings.warn(
@@ -125,16 +129,25 @@ class Scorer:
             with_entropy=with_entropy,
         )
 
-    def logprobs(self, samples: Samples) -> tuple[torch.Tensor, torch.Tensor]:
-        """No-grad float32 log-probs of the completions under the policy and the reference, ``[B, T]``."""
-        logprobs = torch.empty(samples.response_ids.shape, dtype=torch.float32, device=self.device)
-        ref_logprobs = torch.empty_like(logprobs)
+    def logprobs(
+        self, samples: Samples, passes: ScoringPasses | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """No-grad float32 log-probs of the completions under the policy and the reference, ``[B, T]``; of
+        the passes ``passes`` (default :attr:`passes`) runs, ``None`` for the other."""
+        passes = self.passes if passes is None else passes
+        shape = samples.response_ids.shape
+        logprobs, ref_logprobs = (
+            torch.empty(shape, dtype=torch.float32, device=self.device) if wanted else None
+            for wanted in (passes.policy, passes.reference)
+        )
         with torch.no_grad(), self.autocast():
-            for rows, chunk, packed in self.chunks(samples):
-                with self.model.policy(self.policy):
-                    logprobs[rows] = self.completion_logprobs(chunk, packed).float()
-                with self.model.reference(self.policy):
-                    ref_logprobs[rows] = self.completion_logprobs(chunk, packed).float()
+            for rows, chunk, packed in self.chunks(samples) if passes.policy or passes.reference else ():
+                if logprobs is not None:
+                    with self.model.policy(self.policy):
+                        logprobs[rows] = self.completion_logprobs(chunk, packed).float()
+                if ref_logprobs is not None:
+                    with self.model.reference(self.policy):
+                        ref_logprobs[rows] = self.completion_logprobs(chunk, packed).float()
         return logprobs, ref_logprobs
 
     # ------------------------------------------------------------------ reward rows

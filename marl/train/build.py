@@ -20,6 +20,7 @@ import torch
 from transformers import get_scheduler
 
 from marl.algo.advantages import AdvantageEstimator
+from marl.algo.passes import scoring_passes
 from marl.algo.selection import advantage_estimator, check_algorithm
 from marl.batch_sizes import BatchSizes
 from marl.config import RLOOConfig
@@ -115,6 +116,7 @@ def build_training_parts(
         autocast=parallelism.autocast,
         policy=policy,
         share_prompt_prefix=config.share_prompt_prefix,
+        passes=scoring_passes(config),  # only the log-prob passes the algorithm reads
     )
     lengths = dict(context_length=context_length(model), response_length=config.response_length)
     train_prompts = prepare_prompts(train_dataset, tokenizer, "train_dataset", **lengths)

@@ -5,7 +5,7 @@ One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
 
 1. rollout (:func:`marl.rollout.collect.collect_rollout`, no grad, eval mode): this process's prompts, ``k``
    sampled completions each under the policy, cut after the stop token, their policy and reference log-probs
-   and their scores;
+   where the algorithm reads them (:mod:`marl.algo.passes`) and their scores;
 2. rewards and advantages (:func:`marl.algo.shaping.shape_rewards`): missing-EOS penalty, optional
    normalisation, KL folded into the reward (or the token-level k3 variant), leave-one-out baseline, optional
    normalisation; a completion no reward source judged gets advantage 0, and normalisation statistics span
@@ -49,7 +49,7 @@ from marl.config import RLOOConfig
 from marl.data.prompts import prompt_text
 from marl.model.memory import release_freed_memory, return_large_blocks_to_os
 from marl.model.multi_adapter import MultiAdapterModel
-from marl.rollout.collect import collect_rollout
+from marl.rollout.collect import collect_rollout, complete_for_metrics
 from marl.rollout.prompts import prompts_for_update
 from marl.rollout.records import Rollout
 from marl.train import checkpoints, run_dir
@@ -393,15 +393,15 @@ class RLOOTrainer:
                 rollout = self._rollout()
                 shaped = self._shaped_rewards(rollout)
                 update_stats = self._update_unless_unjudged(rollout, shaped)
+                shaped = complete_for_metrics(rollout, shaped, self.scorer, config.kl_coef)
                 self.state.update += 1
                 if self.state.update == resumed_update + 1:
                     self._start_writing(plan, resumed_update)
                 metrics = self._report(rollout, shaped, update_stats, start)
                 progress.update(1)
+                kl = metrics.get("objective/kl", float("nan"))  # none without a reference pass
                 progress.set_postfix(
-                    episode=self.episode,
-                    score=f"{metrics['objective/scores']:.3f}",
-                    kl=f"{metrics['objective/kl']:.3f}",
+                    episode=self.episode, score=f"{metrics['objective/scores']:.3f}", kl=f"{kl:.3f}"
                 )
                 if config.save_steps and self.state.update % config.save_steps == 0:
                     self._save_checkpoint()

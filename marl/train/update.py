@@ -5,7 +5,9 @@
 the sequence ratio of TRL v0.21's RLOO or a TRL 1.x token-level loss, with the k3 KL when it is in the
 loss), gradients averaged over processes in the backward pass, clipped to ``max_grad_norm``, one step of
 the LR schedule. A step whose loss or gradient is not finite on any process is skipped on every process;
-the schedule still moves on.
+the schedule still moves on. Where the rollout skipped the policy's scoring pass (:mod:`marl.algo.passes`:
+one epoch, one mini-batch, no KL in the reward), each micro-batch's forward provides those log-probs,
+detached, into the rollout (the ratio's old log-probs, and the metrics' afterwards).
 
 Example:
     >>> step = PolicyUpdate(  # doctest: +SKIP
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from marl.algo.metrics import UpdateStats
+from marl.algo.passes import reuses_samples
 from marl.algo.selection import loss_mask, policy_loss
 
 if TYPE_CHECKING:
@@ -84,6 +87,11 @@ class PolicyUpdate:
         config, sizes = self.config, self.sizes
         mask = loss_mask(rollout.response_mask, rollout.contains_stop, config)
         stats, skipped = UpdateStats(), 0
+        provide = rollout.logprobs is None
+        if provide and reuses_samples(config):
+            raise ValueError("the rollout skipped the policy's scoring pass, which reusing its samples reads")
+        if provide:  # filled micro-batch by micro-batch by the update's forward (each row once: one epoch)
+            rollout.logprobs = torch.zeros(rollout.response_ids.shape, device=rollout.response_ids.device)
         self.model.train()
         try:
             for _epoch in range(config.num_ppo_epochs):
@@ -96,7 +104,7 @@ class PolicyUpdate:
                         0, sizes.local_mini_batch_size, config.per_device_train_batch_size
                     ):
                         rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
-                        finite = self._backward(rollout, rows, advantages, mask, num_items, stats)
+                        finite = self._backward(rollout, rows, advantages, mask, num_items, stats, provide)
                         loss_finite = loss_finite and finite
                     if self._optimizer_step(loss_finite):
                         skipped += 1
@@ -117,9 +125,11 @@ class PolicyUpdate:
         mask: torch.Tensor,
         num_items: torch.Tensor | None,
         stats: UpdateStats,
+        provide: bool = False,
     ) -> bool:
-        """One micro-batch's forward, loss and backward pass (its metrics added to ``stats``); returns whether
-        its loss was finite.
+        """One micro-batch's forward, loss and backward pass (its metrics added to ``stats``; with
+        ``provide``, its detached log-probs written into ``rollout.logprobs``); returns whether its loss was
+        finite.
 
         Its own method so that the micro-batch's autograd graph dies when it returns, before the next
         micro-batch's forward: a custom autograd function may keep its inputs as attributes of its context
@@ -131,9 +141,11 @@ class PolicyUpdate:
         packed = self.scorer.pack(batch) if self.grouped_micro_batches else None
         with self.model.policy(self.policy), self.parallelism.autocast():
             new_logprobs, entropy = self.scorer.completion_logprobs(batch, packed, with_entropy=True)
-        # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction.
-        reuse_samples = config.num_ppo_epochs > 1 or config.num_mini_batches > 1
-        old = batch.logprobs if reuse_samples else new_logprobs.detach()
+        # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction (TRL 1.16:
+        # old_per_token_logps = per_token_logps.detach()), whether or not the rollout scored the policy.
+        old = batch.logprobs if reuses_samples(config) else new_logprobs.detach()
+        if provide:
+            rollout.logprobs[rows] = old.float()
         policy, loss = policy_loss(
             config, new_logprobs, old, batch.ref_logprobs, advantages[rows], mask[rows], num_items
         )
