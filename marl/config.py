@@ -211,7 +211,9 @@ class RLOOConfig:
         default="static",
         metadata={
             "help": "What draws the completions: 'static' (a decode loop over a static KV cache, the same "
-            "tokens as 'transformers' for the same seed), 'transformers' (generate on the training model) or "
+            "tokens as 'transformers' for the same seed), 'graph' (the same decode in fixed row buckets, "
+            "compiled and captured in CUDA graphs on a GPU; the same tokens too), 'transformers' (generate "
+            "on the training model) or "
             "a name registered with marl.rollout.samplers.register_sampler."
         },
     )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from marl.registry import Registry
+from marl.rollout.graph_sampler import GraphSampler
 from marl.rollout.static_sampler import StaticSampler
 from marl.rollout.transformers_sampler import TransformersSampler
 
@@ -86,7 +87,7 @@ SAMPLERS: Registry[SamplerFactory] = Registry(
     "sampler",
     "--sampler",
     "marl.rollout.samplers.register_sampler",
-    {"transformers": TransformersSampler, "static": StaticSampler},
+    {"transformers": TransformersSampler, "static": StaticSampler, "graph": GraphSampler},
 )
 
 

@@ -1,0 +1,134 @@
+"""The ``graph`` sampler (``--sampler graph``): the static-cache decode in fixed row buckets, its decode step
+compiled once per bucket and captured in CUDA graphs on a GPU.
+
+``static`` drops finished rows every step, so its shapes change every step and it can never be captured;
+that is what makes it fastest on a CPU, where each row costs compute and a kernel launch costs little. On a
+GPU a small decode step is bound by kernel launches; ``graph`` keeps every shape fixed
+(:class:`marl.model.graph_decode.BucketedDecoder`) and compiles the model call of the decode step with
+``torch.compile(mode="reduce-overhead", fullgraph=True, dynamic=False)``: one compilation and one CUDA graph
+per row bucket, traced with the policy adapter active and replayed across updates (the optimizer changes the
+LoRA weights in place, and the graph reads them where they live). Sampling runs outside the graph with the
+random stream of ``generate``, so the same seed draws the same completions as ``static`` and
+``transformers`` (up to floating-point rounding of the logits); ``transformers`` stays the stream-exact
+reference.
+
+Which path it takes, logged once when it first samples (:attr:`GraphSampler.path`):
+
+- ``compiled+graphs``: a CUDA device; bf16, fp16, fp32, 4-bit and 8-bit bases alike;
+- ``eager``: a CPU (compiling the step there costs more than it saves), a model whose sliding-window cache
+  layers count their fill in a Python int (a compiled step would be compiled again at every token), or a
+  compilation that failed (its error is logged); the reference and base views always decode eager (the
+  compiled step is traced with the policy adapter active);
+- ``generate``: a model whose cache holds states other than attention keys and values (as ``static``).
+
+Example:
+    >>> sampler = GraphSampler(model, tokenizer, SamplerSettings(0.7, 16))  # doctest: +SKIP
+    >>> samples = sampler.sample(sampler.batch(prompts), k=4)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from marl.model.graph_decode import BucketedDecoder, compile_problem
+from marl.model.records import DEFAULT_POLICY
+from marl.rollout.static_sampler import StaticSampler
+
+if TYPE_CHECKING:
+    from marl.model.multi_adapter import MultiAdapterModel
+    from marl.rollout.prompts import PromptBatch
+    from marl.rollout.samplers import SamplerSettings
+
+logger = logging.getLogger(__name__)
+
+# Row buckets of every size from rows_per_pass down to 1, for two cache lengths, fit under this limit.
+_RECOMPILE_LIMIT = 32
+
+
+def capture_step(step: Callable) -> Callable:
+    """``step`` compiled for CUDA graphs: one graph per input shape, a graph break an error."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
+    return torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+
+class GraphSampler(StaticSampler):
+    """Samples with a :class:`marl.model.graph_decode.BucketedDecoder` (a
+    :class:`marl.rollout.samplers.Sampler`).
+
+    Args:
+        model, tokenizer, settings: as every sampler.
+        compile_step: how the decode step is compiled: ``"auto"`` (:func:`capture_step` on CUDA, eager on a
+            CPU), ``None`` (eager) or a function of the step (e.g. ``torch.compile`` with another backend).
+
+    Attributes:
+        path: ``"compiled+graphs"``, ``"compiled"``, ``"eager"`` or ``"generate"``.
+        path_reason: why (logged once, when the sampler first samples).
+        decoder: the bucketed decoder (``None`` on the ``generate`` path).
+    """
+
+    def __init__(
+        self,
+        model: MultiAdapterModel,
+        tokenizer: Any,
+        settings: SamplerSettings,
+        compile_step: str | Callable[[Callable], Callable] | None = "auto",
+    ) -> None:
+        super().__init__(model, tokenizer, settings)
+        self.decoder: BucketedDecoder | None = None
+        self._logged = False
+        if self.fallback_reason is not None:
+            self.path, self.path_reason = "generate", self.fallback_reason
+            return
+        cuda = model.device.type == "cuda"
+        if compile_step == "auto":
+            compile_step = capture_step if cuda else None
+        from transformers import StaticCache
+
+        problem = compile_problem(
+            StaticCache(config=model.peft_model.get_base_model().config, max_cache_len=8)
+        )
+        if compile_step is None:
+            self.path, self.path_reason = (
+                "eager",
+                problem or f"the decode step is not compiled on {model.device}",
+            )
+        elif problem is not None:
+            compile_step, self.path, self.path_reason = None, "eager", problem
+        elif compile_step is capture_step:
+            self.path = "compiled+graphs"
+            self.path_reason = (
+                "torch.compile(mode='reduce-overhead', fullgraph=True), one CUDA graph per bucket"
+            )
+        else:
+            self.path, self.path_reason = (
+                "compiled",
+                "the decode step compiled with fullgraph=True, per bucket",
+            )
+        self.decoder = BucketedDecoder(
+            model.peft_model, max(1, settings.rows_per_pass), compile_step, on_fallback=self._compile_failed
+        )
+
+    def _compile_failed(self, error: BaseException) -> None:
+        self.path, self.path_reason = (
+            "eager",
+            f"compiling the decode step failed: {type(error).__name__}: {error}",
+        )
+        logger.warning("--sampler graph decodes eager from now on: %s", self.path_reason)
+
+    def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
+        if not self._logged:
+            self._logged = True
+            logger.info("--sampler graph decodes %s: %s", self.path, self.path_reason)
+        if self.decoder is None:
+            return super()._generate(prompts, k, view)
+        decoder = self.decoder
+
+        def sample_chunk(ids: torch.Tensor, mask: torch.Tensor, copies: int) -> torch.Tensor:
+            with self.model._inference():
+                return decoder.sample(ids, mask, self.sampling, copies, compiled=view == DEFAULT_POLICY)
+
+        return self._in_chunks(prompts, k, view, sample_chunk)

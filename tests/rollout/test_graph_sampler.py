@@ -1,0 +1,193 @@
+"""The ``graph`` sampler cannot silently stop being exact or fast: on every family of the table its bucketed,
+masked decode samples from the distribution the log-probs score and draws the tokens of the ``static`` and
+``transformers`` samplers for the same seed; the compiled decode step of the main families (4-bit and 8-bit
+bases too) traces as ONE graph with no break, and a compiled sampler compiles once per row bucket, never
+again when the policy's LoRA weights change in place between updates (while it samples with the new ones)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from test_static_sampler import PROMPT_ROWS, STATIC_FAMILIES, TEMPERATURE, draw, load
+from torch._dynamo.testing import CompileCounter
+from transformers import AutoTokenizer, StaticCache
+
+from marl import MultiAdapterModel
+from marl.model.generation import SamplingSettings, pad_token_id
+from marl.model.graph_decode import BucketedDecoder, compile_problem
+from marl.model.static_decode import _forward_step
+from marl.rollout import stops
+from marl.rollout.graph_sampler import GraphSampler
+from marl.rollout.prompts import Prompt
+from marl.rollout.samplers import SamplerSettings
+
+from support.families import FAMILIES, logprob_tolerance, position_ids_from_mask
+
+# Sliding-window cache layers count their fill in a Python int: those families decode eager.
+SLIDING = {"gemma2", "gemma3_text", "mistral"}
+
+
+def compiled_with(backend):
+    return lambda step: torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_same_seed_draws_the_tokens_of_the_static_and_transformers_samplers(family, family_dir):
+    model = load(family_dir, family)
+    tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
+    free = draw(model, tokenizer, "transformers", None).response_ids
+    stop = int(free.flatten().mode().values)
+    old = draw(model, tokenizer, "transformers", stop)
+    new = draw(model, tokenizer, "graph", stop)
+    assert 0 < int(old.contains_stop.sum()) < old.contains_stop.numel()
+    assert torch.equal(new.response_ids, old.response_ids)
+    assert new.completions == old.completions
+    if family in STATIC_FAMILIES:
+        assert torch.equal(draw(model, tokenizer, "static", stop).response_ids, new.response_ids)
+
+
+# every family in fp32; bf16 on the main families (the static decode's own test covers bf16 on all of them)
+@pytest.mark.parametrize(
+    ("family", "dtype"),
+    [(family, torch.float32) for family in STATIC_FAMILIES]
+    + [(family, torch.bfloat16) for family in ("llama", "qwen2", "gemma3_text")],
+    ids=str,
+)
+def test_bucketed_decode_samples_from_the_distribution_it_scores(family, dtype, family_dir):
+    """Its ``scores`` (``logits / T`` of every step) against the family's own forward and marl's log-probs,
+    while rows stop inside a bucket and the survivors are compacted into smaller ones."""
+    model = load(family_dir, family, dtype=dtype)
+    tolerance = logprob_tolerance(dtype)
+    pad = pad_token_id(AutoTokenizer.from_pretrained(family_dir(family)))
+    width = max(len(row) for row in PROMPT_ROWS)
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in PROMPT_ROWS])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in PROMPT_ROWS])
+    copies = 3  # 9 rows: a bucket of 16, then 8, 4, ... as rows stop
+    decoder = BucketedDecoder(model.peft_model, 9)
+    torch.manual_seed(0)
+    with model.policy(), model._inference():
+        free = decoder.sample(ids, mask, SamplingSettings(TEMPERATURE, 8, (), pad), copies)
+    # the token drawn most often ends completions: rows stop at different steps
+    settings = SamplingSettings(TEMPERATURE, 8, (int(free.flatten().mode().values),), pad)
+
+    scores: list[torch.Tensor] = []
+    torch.manual_seed(0)
+    with model.policy(), model._inference():
+        completions = decoder.sample(ids, mask, settings, copies, scores=scores)
+        lengths = stops.response_lengths(completions, settings.stop_token_ids)
+        valid = stops.response_mask(lengths, completions.shape[1])
+        sequences = torch.cat([ids.repeat_interleave(copies, dim=0), completions], dim=1)
+        full_mask = torch.cat([mask.repeat_interleave(copies, dim=0), valid.long()], dim=1)
+        scored = model.token_logprobs(sequences, full_mask, response_start=width, temperature=TEMPERATURE)
+        forward = model.peft_model(
+            input_ids=sequences, attention_mask=full_mask, position_ids=position_ids_from_mask(full_mask)
+        ).logits[:, width - 1 : -1]
+    assert decoder.compactions, "the live rows never moved to a smaller bucket"
+    sampled = torch.stack([torch.log_softmax(step.float(), dim=-1) for step in scores], dim=1)
+    valid = valid[:, : sampled.shape[1]]
+    expected = torch.log_softmax(forward[:, : sampled.shape[1]].float() / TEMPERATURE, dim=-1)
+    torch.testing.assert_close(sampled[valid], expected[valid], rtol=0, atol=tolerance)
+    drawn = sampled.gather(-1, completions[:, : sampled.shape[1], None]).squeeze(-1)
+    torch.testing.assert_close(scored[:, : sampled.shape[1]][valid], drawn[valid], rtol=0, atol=tolerance)
+
+
+def decode_step_inputs(model: MultiAdapterModel, rows: int = 4, width: int = 6, length: int = 16):
+    """A decode step's inputs over a static cache that a prefill filled, as the bucketed decoder calls it."""
+    peft_model = model.peft_model
+    cache = StaticCache(config=peft_model.get_base_model().config, max_cache_len=length)
+    ids = torch.randint(20, 200, (rows, width), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(width).expand(rows, width)
+    _forward_step(peft_model)(ids, torch.ones_like(ids), positions, cache)
+    return ids[:, -1:], torch.ones(rows, length, dtype=torch.long), torch.full((rows, 1), width), cache
+
+
+@pytest.mark.parametrize(
+    ("family", "quantization"),
+    [
+        ("llama", None),
+        ("qwen2", None),
+        ("llama", "4bit"),
+        pytest.param("llama", "8bit", marks=pytest.mark.slow),
+        pytest.param("gpt2", None, marks=pytest.mark.slow),
+    ],
+)
+def test_the_compiled_decode_step_is_one_graph_with_the_policy_active(family, quantization, family_dir):
+    if quantization is None:
+        model = load(family_dir, family)
+    else:  # bitsandbytes on a CPU: bf16 compute, as a quantized base runs
+        model = load(family_dir, family, quantization=quantization, dtype=torch.bfloat16)
+    with model.policy(), model._inference():
+        inputs = decode_step_inputs(model)
+        explained = torch._dynamo.explain(_forward_step(model.peft_model))(*inputs)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    lora_weights = sum(
+        "lora_B" in str(name) for graph in explained.graphs for name, _ in graph.named_parameters()
+    ) + sum("lora_B" in str(node.target) for graph in explained.graphs for node in graph.graph.nodes)
+    assert lora_weights > 0, "the traced step does not read the policy's LoRA weights"
+
+
+@pytest.mark.slow
+def test_a_compiled_sampler_compiles_once_per_bucket_across_updates_that_change_the_lora_in_place(
+    family_dir, caplog
+):
+    model = load(family_dir, "llama")
+    tokenizer = AutoTokenizer.from_pretrained(family_dir("llama"))
+    counter = CompileCounter()
+    free = draw(model, tokenizer, "transformers", None, k=3).response_ids
+    settings = SamplerSettings(
+        TEMPERATURE, 10, stop_token_id=int(free.flatten().mode().values), rows_per_pass=8
+    )
+    with caplog.at_level(logging.INFO, logger="marl.rollout.graph_sampler"):
+        compiled = GraphSampler(model, tokenizer, settings, compile_step=compiled_with(counter))
+        eager = GraphSampler(model, tokenizer, settings, compile_step=None)
+        prompts = compiled.batch([Prompt(tuple(row), "p") for row in PROMPT_ROWS])
+        policy = model.policy_parameters()
+        optimizer = torch.optim.AdamW(policy, lr=0.05)
+        drawn, compilations, buckets = [], [], []
+        for update in range(3):
+            torch.manual_seed(update)
+            samples = compiled.sample(prompts, 3)
+            torch.manual_seed(update)
+            assert torch.equal(samples.response_ids, eager.sample(prompts, 3).response_ids)
+            drawn.append(samples.response_ids)
+            compilations.append(counter.frame_count)
+            buckets.append(len(compiled.decoder.steps_per_bucket))  # the buckets decoded in so far
+            for parameter in policy:  # an optimizer step: the LoRA weights change in place
+                parameter.grad = torch.randn_like(parameter)
+            optimizer.step()
+    assert (compiled.path, eager.path) == ("compiled", "eager")
+    assert (
+        "--sampler graph decodes compiled" in caplog.text and "--sampler graph decodes eager" in caplog.text
+    )
+    # one compilation per bucket ever decoded in, none per update
+    assert buckets[-1] > 1 and compilations == buckets, (compilations, compiled.decoder.steps_per_bucket)
+    assert not torch.equal(drawn[0], drawn[2])  # the new weights were sampled
+    # the reference view decodes eager: no compilation of another view
+    torch.manual_seed(0)
+    compiled.sample(prompts, 3, view="reference")
+    assert counter.frame_count == compilations[-1]
+
+
+@pytest.mark.parametrize("family", sorted(SLIDING))
+def test_sliding_window_families_decode_eager_and_say_why(family, family_dir, caplog):
+    model = load(family_dir, family)
+    tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
+    sampler = GraphSampler(
+        model, tokenizer, SamplerSettings(TEMPERATURE, 4), compile_step=compiled_with("eager")
+    )
+    assert sampler.path == "eager" and "Python int" in sampler.path_reason
+    config = model.peft_model.get_base_model().config
+    assert compile_problem(StaticCache(config=config, max_cache_len=8)) == sampler.path_reason
+    with caplog.at_level(logging.INFO, logger="marl.rollout.graph_sampler"):
+        sampler.sample(sampler.batch([Prompt((20, 31, 42), "p")]), 2)
+    assert "--sampler graph decodes eager: its ['StaticSlidingWindowLayer'] cache layers" in caplog.text
+
+
+def test_a_model_with_recurrent_states_samples_with_generate(family_dir):
+    model = load(family_dir, "falcon_h1")
+    sampler = GraphSampler(
+        model, AutoTokenizer.from_pretrained(family_dir("falcon_h1")), SamplerSettings(0.7, 4)
+    )
+    assert (sampler.path, sampler.decoder) == ("generate", None) and "LinearAttention" in sampler.path_reason
