@@ -19,7 +19,9 @@ Which path it takes, logged once when it first samples (:attr:`GraphSampler.path
   layers count their fill in a Python int (a compiled step would be compiled again at every token), or a
   compilation that failed (its error is logged); the reference and base views always decode eager (the
   compiled step is traced with the policy adapter active);
-- ``generate``: a model whose cache holds states other than attention keys and values (as ``static``).
+- ``generate``: a model whose cache holds states other than attention keys and values (as ``static``);
+- ``static``: a base sharded over processes (``--parallelism fsdp2``), whose processes must keep running
+  forward passes together until every one's rows have stopped.
 
 Example:
     >>> sampler = GraphSampler(model, tokenizer, SamplerSettings(0.7, 16))  # doctest: +SKIP
@@ -65,9 +67,9 @@ class GraphSampler(StaticSampler):
             CPU), ``None`` (eager) or a function of the step (e.g. ``torch.compile`` with another backend).
 
     Attributes:
-        path: ``"compiled+graphs"``, ``"compiled"``, ``"eager"`` or ``"generate"``.
+        path: ``"compiled+graphs"``, ``"compiled"``, ``"eager"``, ``"static"`` or ``"generate"``.
         path_reason: why (logged once, when the sampler first samples).
-        decoder: the bucketed decoder (``None`` on the ``generate`` path).
+        decoder: the bucketed decoder (``None`` on the ``static`` and ``generate`` paths).
     """
 
     def __init__(
@@ -82,6 +84,13 @@ class GraphSampler(StaticSampler):
         self._logged = False
         if self.fallback_reason is not None:
             self.path, self.path_reason = "generate", self.fallback_reason
+            return
+        if settings.synced_processes:
+            self.path = "static"
+            self.path_reason = (
+                "a base sharded over processes runs every forward pass on every process until all have "
+                "stopped, which the static decode does"
+            )
             return
         cuda = model.device.type == "cuda"
         if compile_step == "auto":

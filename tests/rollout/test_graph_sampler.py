@@ -191,3 +191,10 @@ def test_a_model_with_recurrent_states_samples_with_generate(family_dir):
         model, AutoTokenizer.from_pretrained(family_dir("falcon_h1")), SamplerSettings(0.7, 4)
     )
     assert (sampler.path, sampler.decoder) == ("generate", None) and "LinearAttention" in sampler.path_reason
+
+
+def test_a_base_sharded_over_processes_decodes_with_the_static_decode(family_dir):
+    model = load(family_dir, "llama")
+    tokenizer = AutoTokenizer.from_pretrained(family_dir("llama"))
+    sampler = GraphSampler(model, tokenizer, SamplerSettings(TEMPERATURE, 4, synced_processes=True))
+    assert (sampler.path, sampler.decoder) == ("static", None) and "sharded" in sampler.path_reason
