@@ -62,7 +62,9 @@ class GraphSampler(StaticSampler):
     :class:`marl.rollout.samplers.Sampler`).
 
     Args:
-        model, tokenizer, settings: as every sampler.
+        model: the multi-adapter model.
+        tokenizer: its tokenizer.
+        settings: a :class:`marl.rollout.samplers.SamplerSettings`.
         compile_step: how the decode step is compiled: ``"auto"`` (:func:`capture_step` on CUDA, eager on a
             CPU), ``None`` (eager) or a function of the step (e.g. ``torch.compile`` with another backend).
 
