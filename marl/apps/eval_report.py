@@ -18,8 +18,15 @@ RESULTS_FILE = "eval_results.json"
 COMPLETIONS_FILE = "eval_completions.jsonl"
 
 
-def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out prompts"):
-    """A rich table of :func:`marl.apps.eval_scores.summarize`'s output: one row per model."""
+JUDGE_NAMES = {"vader": "VADER"}  # how the table names a judge: the default one by what it is
+
+
+def results_table(
+    summary: dict[str, Any], title: str = "Evaluation on held-out prompts", judge: str = "vader"
+):
+    """A rich table of :func:`marl.apps.eval_scores.summarize`'s output: one row per model. ``judge`` names
+    the judge in the column titles (``"vader"``: VADER sentiment, the default; else its ``module:function``);
+    with several reward sources, each gets a column of its own."""
     from rich.table import Table
 
     def show(value: float | None, digits: int = 3) -> str:
@@ -30,11 +37,14 @@ def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out 
         )
 
     table = Table(title=title)
+    judge_name = JUDGE_NAMES.get(judge, judge)
+    by_name = list(next(iter(summary.values())).get("reward_scores_by_name") or {})
+    reward_columns = [f"reward: {name}" for name in by_name] or ["reward-adapter score"]
     for column in (
         "model",
-        "reward-adapter score",
-        "judge score",
-        "judge win rate vs base",
+        *reward_columns,
+        f"judge score ({judge_name})",
+        f"{judge_name} win rate vs base",
         "KL to ref",
         "length",
     ):
@@ -53,9 +63,10 @@ def results_table(summary: dict[str, Any], title: str = "Evaluation on held-out 
                 f"{comparison['losses']}L)"
             )
         kl = scores["kl"] if name == "policy" else None
+        rewards = [scores["reward_scores_by_name"][name] for name in by_name] or [scores["reward_score"]]
         table.add_row(
             "reference (the policy's start)" if name == "reference" else name,
-            show(scores["reward_score"]),
+            *(show(value) for value in rewards),
             show(scores["judge_score"]),
             win,
             show(kl),
@@ -84,6 +95,11 @@ def write_results(
                     "completion": record.completions[index],
                     "judge_score": record.judge_scores[index],
                     "reward_score": record.reward_scores[index] if record.reward_scores else None,
+                    **(
+                        {"reward_scores": {n: v[index] for n, v in record.reward_scores_by_name.items()}}
+                        if record.reward_scores_by_name
+                        else {}
+                    ),
                     "length": record.lengths[index],
                     **({"kl": record.kls[index]} if record.kls else {}),
                 }

@@ -18,11 +18,12 @@ hacking shows up as a reward-adapter gain without a judge gain.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from transformers import PreTrainedTokenizerBase
 
@@ -38,6 +39,8 @@ class ModelScores:
     judge_score: float
     length: float
     kl: float | None
+    # Each reward source's mean by name (reward adapters, then reward functions), when several were asked for.
+    reward_scores_by_name: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,15 +84,24 @@ class ScoredCompletions:
 
     def means(self) -> ModelScores:
         return ModelScores(
-            reward_score=_mean(self.reward_scores) if self.reward_scores else None,
+            reward_score=_nanmean(self.reward_scores) if self.reward_scores else None,
             judge_score=_mean(self.judge_scores),
             length=_mean(self.lengths),
             kl=_mean(self.kls) if self.kls else None,
+            reward_scores_by_name={
+                name: _nanmean(values) for name, values in self.reward_scores_by_name.items()
+            },
         )
 
 
 def _mean(values: list[float] | list[int]) -> float:
     return float(sum(values) / len(values))
+
+
+def _nanmean(values: list[float]) -> float | None:
+    """The mean of the judged scores (a reward function's ``None`` is NaN), ``None`` if none was judged."""
+    judged = [value for value in values if not math.isnan(value)]
+    return _mean(judged) if judged else None
 
 
 def generate_and_score(
@@ -109,14 +121,18 @@ def generate_and_score(
     after_batch: Callable[[], Any] | None = None,
     sampler: str | None = None,
     reward_names: Sequence[str] | None = None,
+    reward_functions: Sequence[str] = (),
+    columns: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, ScoredCompletions]:
     """Sample and measure completions of the base (``"base"``, adapters disabled) and, if ``with_policy``, of
     policy ``policy`` (default: the model's first policy), keyed ``"policy"``, and of its starting adapter
     (``"reference"``) when that is its KL reference. ``after_batch`` is called after every batch
     (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`). ``sampler`` names a registered sampler (default:
     the one training uses by default, ``RLOOConfig.sampler``). ``reward_names``: the reward adapters that
-    score each completion (default: the model's first); the first fills ``reward_scores``, each one its
-    entry of ``reward_scores_by_name``.
+    score each completion (default: the model's first); ``reward_functions``: ``module:function`` specs of
+    reward functions, called as in training (:mod:`marl.rewards.calls`) with ``columns`` (each prompt's other
+    dataset columns) and a fresh ``transformers.TrainerState``. The first source fills ``reward_scores``;
+    with ``reward_names`` or a reward function, each source fills its entry of ``reward_scores_by_name``.
 
     Both models see the same prompts in the same batches with the same seed per batch.
 
@@ -127,6 +143,7 @@ def generate_and_score(
     """
     import torch
     from tqdm.auto import tqdm
+    from transformers import TrainerState
 
     from marl.algo.tensors import masked_sum
     from marl.config import RLOOConfig
@@ -152,11 +169,19 @@ def generate_and_score(
     )
     scorer = Scorer(model, tokenizer, temperature=temperature, rows_per_pass=batch_size, policy=policy)
     prepared = prepare_text_prompts(
-        prompts, tokenizer, "evaluation prompts", model=model, response_length=response_length
+        prompts,
+        tokenizer,
+        "evaluation prompts",
+        model=model,
+        response_length=response_length,
+        columns=columns,
     )
     # The model's first reward adapter (if any) reads each text ending in EOS, as the shipped one was trained.
     names = list(model.rewards)[:1] if reward_names is None else list(reward_names)
     settings = [RewardSetting("eos_adapter", name) for name in names]
+    settings += [RewardSetting("function", spec) for spec in reward_functions]
+    names += list(reward_functions)
+    by_name = reward_names is not None or bool(reward_functions)
     rewards = plan_rewards(settings).build(RewardParts(model, tokenizer, batch_size))
     views = {"base": BASE_VIEW}
     if with_policy and model.get_policy(policy).reference_adapter is not None:
@@ -179,11 +204,12 @@ def generate_and_score(
                 judge([prompt_text(p) + c for p, c in zip(raw_prompts, samples.completions, strict=True)])
             )
             record.lengths.extend(int(n) for n in samples.lengths.tolist())
+            scoring = scorer.scoring_batch(samples, TrainerState())
             for index, (reward_name, reward) in enumerate(zip(names, rewards, strict=True)):
-                scores = reward.score(scorer.scoring_batch(samples)).tolist()
+                scores = reward.score(scoring).tolist()
                 if index == 0:
                     record.reward_scores.extend(scores)
-                if reward_names is not None:
+                if by_name:
                     record.reward_scores_by_name.setdefault(reward_name, []).extend(scores)
             if name == "policy":
                 logprobs, ref_logprobs = scorer.logprobs(samples)

@@ -55,11 +55,19 @@ class EvaluateArguments:
             "help": "Base model: the embedded id, a local folder or a hub id already in the local cache."
         },
     )
-    reward_adapter: str | None = field(
+    reward_adapter: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Reward adapter folder, DIR or NAME=DIR (as in train-rloo); its mean score is reported "
-            "when given."
+            "help": "Reward adapter folder(s), DIR or NAME=DIR (as in train-rloo); each one's mean score is "
+            "reported. Repeat the flag for several."
+        },
+    )
+    reward_fn: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward function(s) 'module:function' (or 'file.py:function'), called as in training and "
+            "as TRL calls them (the dataset's other columns among the keywords); each one's mean is "
+            "reported. Repeat the flag for several."
         },
     )
     quantization: str | None = field(default=None, metadata={"help": "Load the base in '4bit' or '8bit'."})
@@ -99,6 +107,9 @@ class EvaluateArguments:
     )
 
     def __post_init__(self) -> None:
+        for name in ("reward_adapter", "reward_fn"):  # one given in Python as a string
+            if isinstance(getattr(self, name), str):
+                setattr(self, name, [getattr(self, name)])
         self.quantization = parse_quantization(self.quantization)
         check_fields(self)
         check_seed(self.seed)
@@ -178,13 +189,20 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     judge = load_judge(arguments.judge)
     if arguments.judge is None:  # VADER is in the demo extra: without it, stop before the model loads
         check_gold_judge()
-    prompts = load_prompt_dataset(
+    from marl.rewards import load_reward_fn
+
+    for spec in arguments.reward_fn or []:  # a typo fails before any model loads
+        load_reward_fn(spec)
+    dataset = load_prompt_dataset(
         arguments.dataset_name,
         arguments.dataset_split,
         arguments.prompt_column,
         max_prompts=arguments.num_prompts,
         split_flag="--dataset_split",
-    )["prompt"]
+    )
+    prompts = dataset["prompt"]
+    # The other columns go to the reward functions, one row per prompt (as TRL passes them).
+    columns = [{name: row[name] for name in dataset.column_names if name != "prompt"} for row in dataset]
     source = prompt_source(arguments.dataset_name, arguments.dataset_split)
     described = describe_prompt_source(source)
     run = training_run_dataset(arguments.policy_adapter)
@@ -202,9 +220,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     model = MultiAdapterModel.from_pretrained(
         arguments.model_name_or_path,
         quantization=arguments.quantization,
-        reward_adapters=reward_adapter_folders(
-            [arguments.reward_adapter] if arguments.reward_adapter else []
-        ),
+        reward_adapters=reward_adapter_folders(arguments.reward_adapter or []),
         policy_adapter=arguments.policy_adapter,
         reference="base",
     )
@@ -223,6 +239,9 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         stop_at_eos=arguments.stop_at_eos,
         after_batch=governor,
         sampler=arguments.sampler,
+        reward_names=list(model.rewards) if len(model.rewards) > 1 else None,
+        reward_functions=arguments.reward_fn or (),
+        columns=columns,
     )
     summary = summarize(samples)
     settings = {
@@ -237,6 +256,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     output_dir = arguments.output_dir or arguments.policy_adapter
     results_path = write_results(output_dir, summary, samples, prompts, settings)
     kind = {True: "training prompts of the run", False: "held-out prompts", None: "prompts"}[training_prompts]
-    console.print(results_table(summary, title=f"Evaluation on {len(prompts)} {kind}: {described}"))
+    title = f"Evaluation on {len(prompts)} {kind}: {described}"
+    console.print(results_table(summary, title=title, judge=settings["judge"]))
     console.print(f"results written to {results_path}")
     return summary

@@ -37,9 +37,10 @@ class ScriptArguments:
     reward_fn: list[str] | None = field(
         default=None,
         metadata={
-            "help": "Reward function(s) 'module:function' (or 'file.py:function') called as "
-            "function(prompts, completions) -> one number (or None) per completion; with or instead of "
-            "--reward_adapter, weighted by --reward_weights. Repeat the flag for several."
+            "help": "Reward function(s) 'module:function' (or 'file.py:function') called as TRL calls them: "
+            "keywords prompts, completions, completion_ids, trainer_state and every other dataset column, "
+            "returning one number (or None) per completion; with or instead of --reward_adapter, weighted by "
+            "--reward_weights. Repeat the flag for several."
         },
     )
     reward: list[str] | None = field(

@@ -201,7 +201,8 @@ def load_prompt_dataset(
     max_prompts: int | None = None,
     split_flag: str = "--dataset_train_split",
 ) -> datasets.Dataset:
-    """Load prompts from ``dataset_name`` and return them with the prompt text in a column named ``prompt``.
+    """Load prompts from ``dataset_name`` and return them with the prompt text in a column named ``prompt``
+    and the dataset's other columns beside it (reward functions receive them, :mod:`marl.rewards.calls`).
 
     ``dataset_name`` is ``"rotten-tomatoes"`` (bundled, offline), a local ``.json``/``.jsonl``/``.csv``/
     ``.parquet`` file, a folder of such files (split names come from file names such as ``train.jsonl``),
@@ -350,8 +351,10 @@ def _select_prompt_column(
             f"{dataset_name!r} has no column {prompt_column!r}; its columns are {dataset.column_names}. "
             "Name the column that holds the prompts with --prompt_column"
         )
-    dataset = dataset.select_columns([prompt_column])
     if prompt_column != "prompt":
+        # The chosen column becomes "prompt"; the other columns stay, for reward functions (as in TRL).
+        if "prompt" in dataset.column_names:
+            dataset = dataset.remove_columns("prompt")
         dataset = dataset.rename_column(prompt_column, "prompt")
     for index, prompt in enumerate(dataset["prompt"][:100]):
         if not is_prompt(prompt):

@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -43,7 +43,10 @@ class ScoringBatch:
     (:func:`marl.data.prompts.reward_model_text`).
     ``chunks``, when given, splits the rows into whole prompt groups (:class:`ScoringChunk`), made once by the
     rollout, so that a reward adapter computes each shared prefix once.
-    ``conversations``: each row's prompt messages when it is a conversation (``None`` for a plain prompt)."""
+    ``conversations``: each row's prompt messages when it is a conversation (``None`` for a plain prompt).
+    ``completion_ids`` (each row's completion ids through its stop token), ``columns`` (each dataset column
+    beside the prompt, one value per row) and ``trainer_state`` are what reward functions receive beside the
+    texts (:mod:`marl.rewards.calls`)."""
 
     prompts: list[str]
     completions: list[str]
@@ -51,6 +54,9 @@ class ScoringBatch:
     attention_mask: torch.Tensor
     chunks: Sequence[ScoringChunk] | None = None
     conversations: list[list[dict[str, Any]] | None] | None = None
+    completion_ids: list[list[int]] | None = None
+    columns: Mapping[str, list[Any]] | None = None
+    trainer_state: Any = None
 
 
 @runtime_checkable

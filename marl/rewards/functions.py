@@ -1,5 +1,6 @@
-"""Functions the user wrote: reward functions ``f(prompts, completions)`` and judges ``f(texts)``, imported
-from ``module:function`` (or ``path/to/file.py:function``) and checked on every call.
+"""Functions the user wrote: reward functions (called as TRL calls them, :mod:`marl.rewards.calls`) and
+judges ``f(texts)``, imported from ``module:function`` (or ``path/to/file.py:function``) and checked on every
+call.
 
 ``None`` from a reward function means "this source does not judge this completion" (NaN works the same way,
 as in TRL). Infinite scores, a wrong count or a non-number are errors that name the function, and so is an
@@ -7,7 +8,7 @@ exception raised inside it: the user fixes their own code, so the command ends w
 traceback into marl.
 
 Example:
-    >>> length = FunctionReward(lambda prompts, completions: [len(c) for c in completions], "length")
+    >>> length = FunctionReward(lambda completions, **kwargs: [len(c) for c in completions], "length")
     >>> length(["Say"], [" hi!"])
     [4.0]
 """
@@ -27,7 +28,8 @@ from typing import Any
 import torch
 
 from marl.errors import ConfigError, DataError
-from marl.rewards.batch import RewardBuilder, RewardParts, ScoringBatch
+from marl.rewards.batch import RewardBuilder, RewardParts, RewardSource, ScoringBatch
+from marl.rewards.calls import RewardCall, is_async, run_reward_functions
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -130,36 +132,101 @@ def call_user_function(function: Callable[..., Any], where: str, *arguments: Any
 
 
 class FunctionReward:
-    """A user function ``function(prompts, completions) -> one number (or None) per completion``, its output
-    checked on every call. Calling it returns the checked list.
+    """A user function called as TRL calls reward functions (:mod:`marl.rewards.calls`): keywords
+    ``prompts``, ``completions``, ``completion_ids``, ``trainer_state`` and every dataset column, returning
+    one number (or ``None``) per completion; its output is checked on every call. Calling it returns the
+    checked list.
 
     Example:
-        >>> reward = FunctionReward(lambda prompts, texts: [len(t) for t in texts], "length")
+        >>> reward = FunctionReward(lambda prompts, completions: [len(t) for t in completions], "length")
         >>> reward(["Say hi"], ["hi!"])
         [3.0]
+        >>> def accuracy(completions, answer, **kwargs):
+        ...     return [float(c.strip() == a) for c, a in zip(completions, answer)]
+        >>> FunctionReward(accuracy)(["1+1="] * 2, [" 2", " 3"], answer=["2", "2"])
+        [1.0, 0.0]
     """
 
     def __init__(self, function: RewardFunction, name: str | None = None) -> None:
         if not callable(function):
             raise ConfigError(
-                f"a reward function must be callable(prompts, completions), got {type(function).__name__}"
+                "a reward function must be callable as TRL calls it, f(prompts=..., completions=..., "
+                f"**kwargs), got {type(function).__name__}"
             )
         self.function = function
         self.name = name or getattr(function, "__name__", type(function).__name__)
+        self.is_async = is_async(function)
 
-    def __call__(self, prompts: Sequence[Any], completions: Sequence[str]) -> list[float | None]:
-        where = f"reward function {self.name!r}"
-        output = call_user_function(self.function, where, list(prompts), list(completions))
-        return check_scores(output, len(completions), where, allow_none=True)
+    def __call__(
+        self, prompts: Sequence[Any], completions: Sequence[str], **columns: Sequence[Any]
+    ) -> list[float | None]:
+        return self.check(
+            run_reward_functions(
+                [self.function], RewardCall(prompts, completions, columns=columns), [self.name]
+            )[0],
+            len(completions),
+        )
+
+    def check(self, output: Any, expected: int) -> list[float | None]:
+        """``output`` as one number or ``None`` per completion, or an error naming this function."""
+        return check_scores(output, expected, f"reward function {self.name!r}", allow_none=True)
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
-        values = [math.nan if value is None else value for value in self(batch.prompts, batch.completions)]
-        return torch.tensor(values, dtype=torch.float32, device=batch.input_ids.device)
+        (output,) = run_reward_functions([self.function], reward_call(batch), [self.name])
+        return as_tensor(self.check(output, len(batch.completions)), batch)
+
+
+def reward_call(batch: ScoringBatch) -> RewardCall:
+    """The reward-function call of ``batch``: a conversation's messages as its prompt, every column.
+
+    Example:
+        >>> batch = ScoringBatch(["Say"], [" hi!"], torch.tensor([[5, 6]]), torch.tensor([[1, 1]]))
+        >>> reward_call(batch).keywords()["prompts"]
+        ['Say']
+    """
+    conversations = batch.conversations or [None] * len(batch.prompts)
+    prompts = [
+        text if messages is None else messages
+        for text, messages in zip(batch.prompts, conversations, strict=True)
+    ]
+    return RewardCall(
+        prompts, batch.completions, batch.completion_ids, batch.columns or {}, batch.trainer_state
+    )
+
+
+def as_tensor(values: Sequence[float | None], batch: ScoringBatch) -> torch.Tensor:
+    """Checked scores as float32 on the batch's device, NaN where not judged."""
+    numbers = [math.nan if value is None else value for value in values]
+    return torch.tensor(numbers, dtype=torch.float32, device=batch.input_ids.device)
+
+
+def score_sources(sources: Sequence[RewardSource], batch: ScoringBatch) -> list[torch.Tensor]:
+    """Each source's scores of ``batch``, in order; the reward functions among them are called with one
+    :class:`~marl.rewards.calls.RewardCall`, their ``async def`` ones awaited together (as TRL does).
+
+    Example:
+        >>> double = FunctionReward(lambda completions, **kwargs: [2 * len(c) for c in completions], "double")
+        >>> batch = ScoringBatch(["Say"], [" hi!"], torch.tensor([[5, 6]]), torch.tensor([[1, 1]]))
+        >>> score_sources([double], batch)
+        [tensor([8.])]
+    """
+    functions = [index for index, source in enumerate(sources) if isinstance(source, FunctionReward)]
+    scores: list[torch.Tensor | None] = [
+        None if isinstance(source, FunctionReward) else source.score(batch) for source in sources
+    ]
+    if functions:
+        chosen = [sources[index] for index in functions]
+        outputs = run_reward_functions(
+            [source.function for source in chosen], reward_call(batch), [source.name for source in chosen]
+        )
+        for index, source, output in zip(functions, chosen, outputs, strict=True):
+            scores[index] = as_tensor(source.check(output, len(batch.completions)), batch)
+    return scores
 
 
 def load_reward_fn(spec: str) -> FunctionReward:
-    """Import ``--reward_fn module:function`` (or ``path/to/file.py:function``), called as
-    ``function(prompts, completions)``; the spec names it in errors and in the ``rewards/<spec>`` metric.
+    """Import ``--reward_fn module:function`` (or ``path/to/file.py:function``), called as TRL calls reward
+    functions (:mod:`marl.rewards.calls`); the spec names it in errors and in the ``rewards/<spec>`` metric.
 
     Example:
         >>> load_reward_fn("math:fsum").name

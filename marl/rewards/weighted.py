@@ -6,7 +6,7 @@ gets advantage 0 (:func:`marl.algo.shaping.shape_rewards`); only an update in wh
 is skipped, with a warning.
 
 Example:
-    >>> length = FunctionReward(lambda prompts, completions: [len(c) for c in completions], "length")
+    >>> length = FunctionReward(lambda completions, **kwargs: [len(c) for c in completions], "length")
     >>> batch = ScoringBatch(["Say"], [" hi!"], torch.tensor([[5, 6]]), torch.tensor([[1, 1]]))
     >>> WeightedRewards([length], [0.5]).score(batch).total
     tensor([2.])
@@ -23,7 +23,7 @@ import torch
 from marl.errors import ConfigError
 from marl.rewards.adapter import AdapterReward
 from marl.rewards.batch import RewardScores, RewardSource, ScoringBatch
-from marl.rewards.functions import FunctionReward
+from marl.rewards.functions import FunctionReward, score_sources
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -63,7 +63,7 @@ class WeightedRewards:
             self.names.append(name)
 
     def score(self, batch: ScoringBatch) -> RewardScores:
-        per_source = torch.stack([source.score(batch).float() for source in self.sources], dim=1)
+        per_source = torch.stack([scores.float() for scores in score_sources(self.sources, batch)], dim=1)
         weights = torch.tensor(self.weights, dtype=torch.float32, device=per_source.device)
         judged = ~torch.isnan(per_source)
         total = torch.where(judged, per_source * weights, torch.zeros_like(per_source)).sum(dim=1)
@@ -78,8 +78,8 @@ def build_rewards(
     rows_per_pass: int = 64,
 ) -> WeightedRewards:
     """The reward of a run: ``reward_funcs`` is ``None`` (every reward adapter of the model), or one or a list
-    of reward adapter names, reward functions ``f(prompts, completions)`` and :class:`RewardSource` objects
-    (such as those :func:`marl.rewards.kinds.plan_rewards` builds).
+    of reward adapter names, reward functions (called as TRL calls them, :mod:`marl.rewards.calls`) and
+    :class:`RewardSource` objects (such as those :func:`marl.rewards.kinds.plan_rewards` builds).
 
     Example:
         >>> rewards = build_rewards(model, ["sentiment", length_bonus], [1.0, 0.1])  # doctest: +SKIP

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,19 +36,25 @@ if TYPE_CHECKING:
 
 
 def collect_rollout(
-    sampler: Sampler, scorer: Scorer, prompts: Sequence[Prompt], k: int, reward: WeightedRewards
+    sampler: Sampler,
+    scorer: Scorer,
+    prompts: Sequence[Prompt],
+    k: int,
+    reward: WeightedRewards,
+    trainer_state: Any = None,
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
     and reference log-probs where the algorithm reads them (``scorer.passes``), and their scores from
-    ``reward``."""
+    ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.calls`)."""
     samples = sampler.sample(sampler.batch(prompts), k)
     # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring (measured on SmolLM2 in
     # 4-bit: scoring's peak 900 MiB with it, 790 without; a trim takes milliseconds).
     release_freed_memory()
     logprobs, ref_logprobs = scorer.logprobs(samples)
     with torch.no_grad(), scorer.autocast():
-        scores = reward.score(scorer.scoring_batch(samples))
+        scores = reward.score(scorer.scoring_batch(samples, trainer_state))
     values = {field.name: getattr(samples, field.name) for field in dataclasses.fields(Samples)}
+    release_freed_memory()  # what scoring freed goes back before the update
     return Rollout(
         **values,
         logprobs=logprobs,

@@ -15,8 +15,8 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,11 +32,13 @@ if TYPE_CHECKING:
 class Prompt:
     """One tokenised prompt: the ids the model reads, the text shown to reward functions and in tables, and
     for a conversation its messages (reward adapters read the conversation with each completion as the
-    assistant's reply, :meth:`marl.rollout.scoring.Scorer.scoring_batch`)."""
+    assistant's reply, :meth:`marl.rollout.scoring.Scorer.scoring_batch`). ``columns``: the dataset row's
+    other columns, which reward functions receive as keywords (:mod:`marl.rewards.calls`)."""
 
     ids: tuple[int, ...]
     text: str
     messages: list[dict[str, Any]] | None = None
+    columns: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 def prepare_prompts(
@@ -44,6 +46,7 @@ def prepare_prompts(
 ) -> list[Prompt]:
     """Tokenise every prompt of ``dataset`` once (a ``prompt`` column of text or conversations rendered with
     the chat template, or an ``input_ids`` column), and check that each fits the context with its completion.
+    The row's other columns are kept with it (:attr:`Prompt.columns`).
 
     Example:
         >>> class Tokenizer:
@@ -66,6 +69,8 @@ def prepare_prompts(
             "e.g. dataset.rename_column('text', 'prompt')"
         )
     use_ids = "prompt" not in columns
+    # Every column but the prompt travels with it to the reward functions, as TRL passes them.
+    columns_kept = [name for name in columns if name not in ("prompt", "completion", "completion_ids")]
     prompts = []
     for index in range(len(dataset)):
         row = dataset[index]
@@ -77,7 +82,8 @@ def prepare_prompts(
         if not ids:
             raise DataError(f"{name} row {index} has an empty prompt; remove it or give it text")
         messages = None if use_ids or not is_conversation(row["prompt"]) else list(row["prompt"])
-        prompts.append(Prompt(tuple(ids), text, messages))
+        columns = {name: row[name] for name in columns_kept}
+        prompts.append(Prompt(tuple(ids), text, messages, columns))
     longest = max(len(prompt.ids) for prompt in prompts)
     if context_length is not None and longest + response_length > context_length:
         too_long = sum(len(prompt.ids) + response_length > context_length for prompt in prompts)
@@ -98,12 +104,19 @@ def context_length(model: Any) -> int | None:
 
 
 def prepare_text_prompts(
-    prompts: Sequence[Any], tokenizer: Any, name: str, *, model: Any, response_length: int
+    prompts: Sequence[Any],
+    tokenizer: Any,
+    name: str,
+    *,
+    model: Any,
+    response_length: int,
+    columns: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Prompt]:
     """:func:`prepare_prompts` for a list of prompts (text or conversations), checked against ``model``'s
-    context."""
+    context; ``columns``: each prompt's other dataset columns."""
+    rows = columns or [{} for _ in prompts]
     return prepare_prompts(
-        [{"prompt": prompt} for prompt in prompts],
+        [{**row, "prompt": prompt} for prompt, row in zip(prompts, rows, strict=True)],
         tokenizer,
         name,
         context_length=context_length(model),
@@ -145,12 +158,14 @@ def _epoch_order(seed: int, size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class PromptBatch:
-    """Prompts left-padded to one width: ``ids`` and ``mask`` are ``[P, L]``."""
+    """Prompts left-padded to one width: ``ids`` and ``mask`` are ``[P, L]``; ``columns``: each prompt's
+    other dataset columns."""
 
     texts: list[str]
     ids: torch.Tensor
     mask: torch.Tensor
     messages: list[list[dict[str, Any]] | None]
+    columns: list[Mapping[str, Any]] = field(default_factory=list)
 
     @classmethod
     def of(
@@ -158,4 +173,5 @@ class PromptBatch:
     ) -> PromptBatch:
         ids, mask = left_pad([prompt.ids for prompt in prompts], pad_token_id)
         messages = [prompt.messages for prompt in prompts]
-        return cls([prompt.text for prompt in prompts], ids.to(device), mask.to(device), messages)
+        columns = [prompt.columns for prompt in prompts]
+        return cls([prompt.text for prompt in prompts], ids.to(device), mask.to(device), messages, columns)

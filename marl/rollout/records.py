@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,8 @@ class Samples:
     contains_eos: torch.Tensor  # [B] bool: an end-of-sequence id among the valid tokens
     prompt_index: torch.Tensor  # [B]: which prompt of the batch each row completes (its group)
     prompt_messages: list[list[dict[str, Any]] | None]  # a conversation's messages, None for a plain prompt
+    # the prompt's other dataset columns, for reward functions (empty: none)
+    prompt_columns: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def from_responses(
@@ -81,6 +84,7 @@ class Samples:
             contains_eos=contains_eos,
             prompt_index=torch.arange(prompts.ids.shape[0], device=responses.device).repeat(k),
             prompt_messages=prompts.messages * k,
+            prompt_columns=(prompts.columns or [{} for _ in prompts.texts]) * k,
         )
 
     @property
@@ -98,6 +102,11 @@ class Samples:
     @property
     def lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
+
+    @property
+    def completion_ids(self) -> list[list[int]]:
+        """Each completion's token ids through its stop token, as TRL hands them to reward functions."""
+        return [row[mask].tolist() for row, mask in zip(self.response_ids, self.response_mask, strict=True)]
 
     @property
     def group_size(self) -> int:
@@ -132,8 +141,10 @@ class Samples:
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor):
                 values[field.name] = value[rows]
-            else:  # a list per row, or None: a pass the rollout skipped
-                values[field.name] = None if value is None else [value[i] for i in positions]
+            elif value is None or not value:  # a pass the rollout skipped, or a field this record lacks
+                values[field.name] = value
+            else:  # a list per row
+                values[field.name] = [value[i] for i in positions]
         return type(self)(**values)
 
 

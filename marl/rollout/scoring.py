@@ -26,6 +26,7 @@ from marl.data.prompts import left_pad, reward_model_ids
 from marl.model.generation import pad_token_id
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
 from marl.rewards import ScoringBatch, ScoringChunk
+from marl.rewards.calls import columns_per_row
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -152,9 +153,10 @@ class Scorer:
 
     # ------------------------------------------------------------------ reward rows
 
-    def scoring_batch(self, samples: Samples) -> ScoringBatch:
+    def scoring_batch(self, samples: Samples, trainer_state: Any = None) -> ScoringBatch:
         """``samples`` for the reward sources, with their prompt-group :class:`ScoringChunk` list (packed
         where :meth:`can_pack` says so), made here once so that no reward calls back into the rollout.
+        Reward functions also get the completion ids, the prompts' dataset columns and ``trainer_state``.
 
         Plain prompts are read as sampled: the prompt ids followed by the completion ids. Conversations are
         read as TRL renders them for a reward model (:func:`marl.data.prompts.reward_model_text`): the
@@ -187,6 +189,9 @@ class Scorer:
             attention_mask,
             chunks,
             conversations=samples.prompt_messages,
+            completion_ids=samples.completion_ids,
+            columns=columns_per_row(samples.prompt_columns),
+            trainer_state=trainer_state,
         )
 
     def reward_rows(self, samples: Samples) -> list[list[int]]:

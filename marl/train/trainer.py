@@ -55,6 +55,7 @@ from marl.rollout.records import Rollout
 from marl.train import checkpoints, run_dir
 from marl.train.build import build_training_parts
 from marl.train.plotting import training_curves_note
+from marl.train.reward_state import reward_trainer_state
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
 PROCESS_SEED_STRIDE = 100_003
@@ -86,10 +87,9 @@ class RLOOTrainer:
             ``input_ids`` column.
         eval_dataset: optional prompts in the same format; the periodic sample tables use them when given.
         reward_funcs: ``None`` to score with every reward adapter of the model, or one or a list of: reward
-            adapter names, functions ``f(prompts, completions)`` returning one number (or ``None``) per
-            completion, :class:`marl.rewards.RewardSource` objects. They are combined as
-            ``Σ_i w_i · r_i`` with ``config.reward_weights`` (1 each by default); see
-            :mod:`marl.rewards.weighted`.
+            adapter names, reward functions called as TRL calls them (:mod:`marl.rewards.calls`: dataset
+            columns among the keywords), :class:`marl.rewards.RewardSource` objects, combined as ``Σ_i w_i ·
+            r_i`` with ``config.reward_weights`` (1 each by default); see :mod:`marl.rewards.weighted`.
         judge: optional ``judge(texts) -> scores`` (higher is better, e.g. :func:`marl.rewards.load_judge`)
             that no training signal sees; with ``eval_dataset``, each sample table also scores the first
             ``JUDGED_EVAL_ROWS`` held-out prompts with it and logs ``eval/judge_score`` beside ``eval/score``
@@ -166,9 +166,8 @@ class RLOOTrainer:
         self.model.eval()
         config, process = self.config, self.parallelism.process_index
         prompts = prompts_for_update(self.train_prompts, self.state.update, process, self.sizes, config.seed)
-        rollout = collect_rollout(self.sampler, self.scorer, prompts, config.rloo_k, self.reward)
-        release_freed_memory()
-        return rollout
+        state = reward_trainer_state(self)  # reward functions get it as trainer_state, as under TRL
+        return collect_rollout(self.sampler, self.scorer, prompts, config.rloo_k, self.reward, state)
 
     def _shaped_rewards(self, rollout: Rollout) -> ShapedRewards:
         """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
@@ -276,7 +275,8 @@ class RLOOTrainer:
             with torch.random.fork_rng(devices=devices):
                 samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
             with torch.no_grad(), self.parallelism.autocast():
-                scores = self.reward.score(self.scorer.scoring_batch(samples)).total.tolist()
+                batch = self.scorer.scoring_batch(samples, reward_trainer_state(self))
+                scores = self.reward.score(batch).total.tolist()
             if not self.parallelism.is_main_process:
                 return {}
             if self.judge is not None:

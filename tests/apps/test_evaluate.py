@@ -82,7 +82,7 @@ def test_results_json_and_completions_file(eval_setup, tmp_path):
     assert results["settings"]["num_prompts"] == len(PROMPTS)
     assert results["settings"]["judge"] == "vader"
     assert results["policy"] == summary["policy"] and results["comparison"] == summary["comparison"]
-    assert set(results["base"]) == {"reward_score", "judge_score", "length", "kl"}
+    assert set(results["base"]) == {"reward_score", "judge_score", "length", "kl", "reward_scores_by_name"}
     assert results["base"]["kl"] is None
     rows = [json.loads(line) for line in (tmp_path / COMPLETIONS_FILE).read_text().splitlines()]
     assert [row["prompt"] for row in rows] == PROMPTS
@@ -216,3 +216,35 @@ def test_a_policy_started_from_an_adapter_is_measured_against_the_base_and_its_s
 
 def length_judge(texts):
     return [float(len(text)) for text in texts]
+
+
+def test_reward_functions_and_several_reward_adapters_are_each_reported(eval_setup, tmp_path, monkeypatch):
+    """``marl evaluate --reward_adapter A --reward_adapter B --reward_fn F``: both adapters (the second no
+    longer replaces the first) and the function, which reads a dataset column as TRL passes it, each get
+    their mean and their score per completion; the table names the judge."""
+    from marl.apps.cli import evaluate_main
+
+    rows = [{"text": prompt, "answer": len(prompt)} for prompt in PROMPTS]
+    prompts = write_jsonl(tmp_path / "answers.jsonl", rows)
+    (tmp_path / "column_reward.py").write_text(
+        "def matches(prompts, completions, answer, trainer_state, **kwargs):\n"
+        "    assert trainer_state.global_step == 0\n"
+        "    return [float(a == len(p)) - len(c) / 100 for p, c, a in zip(prompts, completions, answer)]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    words = [
+        "--policy_adapter", eval_setup["trained_policy"], "--model_name_or_path", eval_setup["base"],
+        "--reward_adapter", f"one={eval_setup['reward']}", "--reward_adapter", f"two={eval_setup['reward']}",
+        "--reward_fn", "column_reward:matches", "--dataset_name", str(prompts), "--prompt_column", "text",
+        "--num_prompts", str(len(PROMPTS)), "--response_length", "6", "--batch_size", "3",
+        "--output_dir", str(tmp_path / "out"),
+    ]  # fmt: skip
+    summary = evaluate_main(words)
+    assert list(summary["policy"]["reward_scores_by_name"]) == ["one", "two", "column_reward:matches"]
+    lines = (tmp_path / "out" / COMPLETIONS_FILE).read_text().splitlines()
+    completions = [json.loads(line)["policy"] for line in lines]
+    # the column reached the function: 1 minus a length term, never the 0-minus of a mismatched answer
+    expected = [1.0 - len(row["completion"]) / 100 for row in completions]
+    assert [row["reward_scores"]["column_reward:matches"] for row in completions] == pytest.approx(expected)
+    one, two = (summary["policy"]["reward_scores_by_name"][name] for name in ("one", "two"))
+    assert one == pytest.approx(two) and one == pytest.approx(summary["policy"]["reward_score"])

@@ -32,7 +32,10 @@ def test_local_file_types_load_and_rename_the_prompt_column(tmp_path, suffix):
     else:
         table.to_parquet(path)
     prompts = load_prompt_dataset(str(path), prompt_column="question")
-    assert prompts.column_names == ["prompt"]
+    # the other columns stay beside the prompt, for reward functions (as TRL passes them)
+    assert sorted(prompts.column_names) == sorted(
+        ["prompt", *(name for name in ROWS[0] if name != "question")]
+    )
     assert prompts["prompt"] == ["Say something kind", "Describe a film"]
 
 

@@ -320,24 +320,34 @@ def test_reward_fn_output_is_validated(tiny_llama_dir, tmp_path, reward_fn, erro
         trainer.train()
 
 
-def test_reward_fn_sees_prompts_and_conversations_render_with_the_chat_template(tiny_llama_dir, tmp_path):
-    seen = {}
+def test_reward_fn_is_called_as_trl_calls_it_with_the_dataset_columns(tiny_llama_dir, tmp_path):
+    calls = []
 
-    def record(prompts, completions):
-        seen["prompts"] = prompts
+    def record(prompts, completions, completion_ids, trainer_state, answer, **kwargs):
+        calls.append((prompts, completions, completion_ids, trainer_state, answer, kwargs))
         return [0.0] * len(completions)
 
     conversations = datasets.Dataset.from_list(
-        [{"prompt": [{"role": "user", "content": text}]} for text in PROMPTS[:4]]
+        [{"prompt": [{"role": "user", "content": text}], "answer": text[::-1]} for text in PROMPTS[:4]]
     )
-    config = tiny_config(tmp_path / "run", total_episodes=16)
-    build(tiny_llama_dir, config, reward_fn=record, dataset=conversations).train()
-    assert len(seen["prompts"]) == 16
-    assert all(
-        prompt.startswith("<|user|>") and prompt.endswith("<|assistant|>") for prompt in seen["prompts"]
-    )
-    # k-major: the second half repeats the first half's prompts in the same order
-    assert seen["prompts"][:8] == seen["prompts"][8:]
+    config = tiny_config(tmp_path / "run", total_episodes=32)
+    trainer = build(tiny_llama_dir, config, reward_fn=record, dataset=conversations)
+    trainer.train()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    # the optimizer steps done before each update's rollout, as TRL's state.global_step counts them
+    steps = trainer.sizes.optimizer_steps_per_update
+    assert steps > 1 and [call[3].global_step for call in calls] == [0, steps]
+    assert {call[3].max_steps for call in calls} == {trainer.sizes.total_optimizer_steps}
+    for prompts, completions, completion_ids, _, answer, kwargs in calls:
+        assert len(prompts) == 16 and set(kwargs) == set()  # no other column, nothing else
+        # conversations as message lists, completions as the assistant's reply (TRL's shapes)
+        assert all(prompt[0]["role"] == "user" for prompt in prompts)
+        assert all(completion[0]["role"] == "assistant" for completion in completions)
+        # each row's column value is its own prompt's, repeated for its k completions, k-major
+        assert answer == [prompt[0]["content"][::-1] for prompt in prompts]
+        assert prompts[:8] == prompts[8:]
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        assert texts == [completion[0]["content"] for completion in completions]
 
 
 def test_dataset_and_reward_validation(tiny_llama_dir, tmp_path):
