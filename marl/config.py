@@ -97,6 +97,15 @@ class RLOOConfig:
             "The reward is the weighted sum. Default: 1 each."
         },
     )
+    reward_normalization: str = field(
+        default="sum",
+        metadata={
+            "help": "'sum': the estimator sees the weighted sum of the raw scores (TRL's default). "
+            "'per_reward' (GDPO): each source normalised within the prompt's group first, the weighted sum "
+            "of those, then the advantages z-scored over the batch; rloo and grpo estimators only "
+            "(marl.algo.reward_normalization)."
+        },
+    )
     policy_adapter: str | None = field(
         default=None,
         metadata={

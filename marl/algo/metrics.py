@@ -11,6 +11,15 @@ completions that source judged, and ``objective/kl`` and ``objective/entropy``, 
 all completions. ``objective/unjudged`` counts the completions no source judged, over all processes.
 ``objective/kl`` is left out where no reference pass ran (``kl_coef`` 0, :mod:`marl.algo.passes`).
 
+``objective/zero_spread_groups`` is the share of the prompt groups with at least two judged completions whose
+judged scores are all equal (they teach nothing, :mod:`marl.algo.group_spread`). With several sources,
+``zero_spread_groups/<name>`` is the same for one source's own scores, and ``advantage_share/<name>`` each
+source's share of the advantage, ``Σ|A_s| / Σ_s' Σ|A_s'|`` over the completions, ``A_s`` the source's part of
+the advantage before any scale (:func:`marl.algo.reward_normalization.source_advantages`; KL and missing-EOS
+terms not counted). It is exact for ``rloo`` and for ``per_reward``; under ``sum`` with GRPO's group scale it
+leaves out that each group is divided by its own std. Not logged for an estimator that does not split by
+source (``reinforce_pp``).
+
 Example:
     >>> stats = RolloutStats(kl=2.0, entropy=6.0, non_score_reward=-0.1, rlhf_reward=1.9, scores=2.0,
     ...                      num_eos=1.0, completions=2.0, kl_completions=2.0, judged=1.0,
@@ -28,6 +37,7 @@ from typing import Any
 
 import torch
 
+from marl.algo.group_spread import ZERO_SPREAD_METRIC, flat_groups
 from marl.algo.losses import PolicyLoss
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import masked_sum
@@ -48,12 +58,24 @@ class RolloutStats:
     judged: float  # completions at least one reward source judged
     source_sums: torch.Tensor  # [S] each reward source's scores, over the completions it judged
     source_counts: torch.Tensor  # [S] how many completions each source judged
+    # [1 + S] groups whose judged scores are all equal, and groups with two judged scores: the summed score,
+    # then each source (empty when not counted)
+    flat_groups: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    spread_groups: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    # [S] Σ|A_s| of each source's part of the advantage (empty when the advantage does not split by source)
+    source_advantage_sums: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
 
     @classmethod
-    def of(cls, rollout: Any, shaped: ShapedRewards) -> RolloutStats:
+    def of(cls, rollout: Any, shaped: ShapedRewards, k: int | None = None) -> RolloutStats:
         """From a :class:`marl.rollout.records.Rollout` (with the policy's log-probs, which the update
-        provides where the rollout skipped that pass) and its shaped rewards."""
+        provides where the rollout skipped that pass) and its shaped rewards; with ``k`` (completions per
+        prompt) the flat groups are counted too."""
         source_judged = ~torch.isnan(rollout.source_scores)
+        flat = spread = torch.zeros(0)
+        if k is not None:
+            judged_scores = torch.where(shaped.judged, shaped.scores, torch.nan).unsqueeze(1)
+            flat, spread = flat_groups(torch.cat([judged_scores, rollout.source_scores], dim=1), k)
+        parts = shaped.source_advantages
 
         def judged_sum(values: torch.Tensor) -> torch.Tensor:
             return torch.where(shaped.judged, values, torch.zeros_like(values)).sum()
@@ -70,6 +92,9 @@ class RolloutStats:
             judged=shaped.judged.sum(),
             source_sums=torch.where(source_judged, rollout.source_scores, 0.0).sum(dim=0),
             source_counts=source_judged.sum(dim=0),
+            flat_groups=flat,
+            spread_groups=spread,
+            source_advantage_sums=torch.zeros(0) if parts is None else parts.abs().sum(dim=0),
         )
 
 
@@ -121,6 +146,23 @@ def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, f
         for name, total, judged in zip(source_names, stats.source_sums, stats.source_counts, strict=True)
     }
     kl = {"objective/kl": stats.kl / stats.kl_completions} if stats.kl_completions > 0 else {}
+    several = len(source_names) > 1  # one source: its share is 1, its flat groups are the overall ones
+    if len(stats.spread_groups) == len(source_names) + 1:
+        keys = [ZERO_SPREAD_METRIC, *(f"zero_spread_groups/{name}" for name in source_names if several)]
+        per_source.update(
+            {
+                key: float(flat / counted) if counted > 0 else math.nan
+                for key, flat, counted in zip(keys, stats.flat_groups, stats.spread_groups, strict=False)
+            }
+        )
+    if several and len(stats.source_advantage_sums) == len(source_names):
+        total = float(stats.source_advantage_sums.sum())
+        per_source.update(
+            {
+                f"advantage_share/{name}": float(part) / total if total > 0 else math.nan
+                for name, part in zip(source_names, stats.source_advantage_sums, strict=True)
+            }
+        )
     return {
         **per_source,
         **kl,

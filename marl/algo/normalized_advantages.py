@@ -23,7 +23,7 @@ GRPO_STD_EPSILON = 1e-4
 SCALE_REWARDS = ("group", "batch", "none")
 
 
-def _unbiased_std(values: torch.Tensor, selected: torch.Tensor, dim: int | None) -> torch.Tensor:
+def unbiased_std(values: torch.Tensor, selected: torch.Tensor, dim: int | None) -> torch.Tensor:
     """Standard deviation with Bessel's correction over the ``selected`` entries (along ``dim``, or of all):
     the mean squared deviation times ``n / (n − 1)``; NaN where fewer than two entries are selected."""
     count = selected.sum() if dim is None else selected.sum(dim=dim, keepdim=True)
@@ -66,13 +66,13 @@ def grpo_advantages(
     judged_rewards = torch.where(judged_per_prompt, per_prompt, torch.zeros_like(per_prompt))
     advantages = per_prompt - judged_rewards.sum(dim=0, keepdim=True) / count
     if scale_rewards == "group":
-        advantages = advantages / (_unbiased_std(per_prompt, judged_per_prompt, dim=0) + GRPO_STD_EPSILON)
+        advantages = advantages / (unbiased_std(per_prompt, judged_per_prompt, dim=0) + GRPO_STD_EPSILON)
     elif scale_rewards == "batch":
         pooled_rewards, pooled_judged = rewards, judged
         if gather is not None:  # one collective: rewards and judged side by side
             pooled = gather(torch.stack([rewards, judged.to(rewards.dtype)], dim=1))
             pooled_rewards, pooled_judged = pooled[:, 0], pooled[:, 1] > 0
-        advantages = advantages / (_unbiased_std(pooled_rewards, pooled_judged, dim=None) + GRPO_STD_EPSILON)
+        advantages = advantages / (unbiased_std(pooled_rewards, pooled_judged, dim=None) + GRPO_STD_EPSILON)
     has_advantage = judged_per_prompt & (count >= 2)
     advantages = torch.where(has_advantage, advantages, torch.zeros_like(advantages))
     return advantages.flatten()

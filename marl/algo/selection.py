@@ -27,7 +27,9 @@ from marl.algo.advantages import (
 )
 from marl.algo.losses import PolicyLoss, clipped_policy_loss, token_level_k3_kl
 from marl.algo.normalized_advantages import SCALE_REWARDS
-from marl.algo.tensors import masked_sum
+from marl.algo.reward_normalization import advantage_centring, reward_normalization
+from marl.algo.shaping import ShapedRewards, shape_rewards
+from marl.algo.tensors import Gather, masked_sum
 from marl.algo.token_losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_TYPES,
@@ -39,6 +41,7 @@ from marl.errors import ConfigError
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
+    from marl.rollout.records import Rollout
 
 
 def check_algorithm(config: RLOOConfig) -> None:
@@ -85,6 +88,7 @@ def check_algorithm(config: RLOOConfig) -> None:
             f"--importance_sampling_level {config.importance_sampling_level!r} is not one of "
             f"{IMPORTANCE_SAMPLING_LEVELS}. Use token, or sequence (GSPO)"
         )
+    reward_normalization(config)  # --reward_normalization: a registered name, defined for this estimator
     if config.mask_truncated_completions and config.stop_token is None and config.stop_token_id is None:
         raise ConfigError(
             "mask_truncated_completions=true without a stop token: every completion counts as truncated and "
@@ -102,6 +106,38 @@ def advantage_estimator(config: RLOOConfig) -> AdvantageEstimator:
         {'scale_rewards': 'none'}
     """
     return configured_estimator(config.advantage_estimator, config.scale_rewards)
+
+
+def shape_rollout(
+    config: RLOOConfig,
+    rollout: Rollout,
+    reward_weights: list[float],
+    estimator: AdvantageEstimator,
+    gather: Gather | None,
+) -> ShapedRewards:
+    """One rollout's rewards and advantages as the config asks (:func:`marl.algo.shaping.shape_rewards`),
+    with ``--reward_normalization`` and each reward source's part of the advantage; ``estimator``: the
+    config's (:func:`advantage_estimator`), ``gather``: the run's statistics over processes."""
+    return shape_rewards(
+        rollout.scores,
+        rollout.logprobs,
+        rollout.ref_logprobs,
+        rollout.response_mask,
+        rollout.contains_stop,
+        k=config.rloo_k,
+        kl_coef=config.kl_coef,
+        missing_eos_penalty=config.missing_eos_penalty,
+        normalize_reward=config.normalize_reward,
+        reward_clip_range=config.reward_clip_range,
+        token_level_kl=config.token_level_kl,
+        normalize_advantage=config.normalize_advantage,
+        gather=gather,
+        estimator=estimator,
+        source_scores=rollout.source_scores,
+        reward_weights=torch.tensor(reward_weights, device=rollout.scores.device),
+        per_reward=reward_normalization(config),
+        centring=advantage_centring(config.advantage_estimator),
+    )
 
 
 def loss_mask(response_mask: torch.Tensor, contains_stop: torch.Tensor, config: RLOOConfig) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The order is that of Ahmadian et al. (2024) and TRL's RLOO: missing-stop-token penalty, reward normalisation
 and clipping, the sequence KL against the reference folded into the reward (or, with ``token_level_kl``, left
 to the loss), the advantage estimator (leave-one-out by default, see :mod:`marl.algo.advantages`), advantage
-normalisation. Rows are k-major, as everywhere in :mod:`marl.algo`.
+normalisation. With ``per_reward`` (:mod:`marl.algo.reward_normalization`) each source is normalised within
+its group first and the penalty and KL are added to the weighted sum of those. Rows are k-major, as
+everywhere in :mod:`marl.algo`.
 
 A completion no reward source judged (NaN score) has no reward and is left out of every statistic.
 Normalisation statistics are taken over the completions of every process (``gather`` concatenates a
@@ -22,6 +24,13 @@ from typing import NamedTuple
 import torch
 
 from marl.algo.advantages import AdvantageEstimator, has_judged_sibling, rloo_advantages
+from marl.algo.reward_normalization import (
+    GDPO_STD_EPSILON,
+    PerRewardNormalization,
+    group_normalized_sources,
+    source_advantages,
+    weighted_sources,
+)
 from marl.algo.tensors import Gather, sequence_kl, standardize
 
 
@@ -80,6 +89,9 @@ class ShapedRewards(NamedTuple):
     rlhf_reward: torch.Tensor  # scores + non_score_reward
     advantages: torch.Tensor
     judged: torch.Tensor  # bool: at least one reward source judged the completion
+    # [B, S] each reward source's part of the advantage before any scale (see
+    # marl.algo.reward_normalization.source_advantages); None without the sources' scores or a centring
+    source_advantages: torch.Tensor | None = None
 
     def with_kl(self, kl: torch.Tensor, kl_coef: float) -> ShapedRewards:
         """These rewards reporting the sequence KL ``kl``, computed after the advantages (which it did not
@@ -110,6 +122,10 @@ def shape_rewards(
     normalize_advantage: bool = False,
     gather: Gather | None = None,
     estimator: AdvantageEstimator = rloo_advantages,
+    source_scores: torch.Tensor | None = None,
+    reward_weights: torch.Tensor | None = None,
+    per_reward: PerRewardNormalization | None = None,
+    centring: AdvantageEstimator | None = None,
 ) -> ShapedRewards:
     """From the reward source's scores and the rollout's log-probs to advantages, in this order:
     missing-stop-token penalty, reward normalisation and clipping, the sequence KL folded into the reward,
@@ -128,6 +144,14 @@ def shape_rewards(
     ``logprobs`` or ``ref_logprobs`` is ``None`` where the rollout skipped that pass
     (:mod:`marl.algo.passes`): the KL is then ``None`` (see :meth:`ShapedRewards.with_kl`), which the
     advantages must not need.
+
+    ``source_scores`` ``[B, S]`` (each source's own scores, NaN where it did not judge) with
+    ``reward_weights`` ``[S]``: with ``centring`` (:func:`marl.algo.reward_normalization.advantage_centring`)
+    each source's part of the advantage is returned; with ``per_reward`` the estimator sees the weighted sum
+    of the sources' group normalised scores (minus the missing-EOS penalty and, in the reward,
+    ``kl_coef · KL``) instead of ``raw_scores``, takes ``per_reward.estimator``'s baseline, and the
+    advantages are z-scored over the batch (std + 1e-4). ``scores`` and ``rlhf_reward`` still report the raw
+    weighted sum.
 
     Example:
         >>> zero = torch.zeros(4, 1)
@@ -149,7 +173,24 @@ def shape_rewards(
         raise ValueError("a KL folded into the reward needs the policy's and the reference's log-probs")
     else:
         kl, rlhf_reward, non_score_reward = None, scores, torch.zeros_like(scores)
-    advantages = estimator(scores if token_level_kl else rlhf_reward, judged, k, gather)
-    if normalize_advantage:
-        advantages = standardize(advantages, has_judged_sibling(judged, k), gather)
-    return ShapedRewards(scores, kl, non_score_reward, rlhf_reward, advantages, judged)
+    terms = None if source_scores is None else source_scores * reward_weights.to(source_scores.dtype)
+    if per_reward is None:
+        advantages = estimator(scores if token_level_kl else rlhf_reward, judged, k, gather)
+        if normalize_advantage:
+            advantages = standardize(advantages, has_judged_sibling(judged, k), gather)
+    else:
+        if source_scores is None or normalize_reward or normalize_advantage:
+            raise ValueError(
+                "per_reward needs source_scores and excludes normalize_reward/normalize_advantage"
+            )
+        terms = group_normalized_sources(source_scores, k, scale=per_reward.scale)
+        terms = terms * reward_weights.to(terms.dtype)
+        reward = weighted_sources(terms, torch.ones(terms.shape[1]))
+        if missing_eos_penalty is not None:
+            reward = apply_missing_eos_penalty(reward, contains_stop, missing_eos_penalty)
+        if not token_level_kl:
+            reward = reward + non_score_reward
+        advantages = per_reward.estimator(reward, judged, k, gather)
+        advantages = standardize(advantages, has_judged_sibling(judged, k), gather, GDPO_STD_EPSILON)
+    parts = None if terms is None or centring is None else source_advantages(terms, judged, k, centring)
+    return ShapedRewards(scores, kl, non_score_reward, rlhf_reward, advantages, judged, parts)

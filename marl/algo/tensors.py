@@ -26,11 +26,14 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def standardize(
-    values: torch.Tensor, mask: torch.Tensor | None = None, gather: Gather | None = None
+    values: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    gather: Gather | None = None,
+    epsilon: float = STD_EPSILON,
 ) -> torch.Tensor:
     """Z-score of the entries selected by ``mask`` (all by default), with the mean and unbiased standard
-    deviation of the selected entries of every process (``gather``; ``None``: this process only). Entries
-    outside ``mask`` come back unchanged; fewer than two selected entries in all map to 0.
+    deviation (+ ``epsilon``) of the selected entries of every process (``gather``; ``None``: this process
+    only). Entries outside ``mask`` come back unchanged; fewer than two selected entries in all map to 0.
 
     Example:
         >>> standardize(torch.tensor([1.0, 3.0]))
@@ -47,7 +50,7 @@ def standardize(
     selected = pooled_values[pooled_mask]
     if selected.numel() < 2:
         return torch.where(mask, torch.zeros_like(values), values)
-    standardized = (values - selected.mean()) / (selected.std() + STD_EPSILON)
+    standardized = (values - selected.mean()) / (selected.std() + epsilon)
     return torch.where(mask, standardized, values)
 
 

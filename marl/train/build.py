@@ -20,6 +20,7 @@ import torch
 from transformers import get_scheduler
 
 from marl.algo.advantages import AdvantageEstimator
+from marl.algo.group_spread import ZeroSpreadWatch
 from marl.algo.passes import scoring_passes
 from marl.algo.selection import advantage_estimator, check_algorithm
 from marl.batch_sizes import BatchSizes
@@ -40,8 +41,9 @@ class TrainingParts:
     """What an RLOO run trains with, built once from its config.
 
     ``judge``: the held-out judge, checked; ``callbacks``: the user's, then the CPU thread governor when
-    ``config.threads`` asks for one. ``sample_every``: updates between sample tables (0: none).
-    ``policy_update`` holds the optimizer, the LR schedule and the policy's trainable parameters.
+    ``config.threads`` asks for one, then (main process) the watch of groups that teach nothing.
+    ``sample_every``: updates between sample tables (0: none). ``policy_update`` holds the optimizer, the LR
+    schedule and the policy's trainable parameters.
     """
 
     judge: CheckedJudge | None
@@ -152,7 +154,11 @@ def build_training_parts(
     optimizer, scheduler = parallelism.prepare(*_optimizer_and_schedule(config, sizes, parameters))
     return TrainingParts(
         judge=judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge"),
-        callbacks=[*callbacks, *([governor] if governor is not None else [])],
+        callbacks=[
+            *callbacks,
+            *([governor] if governor is not None else []),
+            *([ZeroSpreadWatch()] if parallelism.is_main_process else []),
+        ],
         parallelism=parallelism,
         policy=policy,
         reward=reward,

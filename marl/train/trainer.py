@@ -44,7 +44,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, update_metrics
-from marl.algo.shaping import ShapedRewards, shape_rewards
+from marl.algo.selection import shape_rollout
+from marl.algo.shaping import ShapedRewards
 from marl.config import RLOOConfig
 from marl.data.prompts import prompt_text
 from marl.model.memory import release_freed_memory, return_large_blocks_to_os
@@ -171,23 +172,8 @@ class RLOOTrainer:
 
     def _shaped_rewards(self, rollout: Rollout) -> ShapedRewards:
         """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
-        config = self.config
-        return shape_rewards(
-            rollout.scores,
-            rollout.logprobs,
-            rollout.ref_logprobs,
-            rollout.response_mask,
-            rollout.contains_stop,
-            k=config.rloo_k,
-            kl_coef=config.kl_coef,
-            missing_eos_penalty=config.missing_eos_penalty,
-            normalize_reward=config.normalize_reward,
-            reward_clip_range=config.reward_clip_range,
-            token_level_kl=config.token_level_kl,
-            normalize_advantage=config.normalize_advantage,
-            gather=self.parallelism.gather,
-            estimator=self.advantage_estimator,
-        )
+        gather = self.parallelism.gather
+        return shape_rollout(self.config, rollout, self.reward.weights, self.advantage_estimator, gather)
 
     def _update(self, rollout: Rollout, advantages: torch.Tensor) -> UpdateStats:
         """The policy update on ``rollout``; returns this process's sums for the policy metrics."""
@@ -217,7 +203,7 @@ class RLOOTrainer:
     ) -> dict[str, float]:
         """The update's metrics over all processes, with its sample table when one is due; logged every
         ``logging_steps``, at the end and with every judged table, then given to the callbacks."""
-        metrics = self._metrics(RolloutStats.of(rollout, shaped), update_stats, start)
+        metrics = self._metrics(RolloutStats.of(rollout, shaped, self.config.rloo_k), update_stats, start)
         sample_now = self.sample_every and (self.state.update - 1) % self.sample_every == 0
         metrics.update(self._sample_table(rollout) if sample_now else {})
         judged_now = sample_now and self.judge is not None  # the same on every process

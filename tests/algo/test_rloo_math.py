@@ -451,9 +451,10 @@ def test_a_group_with_one_judged_member_gives_it_advantage_zero_even_after_norma
 # ---------------------------------------------------------------------- statistics over processes
 
 
-def shape_in_lockstep(rollouts: list[tuple], **settings) -> list[ShapedRewards]:
+def shape_in_lockstep(rollouts: list[tuple], per_process=None, **settings) -> list[ShapedRewards]:
     """``shape_rewards`` on one rollout per process, the processes run as threads whose ``gather``
-    concatenates what every thread passes, in process order (as ``accelerator.gather`` does)."""
+    concatenates what every thread passes, in process order (as ``accelerator.gather`` does);
+    ``per_process``: one dict of keyword arguments of each process's own (e.g. its sources' scores)."""
     world = len(rollouts)
     barrier, sent, results = threading.Barrier(world), [None] * world, [None] * world
 
@@ -465,7 +466,8 @@ def shape_in_lockstep(rollouts: list[tuple], **settings) -> list[ShapedRewards]:
             barrier.wait()  # everyone has read before anyone sends the next tensor
             return gathered
 
-        results[rank] = shape_rewards(*rollouts[rank], gather=gather, **settings)
+        own = per_process[rank] if per_process else {}
+        results[rank] = shape_rewards(*rollouts[rank], gather=gather, **settings, **own)
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world)]
     for thread in threads:
@@ -503,6 +505,8 @@ def test_two_processes_shape_like_one_process_on_the_concatenated_rollout(
     one_process = shape_rewards(*whole, k=k, kl_coef=0.1, **flags)
     two_processes = shape_in_lockstep(halves, k=k, kl_coef=0.1, **flags)
     for field in ShapedRewards._fields:
+        if getattr(one_process, field) is None:  # not asked for (the sources' parts of the advantage)
+            continue
         split = interleave([getattr(shaped, field) for shaped in two_processes])
         torch.testing.assert_close(split, getattr(one_process, field), rtol=1e-5, atol=1e-5, equal_nan=True)
 

@@ -28,6 +28,7 @@ RLOO_METRICS = {
     "objective/rlhf_reward",
     "objective/scores",
     "objective/unjudged",
+    "objective/zero_spread_groups",
     "policy/approxkl_avg",
     "policy/clipfrac_avg",
     "loss/policy_avg",
