@@ -1,8 +1,9 @@
 """The documentation cannot rot: the guides' short code blocks run, every internal link resolves, every module
 of the package is in the API reference, and (slow) the site builds with ``mkdocs build --strict``.
 
-A code block that takes more than seconds on a CPU is marked ``<!-- docs-test: long (why) -->`` on the line
-before it; those are listed in ``LONG_BLOCKS`` so that marking one more is a visible change."""
+A code block that takes more than seconds on a CPU, or is a fragment of a larger program, is marked
+``<!-- docs-test: skip (long: why) -->`` or ``<!-- docs-test: skip (fragment: why) -->`` on the line before
+it; those are listed in ``SKIPPED_BLOCKS`` so that marking one more is a visible change."""
 
 from __future__ import annotations
 
@@ -17,48 +18,53 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-LONG_MARK = "<!-- docs-test: long"
+SKIP_MARK = "<!-- docs-test: skip"
 # Published into the site at the same paths by docs/hooks.py.
 PUBLISHED_DIRS = ("benchmarks/results", "adapters")
-LONG_BLOCKS = {("docs/quickstart.md", 1), ("docs/guides/rewards.md", 1), ("README.md", 1)}
+SKIPPED_BLOCKS = {
+    ("docs/quickstart.md", 1),
+    ("docs/guides/rewards.md", 1),
+    ("docs/guides/policies.md", 1),
+    ("README.md", 1),
+}
 FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def python_blocks(path: Path) -> list[tuple[int, str, bool]]:
-    """``(index from 1, code, marked long)`` of every ```python block of ``path``."""
+    """``(index from 1, code, marked skipped)`` of every ```python block of ``path``."""
     text = path.read_text()
     blocks = []
     for index, match in enumerate(FENCE.finditer(text), start=1):
         preceding = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        blocks.append((index, match.group(1), preceding.startswith(LONG_MARK)))
+        blocks.append((index, match.group(1), preceding.startswith(SKIP_MARK)))
     return blocks
 
 
 PAGES = sorted(DOCS.rglob("*.md"))
 
 
-def test_long_blocks_are_listed() -> None:
+def test_skipped_blocks_are_listed() -> None:
     marked = {
         (str(path.relative_to(ROOT)), index)
         for path in [*PAGES, ROOT / "README.md"]
-        for index, _, long in python_blocks(path)
-        if long
+        for index, _, skipped in python_blocks(path)
+        if skipped
     }
-    assert marked == LONG_BLOCKS
+    assert marked == SKIPPED_BLOCKS
 
 
 @pytest.mark.parametrize(
     "page",
-    [page for page in PAGES if any(not long for _, _, long in python_blocks(page))],
+    [page for page in PAGES if any(not skipped for _, _, skipped in python_blocks(page))],
     ids=lambda page: str(page.relative_to(DOCS)),
 )
 def test_code_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A page's short blocks run in order in one namespace, as a reader would paste them."""
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__docs__"}
-    for index, code, long in python_blocks(page):
-        if not long:
+    for index, code, skipped in python_blocks(page):
+        if not skipped:
             exec(compile(code, f"{page.relative_to(ROOT)}[block {index}]", "exec"), namespace)
 
 

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from marl.errors import ConfigError
 from marl.model.records import BASE_VIEW, DEFAULT_POLICY, REFERENCE_VIEW, PolicyAdapter, RewardAdapter
+from marl.model.routing import check_row_adapters, route_rows, routing_problem
 
 
 @dataclass
@@ -205,6 +206,27 @@ class AdapterViews:
             ...     logprobs = model.token_logprobs(ids, mask, response_start=prompt_length)
         """
         return self._view(self.get_policy(name).name)
+
+    @contextlib.contextmanager
+    def routed(self, row_adapters: Sequence[str]) -> Iterator[Self]:
+        """Context manager: row ``i`` of every forward in the body runs through ``row_adapters[i]``, an
+        adapter on the base (a policy, a reference copy, a reward adapter) or ``BASE_VIEW`` for the base
+        alone, in train or eval mode, with gradients (:mod:`marl.model.routing`). Run the backward pass
+        inside. Restores what every view restores; which parameters train is not changed.
+
+        Example:
+            >>> reference = model.get_policy("negative").reference_adapter or BASE_VIEW  # doctest: +SKIP
+            >>> with model.routed(["positive", "negative", reference]):  # doctest: +SKIP
+            ...     logprobs = model.token_logprobs(ids, mask, response_start=8)
+        """
+        names = check_row_adapters(row_adapters, self.adapter_names)
+        problem = routing_problem(self.peft_model.get_base_model().config)
+        if problem is not None:
+            raise ConfigError(f"rows of several adapters cannot share a pass on this model: {problem}")
+        # Any adapter active enables the adapter layers; the rows' names then decide what each row gets.
+        active = next((name for name in names if name != BASE_VIEW), self.default_policy)
+        with self._view(active), route_rows(self.peft_model, names):
+            yield self
 
     @contextlib.contextmanager
     def _inference(self) -> Iterator[None]:
