@@ -7,6 +7,9 @@ other CPU-bound process. With one thread per free core it runs at the speed of t
 
 Every command and :class:`marl.RLOOTrainer` take the same ``threads`` setting (:func:`threads_field`): 0, the
 default, follows the free cores on CPU; ``N`` fixes torch's thread count at ``N`` and turns the following off.
+Within a unit of work too (:meth:`FreeCoreThreads.follow`): a job started mid-update costs that update a
+second at 2 threads, not the rest of it (measured before: an update of about 25 s alone unfinished after 7
+minutes when three other jobs started at its beginning).
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from marl.errors import ConfigError
 IDLE_SHARE = 0.35
 # Shorter windows turn the 10 ms resolution of /proc/stat into noise: the measure waits for a longer one.
 MIN_WINDOW_SECONDS = 0.2
+# Within a unit of work the governor measures again at a forward pass once this long has passed since the last
+# measure: a job started mid-update stalls it about this long before the thread count follows.
+WITHIN_WORK_SECONDS = 1.0
 # The ``threads`` setting that follows the free cores.
 FREE_CORES = 0
 THREADS_HELP = (
     "CPU threads for torch. 0: on CPU, as many as the cores that other processes leave free, measured again "
-    "after every update or batch (a thread on a core another process takes stalls every operation); N: "
-    "exactly N threads, which turns the measuring off."
+    "after every update or batch, and every second within an update (a thread on a core another process "
+    "takes stalls every operation); N: exactly N threads, which turns the measuring off."
 )
 
 
@@ -103,26 +109,34 @@ class FreeCoreThreads:
     """Sets torch's thread count, at every call, to the cores other processes left free since the last call,
     never above the count torch had when this was made (its default, ``OMP_NUM_THREADS`` or the user's).
 
-    Call it between units of work (an RLOO update, as a :class:`marl.RLOOTrainer` callback): the measure is
-    the CPU time of all processes on this process's cores, minus this process's own, over the time since the
-    last call. Steal time of a virtual machine counts as another process's. Where ``/proc/stat`` is missing
-    (macOS, Windows) it leaves the thread count alone.
+    Call it between units of work (an RLOO update, as a :class:`marl.RLOOTrainer` callback), and let it
+    :meth:`follow` a module that every forward pass runs, to measure again within a unit of work: the measure
+    is the CPU time of all processes on this process's cores, minus this process's own, over the time since
+    the last call. Steal time of a virtual machine counts as another process's. Where ``/proc/stat`` is
+    missing (macOS, Windows) it leaves the thread count alone.
 
     Example:
         >>> threads = FreeCoreThreads()  # doctest: +SKIP
         >>> trainer = RLOOTrainer(config, model, tokenizer, prompts, callbacks=[threads])  # doctest: +SKIP
     """
 
-    def __init__(self, measure_seconds: float = 0.5) -> None:
+    def __init__(
+        self, measure_seconds: float = 0.5, within_work_seconds: float = WITHIN_WORK_SECONDS
+    ) -> None:
         import torch
 
         self.cores = torch.get_num_threads()
         self.busy_elsewhere = 0.0
+        self.within_work_seconds = within_work_seconds
         self._last = sample_cpu()
         if self._last is not None and self.cores > 1:
             time.sleep(measure_seconds)  # a first measure before any work, so that the start is right too
 
     def __call__(self, *_: object) -> int:
+        """Measure now (between units of work); returns the thread count set."""
+        return self._measure()
+
+    def _measure(self) -> int:
         import torch
 
         now = sample_cpu()
@@ -135,6 +149,37 @@ class FreeCoreThreads:
                 self._last = now
                 torch.set_num_threads(threads_for_free_cores(self.cores, self.busy_elsewhere))
         return torch.get_num_threads()
+
+    def follow(self, module: Any) -> Any:
+        """Measure again (call this governor) at a forward pass of ``module`` (a ``torch.nn.Module`` every
+        forward pass runs, such as the input embeddings) once ``within_work_seconds`` have passed since the
+        last measure: the thread count follows the free cores within an update too, in every phase (each
+        decoded token, each scoring chunk, each micro-batch). Not while ``torch.compile`` traces (nothing to
+        measure in a graph). A governor that followed ``module`` before is replaced. Returns the hook's
+        handle (``handle.remove()`` stops it).
+
+        Example:
+            >>> import torch
+            >>> layer = torch.nn.Linear(2, 2)
+            >>> governor = FreeCoreThreads(measure_seconds=0.0, within_work_seconds=0.0)
+            >>> handle = governor.follow(layer)
+            >>> _ = layer(torch.zeros(1, 2))  # measured again here
+            >>> handle.remove()
+        """
+        import torch
+
+        def measure_when_due(*_: object) -> None:
+            if torch.compiler.is_compiling() or self._last is None:
+                return
+            if time.perf_counter() - self._last.wall_seconds >= self.within_work_seconds:
+                self._measure()
+
+        previous = getattr(module, "_marl_free_core_threads", None)
+        if previous is not None:
+            previous.remove()
+        handle = module.register_forward_pre_hook(measure_when_due)
+        module._marl_free_core_threads = handle
+        return handle
 
 
 def apply_threads(threads: int, device_type: str) -> FreeCoreThreads | None:

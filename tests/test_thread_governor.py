@@ -8,15 +8,20 @@ runs with.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 from marl.apps.cli import main, train_reward_main
-from marl.cpu_threads import FreeCoreThreads
+from marl.cpu_threads import IDLE_SHARE, FreeCoreThreads, sample_cpu
 
-from support.tiny import write_jsonl
+from support.runs import build, tiny_config
+from support.tiny import build_tiny_tokenizer, write_jsonl
 
 PROMPTS = ["the movie was", "a dull boring", "an honest story", "the plot falls"]
 THREADS_LOG_REWARD = """
@@ -32,13 +37,14 @@ def count_e(prompts, completions):
 
 @pytest.fixture
 def governors(monkeypatch):
-    """The governors made during a test; each has ``calls``: the thread count every call left."""
+    """The governors made during a test; each has ``calls``: the thread count every call (between units of
+    work) left, and ``measures``: that of every measure, within units of work too."""
     made: list[FreeCoreThreads] = []
-    make, call = FreeCoreThreads.__init__, FreeCoreThreads.__call__
+    make, call, measure = FreeCoreThreads.__init__, FreeCoreThreads.__call__, FreeCoreThreads._measure
 
     def spied_make(self, *arguments, **options):
         make(self, *arguments, **options)
-        self.calls = []
+        self.calls, self.measures = [], []
         made.append(self)
 
     def spied_call(self, *arguments):
@@ -46,8 +52,14 @@ def governors(monkeypatch):
         self.calls.append(threads)
         return threads
 
+    def spied_measure(self):
+        threads = measure(self)
+        self.measures.append(threads)
+        return threads
+
     monkeypatch.setattr(FreeCoreThreads, "__init__", spied_make)
     monkeypatch.setattr(FreeCoreThreads, "__call__", spied_call)
+    monkeypatch.setattr(FreeCoreThreads, "_measure", spied_measure)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     yield made
@@ -86,9 +98,9 @@ def test_train_rloo_follows_the_free_cores_after_every_update(
     (governor,) = governors
     assert governor.cores == 2
     assert len(governor.calls) == 1 + 2  # when the trainer is made, then after each of the 2 updates
-    assert all(1 <= threads <= 2 for threads in governor.calls)
-    # the reward of each update ran with the count the governor set before it
-    assert logged_threads(tmp_path / "threads.log") == governor.calls[:2]
+    assert all(1 <= threads <= 2 for threads in governor.measures)
+    # the reward of each update ran with a count the governor set (within an update it measures again)
+    assert set(logged_threads(tmp_path / "threads.log")) <= set(governor.measures)
     assert json.loads((tmp_path / "run" / "rloo_config.json").read_text())["threads"] == 0
 
 
@@ -168,3 +180,90 @@ def test_evaluate_follows_the_free_cores_after_every_batch_unless_threads_is_set
         assert len(governor.calls) == 1 + 2  # when the model is loaded, then after each of the 2 batches
     else:
         assert governors == [] and torch.get_num_threads() == 1
+
+
+@contextlib.contextmanager
+def cpu_hog():
+    """Another process keeping one core busy until the block ends."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def hog_from_the_first_sample(trainer, monkeypatch, stack: contextlib.ExitStack) -> list[float]:
+    """Start a CPU hog when the update's sampling starts (within the update, after the governor's measure
+    between updates); returns a list that receives the time it started."""
+    started: list[float] = []
+    sample = trainer.sampler.sample
+
+    def sample_beside_a_hog(*args, **kwargs):
+        if not started:
+            stack.enter_context(cpu_hog())
+            started.append(time.perf_counter())
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.sampler, "sample", sample_beside_a_hog)
+    return started
+
+
+@pytest.mark.skipif(sample_cpu() is None, reason="needs /proc/stat")
+def test_the_thread_count_follows_a_job_started_within_an_update(
+    governors, tiny_llama_dir, tmp_path, monkeypatch
+):
+    """A job started during an update takes a thread away within that update, at the next forward pass after
+    the governor's interval, not only once the update is over."""
+    config = tiny_config(tmp_path, total_episodes=8, num_ppo_epochs=1, num_mini_batches=1, response_length=96)
+    trainer = build(tiny_llama_dir, config)
+    (governor,) = governors
+    governor.within_work_seconds = 0.2  # the tiny update lasts about a second
+    measures_before = len(governor.measures)
+    with contextlib.ExitStack() as stack:
+        started = hog_from_the_first_sample(trainer, monkeypatch, stack)
+        trainer.train()
+    # the one update measured again within itself (the last measure is the callback's), and followed the hog
+    within = governor.measures[measures_before:-1]
+    assert len(governor.calls) == 1 + 1 and started and len(within) >= 2
+    assert within[-1] == 1 and governor.busy_elsewhere > 1 - IDLE_SHARE
+
+
+def save_small_llama(directory) -> str:
+    """A 4-layer llama big enough for torch to split its operations over threads (hidden 256)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    tokenizer = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sample_cpu() is None, reason="needs /proc/stat")
+def test_a_job_started_within_an_update_slows_it_boundedly(governors, tmp_path, monkeypatch):
+    """The same update at 2 threads, alone and with a CPU hog started when its sampling starts: following the
+    free cores within the update, it takes at most 3x as long (one thread on the core left is at worst 2x
+    slower; a thread sharing its core with the hog stalled an update 4-9x, and longer on a loaded machine)."""
+    model_dir = save_small_llama(tmp_path / "model")
+    durations = {}
+    for hogged in (False, True):
+        settings = dict(total_episodes=8, num_ppo_epochs=1, num_mini_batches=1, response_length=48, seed=5)
+        trainer = build(model_dir, tiny_config(tmp_path / f"run-{hogged}", **settings))
+        governors[-1].within_work_seconds = 0.5
+        with contextlib.ExitStack() as stack:
+            if hogged:
+                hog_from_the_first_sample(trainer, monkeypatch, stack)
+            start = time.perf_counter()
+            trainer.train()
+            durations[hogged] = time.perf_counter() - start
+    assert durations[True] <= 3 * durations[False] + 1.0, durations

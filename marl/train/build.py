@@ -104,8 +104,11 @@ def build_training_parts(
                 f"{what} {function!r} is not a function: a judge is called as judge(texts) -> scores, a "
                 "callback as callback(state, metrics) (not transformers.TrainerCallback objects)"
             )
-    # On CPU torch's threads follow the free cores by default (config.threads), after every update.
+    # On CPU torch's threads follow the free cores by default (config.threads), after every update and, at
+    # the forward passes (every one runs the input embeddings), every second within it.
     governor = apply_threads(config.threads, model.device.type)
+    if governor is not None:
+        governor.follow(model.peft_model.get_base_model().get_input_embeddings())
     policy = model.get_policy(config.policy_adapter_name).name
     rows_per_pass = config.local_rollout_forward_batch_size
     reward = build_rewards(model, reward_funcs, config.reward_weights, rows_per_pass)
