@@ -12,17 +12,27 @@ from types import ModuleType
 
 from marl.data.assets import MissingAssetError, demo_package
 
+Panel = tuple[str, tuple[tuple[str, str | None], ...]]
+
 # One panel per entry: its title and the (metric, legend) lines it draws. A panel none of whose metrics a run
-# logged is left out (the judge panel needs a trainer with a judge and held-out prompts).
-PANELS = (
+# logged is left out (the judge panel needs a trainer with a judge and held-out prompts). With several reward
+# sources, :func:`logged_panels` adds one panel per source's own score, one with each source's share of the
+# advantage, and their flat groups beside the overall ones.
+PANELS: tuple[Panel, ...] = (
     (
-        "reward-adapter score",
+        "reward: weighted sum of the sources (Σ w·r)",
         (("objective/scores", "training rollouts"), ("eval/score", "held-out prompts")),
     ),
     ("gold-judge score, held-out prompts", (("eval/judge_score", None),)),
     ("KL to the reference (sum over tokens)", (("objective/kl", None),)),
     ("RLHF reward = score − kl_coef·KL", (("objective/rlhf_reward", None),)),
+    (
+        "groups whose rewards are all equal (teach nothing)",
+        (("objective/zero_spread_groups", "weighted sum"),),
+    ),
 )
+SOURCE_PREFIX, SHARE_PREFIX, FLAT_PREFIX = "rewards/", "advantage_share/", "zero_spread_groups/"
+PANELS_PER_ROW = 4
 
 
 def read_metrics(metrics_file: str | Path) -> list[dict[str, float]]:
@@ -36,14 +46,50 @@ def read_metrics(metrics_file: str | Path) -> list[dict[str, float]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def logged_panels(records: list[dict[str, float]]) -> list[tuple[str, tuple[tuple[str, str | None], ...]]]:
-    """The entries of ``PANELS`` with at least one metric in ``records``.
+def source_names(records: list[dict[str, float]]) -> list[str]:
+    """The reward sources a run logged (``rewards/<name>``), in the order it logged them.
+
+    Example:
+        >>> source_names([{"rewards/tone": 1.0, "rewards/topic": 0.5, "objective/kl": 0.1}])
+        ['tone', 'topic']
+    """
+    names: dict[str, None] = {}
+    for record in records:
+        names.update(
+            {key.removeprefix(SOURCE_PREFIX): None for key in record if key.startswith(SOURCE_PREFIX)}
+        )
+    return list(names)
+
+
+def logged_panels(records: list[dict[str, float]]) -> list[Panel]:
+    """The panels of ``records``: those of ``PANELS`` with at least one metric logged, and with several reward
+    sources, after the weighted sum, one panel per source's own mean score and one with each source's share
+    of the advantage; the flat-groups panel then draws each source's too.
 
     Example:
         >>> [title for title, _ in logged_panels([{"objective/scores": 1.0, "objective/kl": 0.1}])]
-        ['reward-adapter score', 'KL to the reference (sum over tokens)']
+        ['reward: weighted sum of the sources (Σ w·r)', 'KL to the reference (sum over tokens)']
+        >>> records = [{"objective/scores": 1.0, "rewards/tone": 0.5, "rewards/topic": 2.0,
+        ...             "advantage_share/tone": 0.4, "advantage_share/topic": 0.6}]
+        >>> [title for title, _ in logged_panels(records)]  # doctest: +NORMALIZE_WHITESPACE
+        ['reward: weighted sum of the sources (Σ w·r)', "reward source 'tone': mean score (unweighted)",
+         "reward source 'topic': mean score (unweighted)", 'share of the advantage by reward source']
     """
-    return [(title, lines) for title, lines in PANELS if any(key in r for r in records for key, _ in lines)]
+    names = source_names(records)
+    panels = list(PANELS)
+    if len(names) > 1:
+        per_source: list[Panel] = [
+            (f"reward source {name!r}: mean score (unweighted)", ((f"{SOURCE_PREFIX}{name}", None),))
+            for name in names
+        ]
+        shares: Panel = (
+            "share of the advantage by reward source",
+            tuple((f"{SHARE_PREFIX}{name}", name) for name in names),
+        )
+        title, lines = panels[-1]
+        panels[-1] = (title, lines + tuple((f"{FLAT_PREFIX}{name}", name) for name in names))
+        panels[1:1] = [*per_source, shares]
+    return [(title, lines) for title, lines in panels if any(key in r for r in records for key, _ in lines)]
 
 
 def pyplot() -> ModuleType:
@@ -76,8 +122,9 @@ def training_curves_note(metrics_file: str | Path, output_file: str | Path) -> s
 
 
 def plot_training_curves(metrics_file: str | Path, output_file: str | Path, title: str | None = None) -> Path:
-    """Plot score, judge score (when logged), KL and RLHF reward against the episode (completions seen)
-    into ``output_file``.
+    """Plot the panels of :func:`logged_panels` (the weighted reward, each source's score and share of the
+    advantage, judge score, KL, RLHF reward, flat groups: those the run logged) against the episode
+    (completions seen) into ``output_file``, four panels a row.
 
     Example:
         >>> plot_training_curves("runs/rloo/metrics.jsonl", "runs/rloo/training_curves.png")  # doctest: +SKIP
@@ -87,10 +134,14 @@ def plot_training_curves(metrics_file: str | Path, output_file: str | Path, titl
     if not records:
         raise ValueError(f"{metrics_file} has no records: the run logged no update")
     panels = logged_panels(records)
+    columns = min(len(panels), PANELS_PER_ROW)
+    rows = -(-len(panels) // columns)
     figure, axes = plt.subplots(
-        1, len(panels), figsize=(4.2 * len(panels), 3.4), constrained_layout=True, squeeze=False
+        rows, columns, figsize=(4.2 * columns, 3.4 * rows), constrained_layout=True, squeeze=False
     )
-    for axis, (panel_title, lines) in zip(axes[0], panels, strict=True):
+    for axis in axes.flat[len(panels) :]:
+        axis.set_visible(False)
+    for axis, (panel_title, lines) in zip(axes.flat, panels, strict=False):
         for key, legend in lines:
             logged = [record for record in records if key in record]
             if logged:

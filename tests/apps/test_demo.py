@@ -21,6 +21,7 @@ def test_training_curves_png_from_metrics(tmp_path):
             "objective/scores": 0.1 * u,
             "objective/kl": 0.5 * u,
             "objective/rlhf_reward": 0.1 * u - 0.025 * u,
+            "objective/zero_spread_groups": 0.1,
         }
         for u in range(1, 6)
     ]
@@ -31,6 +32,44 @@ def test_training_curves_png_from_metrics(tmp_path):
     assert read_metrics(metrics) == records
     assert logged_panels(records) == list(PANELS)
     png = plot_training_curves(metrics, tmp_path / "policy" / "curves.png", title="test")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_with_two_reward_sources_the_curves_show_each_source_beside_the_sum(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    records = [
+        {
+            "episode": 64.0 * u,
+            "objective/scores": 0.1 * u,
+            "rewards/reward": 0.3 * u,
+            "rewards/topic": -2.0 + u,
+            "advantage_share/reward": 0.7,
+            "advantage_share/topic": 0.3,
+            "objective/zero_spread_groups": 0.0,
+            "zero_spread_groups/reward": 0.0,
+            "zero_spread_groups/topic": 0.25,
+        }
+        for u in range(1, 4)
+    ]
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
+    panels = dict(logged_panels(records))
+    titles = list(panels)
+    assert titles[0] == "reward: weighted sum of the sources (Σ w·r)"  # the sum, titled as the sum
+    # then each source's own score, each titled with its name, and the shares of the advantage
+    assert panels[titles[1]] == (("rewards/reward", None),) and "'reward'" in titles[1]
+    assert panels[titles[2]] == (("rewards/topic", None),) and "'topic'" in titles[2]
+    assert panels["share of the advantage by reward source"] == (
+        ("advantage_share/reward", "reward"),
+        ("advantage_share/topic", "topic"),
+    )
+    flat = panels["groups whose rewards are all equal (teach nothing)"]
+    assert [key for key, _ in flat] == [
+        "objective/zero_spread_groups",
+        "zero_spread_groups/reward",
+        "zero_spread_groups/topic",
+    ]
+    assert len(logged_panels([{key: value for key, value in records[0].items() if "topic" not in key}])) == 2
+    png = plot_training_curves(metrics, tmp_path / "curves.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
