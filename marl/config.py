@@ -154,7 +154,9 @@ class RLOOConfig:
         default="replicated",
         metadata={
             "help": "How the run is spread over the launched processes (marl.train.parallel): 'replicated' "
-            "(every process holds the whole base; gradients are averaged)."
+            "(every process holds the whole base and samples its own prompts; gradients are averaged), "
+            "'fsdp2' (the base sharded over the processes with FSDP2: each holds about 1/N of it; needs 2 or "
+            "more processes) or a name registered with marl.train.parallel.register_parallelism."
         },
     )
 

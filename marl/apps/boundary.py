@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from marl.errors import MarlError
 
@@ -55,36 +55,70 @@ def error_boundary(
         ...
         SystemExit: 2
     """
+    with _ctrl_c_noted() as signalled:
+        try:
+            yield
+        except MarlError as error:
+            if _debugging(words):
+                raise
+            print(f"{prog}: error: {error}", file=sys.stderr)
+            raise SystemExit(INPUT_ERROR_EXIT_CODE) from None
+        except BaseException as error:
+            # Under a launcher, a process waiting in a collective when Ctrl-C comes may see another process
+            # leave first (a "connection closed" error) before its own KeyboardInterrupt: that is Ctrl-C too.
+            stopped = isinstance(error, KeyboardInterrupt) or (signalled() and isinstance(error, Exception))
+            if not stopped or _debugging(words):
+                raise
+            # Under a launcher every process gets the signal; one line is enough.
+            if os.environ.get("RANK", "0") == "0":
+                line = (
+                    interrupted()
+                    if interrupted is not None
+                    else f"nothing was saved. Run the same command again: {command_line(prog, words)}"
+                )
+                print(f"\n{prog}: interrupted: {line}", file=sys.stderr)
+            raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+
+
+@contextlib.contextmanager
+def _ctrl_c_noted() -> Iterator[Callable[[], bool]]:
+    """For the body, a SIGINT handler that raises ``KeyboardInterrupt`` as Python's own does and remembers
+    that it ran; yields the question "has Ctrl-C come?". Off the main thread, or where another handler is set,
+    nothing changes (and the answer is no)."""
+    import signal
+    import threading
+
+    received: list[bool] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield lambda: False
+        return
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        received.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
     try:
-        yield
-    except MarlError as error:
-        if _debugging(words):
-            raise
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        raise SystemExit(INPUT_ERROR_EXIT_CODE) from None
-    except KeyboardInterrupt:
-        if _debugging(words):
-            raise
-        # Under a launcher every process gets the signal; one line is enough.
-        if os.environ.get("RANK", "0") == "0":
-            line = (
-                interrupted()
-                if interrupted is not None
-                else f"nothing was saved. Run the same command again: {command_line(prog, words)}"
-            )
-            print(f"\n{prog}: interrupted: {line}", file=sys.stderr)
-        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+        yield lambda: bool(received)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def command_line(prog: str, words: Sequence[str]) -> str:
-    """The command a user types to run ``prog`` with ``words`` (a script's ``prog`` is run with python).
+    """The command a user types to run ``prog`` with ``words`` (a script's ``prog`` is run with python),
+    under the launcher and with the number of processes this process was started with
+    (:func:`marl.train.launch.current_launch`: e.g. ``torchrun --nproc_per_node 2 -m marl train-rloo ...``).
 
     Example:
-        >>> command_line("marl evaluate", ["--policy_adapter", "runs/my run"])
+        >>> command_line("marl evaluate", ["--policy_adapter", "runs/my run"])  # started without a launcher
         "marl evaluate --policy_adapter 'runs/my run'"
     """
-    program = prog if prog.startswith("marl ") else f"python {shlex.quote(sys.argv[0] or prog)}"
-    return " ".join([program, *([shlex.join(words)] if words else [])])
+    from marl.train.launch import current_launch
+
+    return current_launch().command(prog, sys.argv[0] or prog, list(words))
 
 
 def resume_words(words: Sequence[str]) -> list[str]:

@@ -142,6 +142,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import RewardParts, plan_rewards
+    from marl.train.launch import check_sharded_launch
     from marl.train.trainer import RLOOTrainer
 
     # Planned before the model loads, so that a --reward_fn typo fails at once.
@@ -149,6 +150,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
     # state would set itself up as a single process and the trainer would refuse the mismatch).
     state = PartialState(cpu=not torch.cuda.is_available())
+    check_sharded_launch(config.parallelism, state.num_processes)  # before the model loads
     model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
     trainer = RLOOTrainer(

@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 from marl.errors import CheckpointError, MissingPathError
 from marl.model.adapters import SAFETENSORS_WEIGHTS_NAME
 from marl.train import sharding
-from marl.train.run_dir import TRAINER_STATE_FILE, checkpoint_name, list_checkpoints, remove_files
+from marl.train.run_dir import (
+    CONFIG_FILE,
+    TRAINER_STATE_FILE,
+    checkpoint_name,
+    list_checkpoints,
+    remove_files,
+)
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -309,6 +315,19 @@ def _read_trainer_state(file: Path) -> dict[str, Any]:
     return state
 
 
+def _relaunch(checkpoint: Path, processes: int) -> str:
+    """How to start ``processes`` processes, with the launcher the run's ``rloo_config.json`` records."""
+    try:
+        launcher = json.loads((checkpoint.parent / CONFIG_FILE).read_text()).get("launcher")
+    except (OSError, ValueError, AttributeError):
+        launcher = None
+    if launcher == "accelerate launch":
+        return f"accelerate launch --num_processes {processes} ... (the launcher the run used)"
+    return f"torchrun --nproc_per_node {processes} -m marl train-rloo ..." + (
+        " (the launcher the run used)" if launcher == "torchrun" else ""
+    )
+
+
 def check_resumable(
     saved: Checkpoint,
     *,
@@ -322,7 +341,7 @@ def check_resumable(
     if state["world_size"] != world_size:
         raise CheckpointError(
             f"{path} was written by {state['world_size']} processes but this run has {world_size}; "
-            "resume with the same number of processes"
+            f"resume with the same number of processes: {_relaunch(path, state['world_size'])}"
         )
     if (state["batch_size"], state["num_total_batches"]) != planned:
         raise CheckpointError(

@@ -43,6 +43,7 @@ from marl.errors import ConfigError
 from marl.model.adapters import save_adapter
 from marl.registry import Registry
 from marl.train import sharding
+from marl.train.launch import check_sharded_launch
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
@@ -234,6 +235,7 @@ class ShardedParallelism(ReplicatedParallelism):
                 "bnb_4bit_quant_storage, which marl does not load yet). Use --parallelism replicated with "
                 "--quantization, or --parallelism fsdp2 without --quantization"
             )
+        check_sharded_launch("fsdp2", self.num_processes)
 
 
 PARALLELISMS: Registry[ParallelismFactory] = Registry(

@@ -304,7 +304,10 @@ def run_settings(
     config: Any, model: Any, policy: str, world_size: int, dataset: dict[str, Any]
 ) -> dict[str, Any]:
     """What ``rloo_config.json`` records: the config, the model that was really trained (its ``policy``
-    adapter), the number of processes and where the prompts came from (``dataset``)."""
+    adapter), the number of processes and their launcher (:mod:`marl.train.launch`) and where the prompts came
+    from (``dataset``)."""
+    from marl.train.launch import current_launch
+
     return {
         **asdict(config),
         "model": {
@@ -316,6 +319,7 @@ def run_settings(
             "gradient_checkpointing": model.gradient_checkpointing,
         },
         "world_size": world_size,
+        "launcher": current_launch().launcher,
         "dataset": dataset,
     }
 

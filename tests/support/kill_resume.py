@@ -63,7 +63,10 @@ if _spec:
         if event in _events and any(_needle in str(arg) for arg in args[:2]):
             _left[0] -= 1
             if _left[0] == 0:
-                os.kill(os.getpid(), _signal)
+                if os.environ.get("MARL_TEST_KILL_LAUNCHER"):  # Ctrl-C in a terminal reaches the launcher,
+                    os.kill(os.getppid(), _signal)  # which passes it on to every process it started
+                else:
+                    os.kill(os.getpid(), _signal)
 
     sys.addaudithook(_kill_at)
 """
@@ -122,23 +125,34 @@ def command(world: dict[str, Path], output_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def start_cli(world: dict[str, Path], words: list[str], kill: Kill | None = None) -> subprocess.Popen:
-    """Start ``python -m marl.apps.cli WORDS`` in a fresh process with one torch thread."""
+def start_cli(
+    world: dict[str, Path],
+    words: list[str],
+    kill: Kill | None = None,
+    launcher: list[str] | None = None,
+    environment: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start ``python -m marl.apps.cli WORDS`` in a fresh process with one torch thread; ``launcher``: the
+    words that start ``marl`` instead (e.g. ``torchrun --nproc_per_node 2 -m marl``), in a session of its own;
+    with ``MARL_TEST_KILL_LAUNCHER`` in ``environment`` the kill goes to the launcher, as a terminal's Ctrl-C
+    does."""
     environment = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(world["hook"]), str(REPOSITORY)]),
+        **(environment or {}),
     }
     environment.pop("MARL_TEST_KILL_AT", None)
     if kill is not None and kill.needle is not None:
         environment["MARL_TEST_KILL_AT"] = f"{kill.needle}:{kill.count}"
         environment["MARL_TEST_KILL_SIGNAL"] = str(int(kill.signal))
     return subprocess.Popen(
-        [sys.executable, "-m", "marl.apps.cli", *words],
+        [*(launcher or [sys.executable, "-m", "marl.apps.cli"]), *words],
         env=environment,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=launcher is not None,
     )
 
 
