@@ -45,10 +45,15 @@ from marl.apps.demo_rewards import (
     rebuild_sentiment_adapter,
     reward_adapter_entries,
     reward_means_by_name,
-    topicality_rows,
     topicality_summary,
     weigh_rewards,
 )
+from marl.apps.demo_verdict import (
+    TARGET_EVAL_PROMPTS,
+    verdict_rows,
+    verdict_table,
+)
+from marl.apps.intervals import verdict_intervals
 from marl.cpu_threads import threads_field
 from marl.errors import ConfigError, MissingPathError
 from marl.validation import check_fields
@@ -56,10 +61,6 @@ from marl.validation import check_fields
 REWARD_ADAPTER_NAME = SENTIMENT_ADAPTER_NAME
 DEMO_SUMMARY_FILE = "demo_summary.json"
 
-# Targets of the demo: total under 15 minutes; VADER win rate >= 80% on >= 200 held-out prompts.
-TARGET_SECONDS = 15 * 60
-TARGET_WIN_RATE = 0.80
-TARGET_EVAL_PROMPTS = 200
 # Sample tables during training, each scoring held-out prompts with the reward adapter and VADER (the curves).
 DEMO_SAMPLE_GENERATIONS = 8
 # Measured with the defaults on a 2-core x86-64 CPU (docs/guides/demo.md), by free cores: 2 = the
@@ -72,7 +73,8 @@ MEASURED_EVAL_SECONDS = {1: 150.0, 2: 100.0}
 
 @dataclass
 class DemoArguments:
-    """Settings of ``marl demo``; the defaults are the tuned demo (docs/guides/demo.md quotes its measured numbers)."""
+    """Settings of ``marl demo``; the defaults are the tuned demo (docs/guides/demo.md quotes its measured
+    numbers)."""
 
     output_dir: str | None = field(
         default=None,
@@ -219,43 +221,6 @@ def _default_output_dir() -> Path:
     return Path("marl-demo") / f"run-{stamp}"
 
 
-def verdict_rows(
-    summary: dict[str, Any], seconds: float, num_prompts: int
-) -> list[tuple[str, str, str, bool]]:
-    """``(check, target, measured, passed)`` rows of the demo's verdict; with a ``topicality`` entry in
-    ``summary`` (:func:`marl.apps.demo_rewards.topicality_summary`) also its two rows.
-
-    Example:
-        >>> summary = {"base": {"reward_score": 0.1, "judge_score": 0.0},
-        ...            "policy": {"reward_score": 0.9, "judge_score": 0.4},
-        ...            "comparison": {"win_rate": 0.8}, "judge_reward_correlation": 0.5}
-        >>> [row[3] for row in verdict_rows(summary, 600.0, 200)]
-        [True, True, True, True]
-    """
-    base, policy = summary["base"], summary["policy"]
-    reward_gain = policy["reward_score"] - base["reward_score"]
-    judge_gain = policy["judge_score"] - base["judge_score"]
-    win = summary["comparison"]["win_rate"]
-    return [
-        ("total time", f"< {TARGET_SECONDS // 60} min", f"{seconds / 60:.1f} min", seconds < TARGET_SECONDS),
-        (
-            "held-out prompts",
-            f">= {TARGET_EVAL_PROMPTS}",
-            str(num_prompts),
-            num_prompts >= TARGET_EVAL_PROMPTS,
-        ),
-        ("VADER win rate, policy vs base", f">= {TARGET_WIN_RATE:.0%}", f"{win:.1%}", win >= TARGET_WIN_RATE),
-        (
-            "no reward hacking: VADER rises with the adapter score",
-            "both gains > 0",
-            f"adapter {reward_gain:+.3f}, VADER {judge_gain:+.3f}, "
-            f"correlation {summary['judge_reward_correlation']:+.2f}",
-            reward_gain > 0 and judge_gain > 0,
-        ),
-        *(topicality_rows(summary["topicality"]) if "topicality" in summary else []),
-    ]
-
-
 def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     """Train a policy adapter with RLOO against the reward adapter, evaluate it, plot it and print a verdict.
 
@@ -265,7 +230,6 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     import numpy as np
     import torch
     from rich.console import Console
-    from rich.table import Table
 
     from marl.apps.eval_report import results_table, write_results
     from marl.apps.eval_scores import generate_and_score, summarize
@@ -380,6 +344,13 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     summary = summarize(samples)
     texts = {name: record.completions for name, record in samples.items()}
     summary["topicality"] = topicality_summary(texts["base"], texts["policy"], texts.get("reference"))
+    summary["intervals"] = verdict_intervals(  # 95% intervals over the prompts
+        texts["base"],
+        texts["policy"],
+        samples["base"].judge_scores,
+        samples["policy"].judge_scores,
+        summary["comparison"],
+    )
     if weighing is not None:
         summary["reward_weights"] = weighing
         summary["reward_scores_by_name"] = reward_means_by_name(samples)
@@ -405,13 +376,8 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     write_results(config.output_dir, summary, samples, eval_prompts, settings)
 
     console.print(results_table(summary, title=f"Held-out evaluation ({len(eval_prompts)} prompts)"))
-    verdict = Table(title="Verdict")
-    for column in ("check", "target", "measured", "result"):
-        verdict.add_column(column)
     rows = verdict_rows(summary, seconds, len(eval_prompts))
-    for check, target, measured, passed in rows:
-        verdict.add_row(check, target, measured, "[green]PASS[/green]" if passed else "[red]MISS[/red]")
-    console.print(verdict)
+    console.print(verdict_table(rows))
     console.print(f"policy adapter, metrics, evaluation and curves: {config.output_dir} ({curves.name})")
     result = {"settings": settings, **summary, "verdict": [list(row) for row in rows]}
     (Path(config.output_dir) / DEMO_SUMMARY_FILE).write_text(json.dumps(result, indent=2) + "\n")

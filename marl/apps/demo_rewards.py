@@ -243,8 +243,11 @@ def topicality_summary(
     }
 
 
-def topicality_rows(topic: dict[str, dict[str, float]]) -> list[tuple[str, str, str, bool]]:
-    """Verdict rows ``(check, target, measured, passed)`` of :func:`topicality_summary`'s output.
+def topicality_rows(
+    topic: dict[str, dict[str, float]], intervals: dict[str, Any] | None = None
+) -> list[tuple[str, str, str, bool]]:
+    """Verdict rows ``(check, target, measured, passed)`` of :func:`topicality_summary`'s output, each value
+    with its 95% interval when ``intervals`` (:func:`marl.apps.intervals.verdict_intervals`) is given.
 
     Example:
         >>> rows = topicality_rows({"base": {"film_share": 0.1, "distinct_2": 0.8},
@@ -252,19 +255,29 @@ def topicality_rows(topic: dict[str, dict[str, float]]) -> list[tuple[str, str, 
         >>> [row[3] for row in rows]
         [True, False]
     """
+    from marl.apps.intervals import format_interval
+
     base, policy = topic["base"], topic["policy"]
     ratio = policy["distinct_2"] / base["distinct_2"] if base["distinct_2"] else 0.0
+    intervals = intervals or {}
+
+    def ci(model: str, name: str, spec: str) -> str:
+        return format_interval(intervals.get(model, {}).get(name), spec)
+
     return [
         (
             "stays on the film: completions naming it (fixed word list)",
             ">= base",
-            f"base {base['film_share']:.1%}, policy {policy['film_share']:.1%}",
+            f"base {base['film_share']:.1%}{ci('base', 'film_share', '.1%')} → "
+            f"policy {policy['film_share']:.1%}{ci('policy', 'film_share', '.1%')}",
             policy["film_share"] >= base["film_share"],
         ),
         (
             "varied text: distinct-2",
             f">= {TARGET_DISTINCT_2_RATIO}× base",
-            f"base {base['distinct_2']:.3f}, policy {policy['distinct_2']:.3f} ({ratio:.2f}×)",
+            f"base {base['distinct_2']:.3f}{ci('base', 'distinct_2', '.3f')} → "
+            f"policy {policy['distinct_2']:.3f}{ci('policy', 'distinct_2', '.3f')} "
+            f"({ratio:.2f}×{format_interval(intervals.get('distinct_2_ratio'), '.2f')})",
             ratio >= TARGET_DISTINCT_2_RATIO,
         ),
     ]
