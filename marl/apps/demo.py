@@ -134,6 +134,15 @@ class DemoArguments:
         default=None,
         metadata={"help": f"KL penalty weight. Default: {KL_COEF_HELP} (each chosen by measurement)."},
     )
+    reward_normalization: str = field(
+        default="sum",
+        metadata={
+            "help": "How the two rewards combine (marl.algo.reward_normalization): 'sum' (the weighted sum "
+            "of the raw scores) or 'per_reward' (GDPO: each normalised within its prompt group first; the "
+            "KL penalty then weighs against those normalised units, and the default kl_coef was measured "
+            "under 'sum')."
+        },
+    )
     response_length: int = field(default=20, metadata={"help": "Maximum new tokens per completion."})
     temperature: float = field(
         default=0.7, metadata={"help": "Sampling temperature (training and evaluation)."}
@@ -153,8 +162,11 @@ class DemoArguments:
         check_topic_weight(self.topic_weight)
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
+        from marl.algo.reward_normalization import reward_normalization
+
         # The RLOO settings are checked where they are checked for train-rloo.
-        demo_rloo_config(self, Path("."), self.reward_adapter)
+        config = demo_rloo_config(self, Path("."), self.reward_adapter)
+        reward_normalization(config)  # a registered choice, defined for the demo's estimator
 
 
 def demo_rloo_config(
@@ -186,6 +198,7 @@ def demo_rloo_config(
         total_episodes=arguments.total_episodes,
         learning_rate=arguments.learning_rate,
         kl_coef=arguments.kl_coef,
+        reward_normalization=arguments.reward_normalization,
         response_length=arguments.response_length,
         temperature=arguments.temperature,
         # No stop token: every completion runs to response_length, so that stopping early is not a way to

@@ -46,6 +46,9 @@ def test_rewards_name_the_adapters_of_the_run(tmp_path):
     config = demo_rloo_config(DemoArguments(rewards="sentiment,topic"), tmp_path, entries, [1.0, 0.4])
     assert config.reward_adapter_folders() == {"reward": "s", "topic": "t"}
     assert config.reward_weights == [1.0, 0.4]
+    assert config.reward_normalization == "sum"  # the demo's default is unchanged
+    per_reward = DemoArguments(reward_normalization="per_reward")
+    assert demo_rloo_config(per_reward, tmp_path, entries).reward_normalization == "per_reward"
     # One reward: the single-reward demo's adapter, named as before.
     assert reward_adapter_entries(("sentiment",), {"sentiment": "s", "topic": "t"}) == ["s"]
 
@@ -117,3 +120,8 @@ def test_the_verdict_adds_the_film_and_distinct_2_rows():
     assert len(rows) == 6 and [row[3] for row in rows[4:]] == [False, False]
     summary["topicality"] = topicality_summary(base, base)
     assert [row[3] for row in verdict_rows(summary, 700.0, 200)[4:]] == [True, True]
+
+
+def test_an_unknown_reward_normalization_is_refused_in_one_line(capsys):
+    line = refused(capsys, demo_main, ["--reward_normalization", "gdpo"])
+    assert line.startswith("marl demo: error: --reward_normalization 'gdpo'") and "'per_reward'" in line
