@@ -196,7 +196,7 @@ def test_estimate_adds_every_run(modules):
 def test_setup_groups_expand_and_unknown_names_stop(modules):
     vs_trl = modules["vs_trl"]
     assert vs_trl.setup_names("cpu") == ["cpu-short", "cpu-long", "cpu-long4", "cpu-weights"]
-    assert vs_trl.setup_names("cpu-long,gpu") == ["cpu-long", "gpu-qwen2"]
+    assert vs_trl.setup_names("cpu-long,gpu") == ["cpu-long", "gpu-0.5b", "gpu-1.5b"]
     with pytest.raises(SystemExit, match="unknown"):
         vs_trl.setup_names("cpu-huge")
 

@@ -30,12 +30,44 @@ def probe(torch: Any, size: int = 1024, megabytes: int = 256, repeats: int = 5) 
     target = torch.empty_like(source)
     target.copy_(source)
     best_copy = min(_timed(lambda: target.copy_(source)) for _ in range(repeats))
-    return {"flops_per_s": 2 * size**3 / best_mm, "bytes_per_s": 2 * source.numel() * 4 / best_copy}
+    return {
+        "flops_per_s": 2 * size**3 / best_mm,
+        "bytes_per_s": 2 * source.numel() * 4 / best_copy,
+        "kind": "fp32 matmul, copy",
+    }
 
 
-def probe_in_subprocess(threads: int) -> dict[str, float]:
-    """:func:`probe` in a fresh interpreter with ``threads`` torch threads (the runs' thread count), so that
-    neither this process's nor a run's memory carries the probe's buffers."""
+def probe_cuda(torch: Any, size: int = 8192, megabytes: int = 1024, repeats: int = 10) -> dict[str, float]:
+    """Best-of-``repeats`` bf16 matmul FLOP/s (``size`` square) and copy bandwidth (bytes read + written per
+    second, a ``megabytes`` tensor) of the current CUDA device, timed with CUDA events."""
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    source = torch.ones(megabytes * 2**20 // 2, device="cuda", dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+
+    def best(call) -> float:
+        call()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            call()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1000)
+        return min(times)
+
+    return {
+        "flops_per_s": 2 * size**3 / best(lambda: torch.mm(a, b)),
+        "bytes_per_s": 2 * source.numel() * 2 / best(lambda: target.copy_(source)),
+        "kind": "bf16 matmul, CUDA copy",
+    }
+
+
+def probe_in_subprocess(threads: int, device: str = "cpu") -> dict[str, float]:
+    """:func:`probe` (:func:`probe_cuda` for ``device="cuda"``) in a fresh interpreter with ``threads`` torch
+    threads (the runs' thread count), so that neither this process's nor a run's memory carries the probe's
+    buffers."""
     import json
     import subprocess
     import sys
@@ -44,7 +76,8 @@ def probe_in_subprocess(threads: int) -> dict[str, float]:
     code = (
         f"import json, sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
         f"torch.set_num_threads({threads or 0} or torch.get_num_threads()); "
-        "from floors import probe; print(json.dumps(probe(torch)))"
+        "from floors import probe, probe_cuda; "
+        + ("print(json.dumps(probe_cuda(torch)))" if device == "cuda" else "print(json.dumps(probe(torch)))")
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(completed.stdout.strip().splitlines()[-1])

@@ -130,7 +130,8 @@ def flat_metrics(result: Mapping[str, Any]) -> dict[str, float]:
             flat[f"{point}_{kind}_above_baseline"] = samples[-1][kind] - baseline[kind]
     for phase, seconds in memory.get("seconds", {}).items():
         flat[f"{phase}_seconds"] = seconds
-    for key in ("cuda_max_allocated_mib", "cuda_max_reserved_mib", "cpu_seconds", "wall_seconds"):
+    copied = ("cuda_max_allocated_mib", "cuda_max_reserved_mib", "cpu_seconds", "wall_seconds")
+    for key in (*copied, "sampling_tokens_per_s", "decode_step_ms"):
         if key in result:
             flat[key] = result[key]
     return flat

@@ -177,8 +177,9 @@ def efficiency_table(entry: dict[str, Any], systems: list[str]) -> list[str]:
         if not floors or not work:
             continue
         lines += [
-            f"{quantization}: probes {floors['flops_per_s'] / 1e9:.1f} GFLOP/s (fp32 matmul), "
-            f"{floors['bytes_per_s'] / 1e9:.1f} GB/s (copy); floors per update: "
+            f"{quantization}: probes {floors['flops_per_s'] / 1e9:.1f} GFLOP/s, "
+            f"{floors['bytes_per_s'] / 1e9:.1f} GB/s ({floors.get('kind', 'fp32 matmul, copy')}); "
+            "floors per update: "
             + ", ".join(f"{part} {floor_seconds(w, floors):.2f} s" for part, w in work.items()),
             "",
             "| system | phase | s / update | floor s | × floor | GFLOP/s | weight GB/s |",
@@ -197,6 +198,34 @@ def efficiency_table(entry: dict[str, Any], systems: list[str]) -> list[str]:
                     f"{gflops:.1f} | {gbytes:.2f} |"
                 )
         lines.append("")
+    return lines
+
+
+def sampling_table(entry: dict[str, Any], systems: list[str]) -> list[str]:
+    """Per system (medians over runs of the median sampling call after the first): sampling tokens/s, the
+    seconds of one decode step (one sampling call / completion length, prefill included) against its floor
+    (the weights as stored read once / the probed bandwidth), and tokens/s against TRL's RLOOTrainer."""
+    steps = entry["config"]["response_length"]
+    lines = [
+        "| quantization | system | sampling tokens/s | × TRL | decode step ms | floor ms | × floor | path |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for quantization, block in entry["blocks"].items():
+        summary, floors, work = block.get("summary", {}), block.get("machine_floors"), block.get("work")
+        if not floors or not work:
+            continue
+        floor_ms = 1000 * work["decode"]["bytes"] / steps / floors["bytes_per_s"]
+        trl = _median(summary, "trl", "sampling_tokens_per_s")
+        for system in systems:
+            tokens = _median(summary, system, "sampling_tokens_per_s")
+            step = _median(summary, system, "decode_step_ms")
+            # the decode path marl's sampler logged (compiled+graphs, eager, ...), per run
+            paths = {r["result"].get("sampler_path") for r in block["runs"] if r["system"] == system}
+            path = ", ".join(sorted(p for p in paths if p)) or "–"
+            lines.append(
+                f"| {quantization} | {system} | {tokens:.0f} | {ratio(tokens, trl):.2f} | {step:.2f} | "
+                f"{floor_ms:.2f} | {ratio(step, floor_ms):.1f} | {path} |"
+            )
     return lines
 
 
@@ -224,8 +253,8 @@ def runs_table(entry: dict[str, Any]) -> list[str]:
 
 def _length_check(entry: dict[str, Any]) -> str:
     runs = [run for block in entry["blocks"].values() for run in block["runs"]]
-    trl = sorted({v for r in runs if r["system"] == "trl" for v in r["result"]["lengths"]})
-    marl = sorted({v for r in runs if r["system"] != "trl" for v in r["result"]["lengths"]})
+    trl = sorted({v for r in runs if r["system"].startswith("trl") for v in r["result"]["lengths"]})
+    marl = sorted({v for r in runs if r["system"].startswith("marl") for v in r["result"]["lengths"]})
     return (
         f"Every completion has exactly {entry['config']['response_length']} tokens (TRL: `min_new_tokens = "
         "max_completion_length`; marl: no stop token); checked: TRL's logged `completions/mean_length` took "
@@ -290,6 +319,11 @@ def render_markdown(report: dict[str, Any]) -> str:
             "Time against this machine's floors (per update; see `floors.py`):",
             "",
             *efficiency_table(entry, entry.get("systems", systems)),
+            "Sampling against the floor of a decode step (medians; the first update, with its warm-up and "
+            "compilation, left out):",
+            "",
+            *sampling_table(entry, entry.get("systems", systems)),
+            "",
             "Physical floor (tensors only; the interpreter and libraries are in the import baseline):",
             "",
             *floor_table(entry),

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from built_models import QWEN25_SHAPES, build_model, build_prompts
 from floors import phase_work
 from measure import memory_floor, rollout_kv_tokens
 
@@ -48,6 +49,7 @@ class BenchConfig:
     context_tokens: int = 0  # > 0: prompts of at least this many tokens (reviews as context + instruction)
     threads: int = 0  # torch intra-op threads; 0 = all cores
     compare_sharing: bool = False  # marl also runs with share_prompt_prefix=False (where marl has it)
+    cache_implementation: str = ""  # TRL's generate cache (its `cache_implementation`); "" = its default
 
     @property
     def batch_size(self) -> int:
@@ -55,6 +57,10 @@ class BenchConfig:
         return self.prompts_per_update * self.rloo_k
 
 
+_BUILT_GPU = dict(
+    device="cuda", dtype="bfloat16", prompts_per_update=8, rloo_k=8, response_length=256, updates=4,
+    context_tokens=256, cache_implementation="static",
+)  # fmt: skip
 # One intra-op thread on CPU: on a small shared machine two OpenMP threads stall whenever another process
 # takes a core (updates measured from 6 s to 120 s); one thread kept updates within 15 %.
 _SMOLLM2_CPU = dict(model="smollm2-135m-instruct", device="cpu", dtype="float32", rloo_k=4, threads=1)
@@ -70,12 +76,21 @@ SETUPS = {
     "cpu-weights": dict(
         _SMOLLM2_CPU, model=RANDOM_QWEN2, prompts_per_update=1, response_length=16, updates=2
     ),
-    "gpu-qwen2": dict(
-        model=RANDOM_QWEN2, device="cuda", dtype="bfloat16", prompts_per_update=32, rloo_k=4,
-        response_length=128, updates=6,
-    ),
+    # Qwen2.5-shaped bases built from a config with a tokenizer the benchmark trains (built_models.py): they
+    # need nothing but the repository on a bare GPU machine. TRL samples with a static cache (its
+    # `cache_implementation`), the nearest it has to marl's graph decode without vLLM.
+    "gpu-0.5b": dict(_BUILT_GPU, model="qwen2.5-0.5b-shaped"),
+    "gpu-1.5b": dict(_BUILT_GPU, model="qwen2.5-1.5b-shaped"),
 }  # fmt: skip
-SETUP_GROUPS = {"cpu": ("cpu-short", "cpu-long", "cpu-long4", "cpu-weights"), "gpu": ("gpu-qwen2",)}
+SETUP_GROUPS = {"cpu": ("cpu-short", "cpu-long", "cpu-long4", "cpu-weights"), "gpu": ("gpu-0.5b", "gpu-1.5b")}
+# What the GPU setups compare: marl with its three samplers, TRL's two trainers (without vLLM).
+GPU_SYSTEMS = ("marl-graph", "marl", "marl-generate", "trl", "trl-grpo")
+# --dry-run: every setup shrunk to a tiny model on the CPU, one run of every system, so that a GPU run cannot
+# fail on something a CPU could have caught (tests/test_benchmark_vs_trl.py runs it).
+DRY_RUN = dict(
+    model="tiny-qwen2-shaped", device="cpu", prompts_per_update=2, rloo_k=2, response_length=8, updates=2,
+    context_tokens=16, threads=1,
+)  # fmt: skip
 # Seconds of one run (process start to exit) on the reference machine when it is otherwise idle (2 cores, one
 # torch thread), by (setup, quantization) and system, for the estimate printed at the start. From the 5-run
 # results of 2026-11-21 (cpu-short) and the CPU seconds of single runs on a shared machine (the others).
@@ -133,6 +148,12 @@ def build_context_prompts(snippets: Sequence[str], count: int, min_tokens: int, 
 
 def prepare_model(config: BenchConfig, work_dir: Path) -> str:
     """A local model folder: the bundled model, or a Qwen2-shaped model with random weights."""
+    if config.model in QWEN25_SHAPES:
+        import torch
+
+        device = "cuda" if config.device == "cuda" and torch.cuda.is_available() else "cpu"
+        target = work_dir / f"{config.model}-{config.dtype}"
+        return build_model(config.model, config.dtype, target, seed=config.seed, device=device)
     from marl.data.assets import EMBEDDED_MODEL_ID, resolve_model_path
 
     if config.model != RANDOM_QWEN2:
@@ -192,9 +213,11 @@ def prepare_prompts(config: BenchConfig, model_path: str) -> list[str]:
     """Exactly the prompts the run consumes (prompts per update x updates), the same list for both systems."""
     from transformers import AutoTokenizer
 
+    needed = config.prompts_per_update * config.updates
+    if config.model in QWEN25_SHAPES:  # generated text, exactly context_tokens tokens
+        return build_prompts(AutoTokenizer.from_pretrained(model_path), needed, config.context_tokens)
     from marl.data.assets import build_rl_prompts, split_rotten_tomatoes
 
-    needed = config.prompts_per_update * config.updates
     snippets = split_rotten_tomatoes(seed=config.seed)["rl"]
     if config.context_tokens:
         tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -21,7 +21,14 @@ Setups (``--setup``, a comma list; ``cpu`` = the three CPU setups, each in fp32 
                  32-token completions, k = 4
     cpu-long4    the long prompts with 4 prompts x k = 4 per update (closer to RLHF shapes)
     cpu-weights  a Qwen2.5-0.5B-shaped model from a config (random weights, SmolLM2 tokenizer), short prompts
-    gpu-qwen2    one CUDA GPU, the 0.5B Qwen2 shapes in bf16, 32 prompts x k = 4, 128-token completions
+    gpu-0.5b     one CUDA GPU, Qwen2.5-0.5B's shapes from a config (random weights, a tokenizer the benchmark
+                 trains itself: built_models.py), bf16, 8 prompts of 256 tokens x k = 8, 256-token completions
+    gpu-1.5b     the same with Qwen2.5-1.5B's shapes
+
+The GPU setups compare marl with its three samplers (``marl-graph``: the graph decode, ``marl``: the eager
+static decode, ``marl-generate``: ``generate``) against TRL's RLOOTrainer (``trl``) and GRPOTrainer
+(``trl-grpo``), both without vLLM and with ``cache_implementation="static"``. ``--dry-run`` shrinks every
+setup to a tiny model on the CPU and runs each system once: the code path of a GPU run, checked on a CPU.
 
 Configuration mapping (marl/the classic RLOO trainer -> TRL 1.16, whose RLOO is built on its GRPO loop):
 
@@ -35,7 +42,8 @@ Commands:
 
     python examples/benchmarks/vs_trl.py                     # every CPU setup, fp32 and 4-bit, 3 runs each
     python examples/benchmarks/vs_trl.py --setup cpu-long --quantization 4bit --runs 5
-    python examples/benchmarks/vs_trl.py --setup gpu-qwen2   # on a machine with one CUDA GPU
+    python examples/benchmarks/vs_trl.py --setup gpu         # on a machine with one CUDA GPU
+    python examples/benchmarks/vs_trl.py --setup gpu --dry-run --quantization none   # its code path, on a CPU
 """
 
 from __future__ import annotations
@@ -59,7 +67,10 @@ from measure import MemorySampler, UpdateClock, estimate_minutes, label_calls, m
 from report_markdown import render_markdown
 from setups import (
     DEFAULT_RUN_SECONDS,
+    DRY_RUN,
+    GPU_SYSTEMS,
     QUANTIZATIONS,
+    RANDOM_QWEN2,
     REPO_ROOT,
     RUN_SECONDS,
     SETUP_GROUPS,
@@ -82,8 +93,17 @@ def marl_systems() -> tuple[str, ...]:
     from marl import RLOOConfig
 
     names = {field.name for field in dataclasses.fields(RLOOConfig)}
+    from marl.rollout.samplers import SAMPLERS
+
     systems = ("marl", "marl-unshared") if "share_prompt_prefix" in names else ("marl",)
-    return (*systems, "marl-generate") if RLOOConfig(output_dir="x").sampler != "transformers" else systems
+    if RLOOConfig(output_dir="x").sampler != "transformers":
+        systems = (*systems, "marl-generate")
+    return ("marl-graph", *systems) if "graph" in SAMPLERS else systems
+
+
+# The sampler of each marl system that does not sample with marl's default.
+MARL_SAMPLERS = {"marl-generate": "transformers", "marl-graph": "graph"}
+TRL_SYSTEMS = ("trl", "trl-grpo")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -115,6 +135,45 @@ def _lora_config(config: BenchConfig):
     )
 
 
+def _timed(owner, attribute: str, seconds: list[float], torch) -> None:
+    """``owner.attribute`` timed at every call (CUDA synchronised around it), its seconds to ``seconds``."""
+    call = getattr(owner, attribute)
+    cuda = torch.cuda.is_available()
+
+    def timed(*args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        value = call(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+        return value
+
+    setattr(owner, attribute, timed)
+
+
+def sampling_figures(seconds: list[float], config: BenchConfig) -> dict[str, float]:
+    """Sampling tokens/s and seconds per decode step (prefill included) of the median sampling call after the
+    first (its warm-up and compilation excluded); one call samples one update's completions.
+
+    Example:
+        >>> config = BenchConfig("s", "m", "cpu", "float32", 2, 4, 10, 3)
+        >>> sampling_figures([9.0, 2.0, 4.0], config)
+        {'sampling_tokens_per_s': 26.666666666666668, 'decode_step_ms': 300.0}
+    """
+    import statistics
+
+    measured = seconds[1:] or seconds
+    if not measured:
+        return {}
+    spent = statistics.median(measured)
+    return {
+        "sampling_tokens_per_s": config.batch_size * config.response_length / spent,
+        "decode_step_ms": 1000 * spent / config.response_length,
+    }
+
+
 def _finish(result: dict, sampler: MemorySampler, torch, config: BenchConfig) -> dict:
     result["memory"] = sampler.stop()
     if config.device == "cuda":
@@ -130,6 +189,7 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
     import datasets
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
     from trl import RLOOConfig as TRLRLOOConfig
     from trl import RLOOTrainer as TRLRLOOTrainer
 
@@ -164,8 +224,12 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
             if logs and "completions/mean_length" in logs:
                 completion_lengths.append(logs["completions/mean_length"])
 
+    config_class, trainer_class = (
+        (GRPOConfig, GRPOTrainer) if job["system"] == "trl-grpo" else (TRLRLOOConfig, TRLRLOOTrainer)
+    )
+    cache = {"cache_implementation": config.cache_implementation} if config.cache_implementation else {}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as output_dir:
-        args = TRLRLOOConfig(
+        args = config_class(
             output_dir=output_dir,
             max_steps=config.updates,
             per_device_train_batch_size=config.batch_size,
@@ -179,8 +243,9 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
             save_strategy="no",
             report_to="none",
             disable_tqdm=True,
+            **cache,
         )
-        trainer = TRLRLOOTrainer(
+        trainer = trainer_class(
             model=model_path,
             reward_funcs=reward_model,
             args=args,
@@ -194,6 +259,8 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
         checkpoint = mapped_file_memory(model_path)
         sampler.mark("after load")
         sampler.set_base_phase("other")
+        sampling_seconds: list[float] = []
+        _timed(trainer, "_generate", sampling_seconds, torch)
         labelled = [
             label_calls(sampler, trainer, "_generate_and_score_completions", "scoring"),
             label_calls(sampler, trainer, "_generate", "generation"),
@@ -202,6 +269,7 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
     result = clock.throughput(config.batch_size, config.batch_size * config.response_length)
     result.update(checkpoint_after_load=checkpoint, checkpoint_at_end=mapped_file_memory(model_path))
     result.update(phases_labelled=all(labelled), lengths=completion_lengths)
+    result.update(sampling_figures(sampling_seconds, config))
     return _finish(result, sampler, torch, config)
 
 
@@ -258,7 +326,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
             save_steps=0,
             report_to=["none"],
             **sharing,
-            **({"sampler": "transformers"} if job["system"] == "marl-generate" else {}),
+            **({"sampler": MARL_SAMPLERS[job["system"]]} if job["system"] in MARL_SAMPLERS else {}),
         )
         trainer = RLOOTrainer(
             config=rloo_config,
@@ -278,6 +346,8 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
             return samples
 
         trainer.sampler.sample = sample_and_count
+        sampling_seconds: list[float] = []
+        _timed(trainer.sampler, "sample", sampling_seconds, torch)
         # The rollout (generation, then the policy/reference log-probs and the reward) and the update.
         labelled = [
             label_calls(sampler, marl.train.trainer, "collect_rollout", "scoring"),
@@ -293,6 +363,8 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
     result = clock.throughput(config.batch_size, config.batch_size * config.response_length)
     result.update(checkpoint_after_load=checkpoint, checkpoint_at_end=mapped_file_memory(model_path))
     result.update(phases_labelled=all(labelled), lengths=sorted(lengths))
+    result.update(sampling_figures(sampling_seconds, config))
+    result["sampler_path"] = getattr(trainer.sampler, "path", None)
     return _finish(result, sampler, torch, config)
 
 
@@ -303,10 +375,10 @@ def worker_main(job_path: str, result_path: str) -> None:
 
     import marl  # noqa: F401
 
-    if job["system"] == "trl":
+    if job["system"] in TRL_SYSTEMS:
         import trl  # noqa: F401
     sampler = MemorySampler()
-    worker = run_trl if job["system"] == "trl" else run_marl
+    worker = run_trl if job["system"] in TRL_SYSTEMS else run_marl
     Path(result_path).write_text(json.dumps(worker(job, sampler)))
 
 
@@ -353,6 +425,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--work-dir", default=None, help="generated models, adapters, logs (default: temp)")
     parser.add_argument("--output", default=None, help="results markdown (default benchmarks/results/DATE-…)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every setup shrunk to a tiny model on the CPU, one run per system (results in the work dir)",
+    )
     for field in dataclasses.fields(BenchConfig):
         if field.name in ("setup", "model"):
             continue
@@ -379,7 +456,7 @@ def setup_names(value: str) -> list[str]:
 
 
 def build_config(setup: str, args: argparse.Namespace) -> BenchConfig:
-    values = dict(SETUPS[setup], setup=setup)
+    values = dict(SETUPS[setup], setup=setup, **(DRY_RUN if getattr(args, "dry_run", False) else {}))
     for field in dataclasses.fields(BenchConfig):
         override = getattr(args, field.name, None)
         if field.name not in ("setup", "model") and override is not None:
@@ -422,11 +499,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     from marl.environment import machine_description, package_versions
 
     configs = {setup: build_config(setup, args) for setup in setup_names(args.setup)}
-    known = (*marl_systems(), "trl")
+    known = (*marl_systems(), *TRL_SYSTEMS)
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
     if unknown := set(chosen or ()) - set(known):
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; this marl knows {list(known)}")
     systems = {setup: setup_systems(config, known, chosen) for setup, config in configs.items()}
+    if args.dry_run:
+        args.runs = 1
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1 (3 or more for a median worth quoting)")
     quantizations = QUANTIZATIONS if args.quantization == "both" else (args.quantization,)
@@ -453,6 +532,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     name = "-".join(sorted({s.split("-")[0] for s in configs})) if len(configs) > 1 else next(iter(configs))
     results_dir = REPO_ROOT / "benchmarks" / "results"
     output = Path(args.output) if args.output else results_dir / f"{date:%Y-%m-%d}-{name}.md"
+    if args.dry_run and not args.output:
+        output = work_dir / f"dry-run-{name}.md"
     for setup, config in configs.items():
         model_path = prepare_model(config, work_dir)
         reward_adapter = prepare_reward_adapter(config, model_path, work_dir, args.reward_adapter)
@@ -462,7 +543,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "prompt_tokens": prompt_token_range(model_path, prompts),
             "model_note": "bundled GGUF converted by marl.data.assets"
             if config.model == "smollm2-135m-instruct"
-            else "built from a config with random weights",
+            else "built from a config with random weights"
+            + (", a BPE tokenizer trained on generated text" if config.model != RANDOM_QWEN2 else ""),
             "reward_adapter_note": reward_adapter_note(reward_adapter, args.reward_adapter, config),
             "systems": systems[setup],
             "blocks": {},
@@ -476,7 +558,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             block["runs"] = run_block(jobs, args.runs, work_dir, f"{setup}-{quantization}")
             block["summary"] = summarize(block["runs"])
             block["floor"] = compute_floor(config, quantization, model_path, reward_adapter, prompts)
-            block["machine_floors"] = probe_in_subprocess(config.threads)
+            block["machine_floors"] = probe_in_subprocess(config.threads, config.device)
             block["work"] = phase_work_of(
                 config, block["floor"]["base weights (as stored)"], model_path, prompts
             )
@@ -491,17 +573,25 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def setup_systems(config: BenchConfig, known: Sequence[str], chosen: Sequence[str] | None) -> list[str]:
-    """The systems a setup runs: those chosen with --systems, else marl and TRL, and marl with prompt-prefix
-    sharing off too where the setup compares it (and this marl can turn it off).
+    """The systems a setup runs: those chosen with --systems; else on a CPU setup marl and TRL's RLOOTrainer,
+    and marl with prompt-prefix sharing off too where the setup compares it (and this marl can turn it off);
+    on a GPU setup :data:`setups.GPU_SYSTEMS`.
 
     Example:
         >>> config = BenchConfig("s", "m", "cpu", "float32", 1, 4, 8, 2, compare_sharing=False)
-        >>> setup_systems(config, ["marl", "marl-unshared", "trl"], None)
+        >>> setup_systems(config, ["marl-graph", "marl", "marl-unshared", "trl", "trl-grpo"], None)
         ['marl', 'trl']
+        >>> gpu = BenchConfig("gpu-0.5b", "m", "cuda", "bfloat16", 8, 8, 256, 4)
+        >>> known = ["marl-graph", "marl", "marl-unshared", "marl-generate", "trl", "trl-grpo"]
+        >>> setup_systems(gpu, known, None)
+        ['marl-graph', 'marl', 'marl-generate', 'trl', 'trl-grpo']
     """
     if chosen:
         return list(chosen)
-    return [s for s in known if s != "marl-unshared" or config.compare_sharing]
+    if config.setup.startswith("gpu"):
+        return [s for s in GPU_SYSTEMS if s in known]
+    cpu = [s for s in known if s not in ("marl-graph", "trl-grpo")]
+    return [s for s in cpu if s != "marl-unshared" or config.compare_sharing]
 
 
 def sharing(system: str, known: Sequence[str]) -> dict:
