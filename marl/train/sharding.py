@@ -71,15 +71,18 @@ def apply_fully_shard(
     starting = {
         names[id(p)]: p.detach().clone() for policy in model.policies.values() for p in policy.parameters
     }
-    ignored = None if shard_frozen else {p for p in peft_model.parameters() if not p.requires_grad}
-    settings = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
     causal_lm = peft_model.get_base_model()
     body = backbone(causal_lm)
+    head = causal_lm.get_output_embeddings()
+    # Tied input and output embeddings stay whole on every process (one tensor, still tied): the head runs
+    # outside the backbone's forward, where FSDP2 would not gather the backbone's shard of it.
+    tied = set(_shared_parameters(head, body)) if head is not None else set()
+    ignored = tied if shard_frozen else {p for p in peft_model.parameters() if not p.requires_grad} | tied
+    settings = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
     for layer in decoder_layers(body):
         fully_shard(layer, **settings)
     fully_shard(body, **settings)
-    head = causal_lm.get_output_embeddings()
-    if head is not None and not _shares_parameters(head, body):
+    if head is not None and not tied:
         fully_shard(head, **settings)
     # fully_shard replaced every managed parameter by a new DTensor parameter: point the records at them
     current = dict(peft_model.named_parameters())
@@ -102,10 +105,10 @@ def decoder_layers(body: nn.Module) -> list[nn.Module]:
     return list(largest)
 
 
-def _shares_parameters(first: nn.Module, second: nn.Module) -> bool:
-    """Whether two modules share a tensor (tied input and output embeddings)."""
+def _shared_parameters(first: nn.Module, second: nn.Module) -> list[nn.Parameter]:
+    """The tensors two modules share (tied input and output embeddings)."""
     ids = {id(p) for p in second.parameters()}
-    return any(id(p) in ids for p in first.parameters())
+    return [p for p in first.parameters() if id(p) in ids]
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

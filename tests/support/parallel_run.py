@@ -1,8 +1,10 @@
 """One fixed RLOO batch trained for 2 updates, in one process or under ``torchrun`` with a ``--parallelism``;
 ``tests/train/test_parallel_equality.py`` compares the two.
 
-Usage: ``python parallel_run.py MODEL_DIR REWARD_DIR OUTPUT_DIR PARALLELISM`` (one process: the whole batch of
-8 completions; N processes: each its 8 / N rows, the same global batch). It writes ``report_<rank>.json``:
+Usage: ``python parallel_run.py MODEL_DIR REWARD_DIR OUTPUT_DIR PARALLELISM [OPTIONS]`` (one process: the
+whole batch of 8 completions; N processes: each its 8 / N rows, the same global batch); OPTIONS,
+comma-separated: ``bf16`` (bf16 mixed precision), ``checkpointing`` (gradient checkpointing). It writes
+``report_<rank>.json``:
 this process's rows' policy and reference log-probs and reward scores, the policy gradient of the first step
 (whole), the policy adapter after 2 updates (whole), and the bytes of the base's parameters this process
 holds (measured from its local shards).
@@ -44,7 +46,7 @@ def base_parameter_bytes(model: MultiAdapterModel) -> int:
     return stored_bytes(p for name, p in model.peft_model.named_parameters() if "lora_" not in name)
 
 
-def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str) -> None:
+def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, options: str = "") -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     rows_per_process = PROMPTS * K // world
@@ -52,7 +54,8 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str) -> 
         output_dir=output_dir, model_name_or_path=model_dir, reward_adapter=reward_dir, rloo_k=K,
         lora_r=4, lora_alpha=8, per_device_train_batch_size=rows_per_process, total_episodes=16,
         num_ppo_epochs=1, num_mini_batches=1, gradient_accumulation_steps=1, learning_rate=1e-2,
-        num_sample_generations=0, parallelism=parallelism, seed=0,
+        num_sample_generations=0, parallelism=parallelism, seed=0, bf16="bf16" in options.split(","),
+        gradient_checkpointing="checkpointing" in options.split(","),
     )  # fmt: skip
     model = MultiAdapterModel.from_config(config)
     with torch.no_grad():  # a policy away from the identity; process 1 differs until process 0's is broadcast
@@ -84,6 +87,7 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str) -> 
     for update in (1, 2):
         trainer.policy_update.run(rollout, advantages, update=update)
     adapter = sharding.full_policy_state(model, trainer.policy)
+    peft_model = model.peft_model
     report = {
         "world": trainer.parallelism.num_processes,
         "rows": local_rows.tolist(),
@@ -94,6 +98,9 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str) -> 
         "adapter": torch.cat([adapter[key].flatten() for key in sorted(adapter)]).tolist(),
         "bytes_before": base_bytes,
         "bytes_held": base_parameter_bytes(model),
+        "mixed_precision": trainer.parallelism.accelerator.mixed_precision,
+        "gradient_checkpointing": model.gradient_checkpointing,
+        "tied": peft_model.get_output_embeddings().weight is peft_model.get_input_embeddings().weight,
     }
     with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
         json.dump(report, handle)
@@ -101,4 +108,4 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str) -> 
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    main(*sys.argv[1:6])

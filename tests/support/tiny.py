@@ -47,12 +47,16 @@ def build_tiny_config(architecture: str, vocab_size: int, pad_token_id: int, eos
     raise ValueError(f"unknown tiny architecture {architecture!r}; known: {TINY_ARCHITECTURES}")
 
 
-def save_tiny_model(directory: Path, architecture: str = "llama", seed: int = 0) -> Path:
-    """Build a tiny causal LM + tokenizer with a fixed seed and save both to ``directory``."""
+def save_tiny_model(
+    directory: Path, architecture: str = "llama", seed: int = 0, tie_word_embeddings: bool = False
+) -> Path:
+    """Build a tiny causal LM + tokenizer with a fixed seed and save both to ``directory`` (with
+    ``tie_word_embeddings`` its LM head is its input embeddings)."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tiny_tokenizer()
     config = build_tiny_config(architecture, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    config.tie_word_embeddings = tie_word_embeddings
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
