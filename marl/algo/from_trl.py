@@ -10,6 +10,9 @@ grpo`` (its loss, scale and clip fields override the preset), TRL's ``RLOOConfig
 
 One difference of meaning is converted, not copied: an epoch of TRL is every prompt once with its
 ``num_generations`` completions; marl's ``num_train_epochs`` counts completions, so it is multiplied by ``k``.
+``GRPOConfig.multi_objective_aggregation`` becomes ``reward_normalization``: ``"sum_then_normalize"`` →
+``sum``, ``"normalize_then_sum"`` → ``per_reward`` with ``scale_rewards="group"`` (TRL's
+``normalize_then_sum`` divides each reward by its group std whatever ``scale_rewards`` says).
 
 Example:
     >>> from trl import GRPOConfig
@@ -66,6 +69,8 @@ CONVERTED = ("num_train_epochs", "max_steps")
 DERIVED = ("steps_per_generation", "generation_batch_size", "run_name", "logging_strategy")
 # Where the run executes: marl runs where accelerate puts it, whatever TRL was told.
 PLACEMENT = ("use_cpu",)
+# GRPOConfig.multi_objective_aggregation -> marl's --reward_normalization (marl.algo.reward_normalization).
+MULTI_OBJECTIVE_AGGREGATION = {"sum_then_normalize": "sum", "normalize_then_sum": "per_reward"}
 
 
 def rloo_config_from_trl(trl_config: Any, **overrides: Any) -> RLOOConfig:
@@ -94,7 +99,7 @@ def rloo_config_from_trl(trl_config: Any, **overrides: Any) -> RLOOConfig:
     ignored = sorted(
         f"{item.name}={getattr(trl_config, item.name)!r}"
         for item in dataclasses.fields(trl_config)
-        if item.name not in (*mapping, *CONVERTED, *DERIVED, *PLACEMENT)
+        if item.name not in (*mapping, *CONVERTED, *DERIVED, *PLACEMENT, "multi_objective_aggregation")
         and getattr(trl_config, item.name) != getattr(reference, item.name)
     )
     if ignored:
@@ -104,6 +109,15 @@ def rloo_config_from_trl(trl_config: Any, **overrides: Any) -> RLOOConfig:
         )
     settings: dict[str, Any] = {mapping[name]: given[name] for name in mapping if given[name] is not None}
     settings["report_to"] = list(trl_config.report_to) or ["none"]
+    aggregation = getattr(trl_config, "multi_objective_aggregation", "sum_then_normalize")
+    if aggregation not in MULTI_OBJECTIVE_AGGREGATION:
+        raise ConfigError(
+            f"multi_objective_aggregation={aggregation!r} is not one of TRL 1.16's "
+            f"{list(MULTI_OBJECTIVE_AGGREGATION)}; use one of them"
+        )
+    settings["reward_normalization"] = MULTI_OBJECTIVE_AGGREGATION[aggregation]
+    if settings["reward_normalization"] == "per_reward":
+        settings["scale_rewards"] = "group"  # what TRL's normalize_then_sum does whatever scale_rewards says
     if trl_config.max_steps > 0:
         batch = trl_config.per_device_train_batch_size * trl_config.gradient_accumulation_steps
         settings["total_episodes"] = trl_config.max_steps * batch * trl_config.world_size

@@ -101,6 +101,9 @@ def test_a_trl_config_converts_and_what_marl_does_not_honour_is_refused(tmp_path
     )
     assert (rloo.loss_type, rloo.kl_coef, rloo.normalize_advantage, rloo.rloo_k) == ("sequence", 0.1, True, 4)
     assert rloo.num_train_epochs == 3.0 * 4  # TRL's epoch: every prompt with its k completions
+    gdpo = rloo_config_from_trl(GRPOConfig(**common, multi_objective_aggregation="normalize_then_sum"))
+    assert (gdpo.reward_normalization, gdpo.scale_rewards) == ("per_reward", "group")  # parity tested
+    assert (grpo.reward_normalization, rloo.reward_normalization) == ("sum", "sum")
     with pytest.raises(ConfigError, match=r"does not honour: loss_type='cispo'|marl does not implement"):
         check_algorithm(rloo_config_from_trl(GRPOConfig(**common, loss_type="cispo")))
     with pytest.raises(
