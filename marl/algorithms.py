@@ -162,6 +162,8 @@ def check_algorithm_settings(settings: Any) -> None:
         raise ConfigError(f"kl_coef={settings.kl_coef} must be >= 0. Set --kl_coef 0 to train without KL")
     if settings.cliprange <= 0:
         raise ConfigError(f"cliprange={settings.cliprange} must be > 0. Use e.g. --cliprange 0.2")
+    if not getattr(settings, "advantage_epsilon", 1.0) > 0:
+        raise ConfigError(f"advantage_epsilon={settings.advantage_epsilon} must be > 0. Use e.g. 1e-4")
     if settings.epsilon_high is not None and settings.epsilon_high <= 0:
         raise ConfigError(
             f"epsilon_high={settings.epsilon_high} must be > 0. Leave it unset for --cliprange's value"

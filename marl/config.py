@@ -33,6 +33,7 @@ from marl.model_settings import (
     policy_lora_config,
     reward_adapter_folders,
 )
+from marl.stop_settings import check_stop_settings, has_stop_token, resolve_stop_token
 from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
@@ -231,10 +232,14 @@ class RLOOConfig:
     response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
     stop_token: str | None = field(
         default=None,
-        metadata={"help": "'eos': a completion ends at the tokenizer's EOS token. Unset: no stop token."},
+        metadata={
+            "help": "'eos' (the default, as TRL): a completion ends at the tokenizer's EOS and every "
+            "terminator of the generation config. 'none': no stop token, every completion runs to "
+            "--response_length. Unset with --stop_token_id: only that id ends a completion."
+        },
     )
     stop_token_id: int | None = field(
-        default=None, metadata={"help": "A completion ends at this token id (exclusive with --stop_token)."}
+        default=None, metadata={"help": "A completion ends at this token id (instead of the EOS)."}
     )
     missing_eos_penalty: float | None = field(
         default=None,
@@ -254,6 +259,9 @@ class RLOOConfig:
             "help": "Z-score the advantages over the whole batch (all processes); completions without an "
             "advantage (unjudged, or without a judged sibling) keep 0."
         },
+    )
+    advantage_epsilon: float = field(
+        default=1e-8, metadata={"help": "Added to the std --normalize_advantage divides by (TRL 1.16: 1e-4)."}
     )
     token_level_kl: bool = field(
         default=False, metadata={"help": "The older spelling of --kl_placement loss (set from it)."}
@@ -281,6 +289,7 @@ class RLOOConfig:
         if isinstance(self.reward_adapter, str | os.PathLike):
             self.reward_adapter = [str(self.reward_adapter)]
         self.quantization = parse_quantization(self.quantization)
+        resolve_stop_token(self)  # unset: the EOS, as TRL always stops
         resolve_algorithm(self)
         self._validate()
 
@@ -317,20 +326,7 @@ class RLOOConfig:
                 f"temperature={self.temperature} must be > 0 (sampling is required)",
                 "Use e.g. --temperature 0.7",
             )
-        if self.stop_token not in (None, "eos"):
-            fail(
-                f"stop_token={self.stop_token!r} is not supported",
-                "Use --stop_token eos or --stop_token_id ID",
-            )
-        if self.stop_token_id is not None and self.stop_token_id < 0:
-            fail(f"stop_token_id={self.stop_token_id} is not a token id", "Pass a token id of the tokenizer")
-        if self.stop_token is not None and self.stop_token_id is not None:
-            fail("stop_token and stop_token_id are both set", "Set only one of them")
-        if self.missing_eos_penalty is not None and self.stop_token is None and self.stop_token_id is None:
-            fail(
-                "missing_eos_penalty is set without a stop token: all would count as missing EOS",
-                "Add --stop_token eos (or --stop_token_id ID)",
-            )
+        check_stop_settings(self)
         if self.normalize_reward and self.reward_clip_range <= 0:
             fail(f"reward_clip_range={self.reward_clip_range} must be > 0", "Use e.g. --reward_clip_range 10")
         check_reference_mode(self.reference)
@@ -355,6 +351,11 @@ class RLOOConfig:
                 f"save_total_limit={self.save_total_limit} must be >= 1",
                 "Leave it unset to keep all checkpoints",
             )
+
+    @property
+    def has_stop_token(self) -> bool:
+        """Whether completions end at a stop token (the EOS or ``stop_token_id``), not only at the limit."""
+        return has_stop_token(self)
 
     @property
     def trackers(self) -> list[str]:

@@ -21,7 +21,7 @@ def test_defaults_follow_the_reference_trainer():
     assert config.reward_clip_range == 10.0
     assert config.local_rollout_forward_batch_size == 64
     assert config.num_sample_generations == 10
-    assert config.stop_token is None and config.missing_eos_penalty is None
+    assert config.stop_token == "eos" and config.missing_eos_penalty is None  # stops at EOS, as TRL
     assert not config.token_level_kl and not config.normalize_reward and not config.normalize_advantage
     assert config.model_name_or_path == "smollm2-135m-instruct"
     assert config.trackers == []
@@ -85,7 +85,7 @@ def test_single_strings_are_accepted_from_python():
         ({"reference": "initial-policy"}, "--policy_adapter"),
         ({"stop_token": "eos", "stop_token_id": 3}, "both set"),
         ({"stop_token": "</s>"}, "--stop_token eos"),
-        ({"missing_eos_penalty": 1.0}, "Add --stop_token eos"),
+        ({"missing_eos_penalty": 1.0, "stop_token": "none"}, "Add --stop_token eos"),
         ({"bf16": True, "fp16": True}, "bf16 and fp16"),
         ({"temperature": 0.0}, "temperature"),
         ({"lr_scheduler_type": "linearr"}, "lr_scheduler_type"),

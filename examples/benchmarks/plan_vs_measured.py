@@ -78,7 +78,7 @@ def run_config(case, output_dir: str, model_path: str, **settings):
         num_mini_batches=1,
         total_episodes=2 * case.rows,
         response_length=case.response_length,
-        stop_token=None,
+        stop_token="none",
         missing_eos_penalty=None,
         gradient_checkpointing=case.gradient_checkpointing,
         share_prompt_prefix=case.share_prompt_prefix,

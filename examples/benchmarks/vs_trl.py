@@ -308,7 +308,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
             total_episodes=config.batch_size * config.updates,
             local_rollout_forward_batch_size=config.batch_size,
             response_length=config.response_length,
-            stop_token=None,  # every completion runs to response_length, as TRL's with min_new_tokens
+            stop_token="none",  # every completion runs to response_length, as TRL's with min_new_tokens
             temperature=config.temperature,
             learning_rate=config.learning_rate,
             lr_scheduler_type="linear",

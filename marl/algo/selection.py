@@ -89,11 +89,11 @@ def check_algorithm(config: RLOOConfig) -> None:
             f"{IMPORTANCE_SAMPLING_LEVELS}. Use token, or sequence (GSPO)"
         )
     reward_normalization(config)  # --reward_normalization: a registered name, defined for this estimator
-    if config.mask_truncated_completions and config.stop_token is None and config.stop_token_id is None:
+    if config.mask_truncated_completions and not config.has_stop_token:
         raise ConfigError(
-            "mask_truncated_completions=true without a stop token: every completion counts as truncated and "
-            "none would train. Add --stop_token eos (or --stop_token_id ID), or drop "
-            "--mask_truncated_completions"
+            "mask_truncated_completions=true without a stop token (--stop_token none): every completion "
+            "counts as truncated and none would train. Drop --stop_token none (the EOS ends completions), "
+            "pass --stop_token_id ID, or --mask_truncated_completions false"
         )
 
 
@@ -131,6 +131,7 @@ def shape_rollout(
         reward_clip_range=config.reward_clip_range,
         token_level_kl=config.token_level_kl,
         normalize_advantage=config.normalize_advantage,
+        advantage_epsilon=config.advantage_epsilon,
         gather=gather,
         estimator=estimator,
         source_scores=rollout.source_scores,
@@ -146,13 +147,38 @@ def loss_mask(response_mask: torch.Tensor, contains_stop: torch.Tensor, config: 
 
     Example:
         >>> from marl.config import RLOOConfig
-        >>> config = RLOOConfig(stop_token="eos", mask_truncated_completions=True)
+        >>> config = RLOOConfig(mask_truncated_completions=True)
         >>> loss_mask(torch.ones(2, 1, dtype=torch.bool), torch.tensor([True, False]), config).flatten()
         tensor([ True, False])
     """
     if not config.mask_truncated_completions:
         return response_mask
     return response_mask & contains_stop.unsqueeze(1)
+
+
+def truncation_warning(contains_stop: torch.Tensor, config: RLOOConfig, update: int) -> str | None:
+    """What to warn when ``mask_truncated_completions`` leaves most of an update's completions (those without
+    a stop token: they reached ``response_length``) out of the loss, else ``None``.
+
+    Example:
+        >>> from marl.config import RLOOConfig
+        >>> config = RLOOConfig(algorithm="dapo")
+        >>> truncation_warning(torch.tensor([True, False, False]), config, 3)
+        'update 3: 2 of 3 completions reached --response_length=53 without a stop token and ...'
+        >>> truncation_warning(torch.tensor([True, True, False]), config, 3) is None
+        True
+    """
+    truncated, total = int((~contains_stop).sum()), contains_stop.numel()
+    if not config.mask_truncated_completions or 2 * truncated <= total:
+        return None
+    masked = "the loss masks them (mask_truncated_completions)"
+    if truncated == total:
+        masked = "the loss masks them all (mask_truncated_completions): this update trains on nothing"
+    return (
+        f"update {update}: {truncated} of {total} completions reached --response_length="
+        f"{config.response_length} without a stop token and {masked}. Raise --response_length, or pass "
+        "--mask_truncated_completions false to train on them"
+    )
 
 
 def policy_loss(

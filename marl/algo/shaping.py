@@ -31,7 +31,7 @@ from marl.algo.reward_normalization import (
     source_advantages,
     weighted_sources,
 )
-from marl.algo.tensors import Gather, sequence_kl, standardize
+from marl.algo.tensors import STD_EPSILON, Gather, sequence_kl, standardize
 
 
 def apply_missing_eos_penalty(
@@ -120,6 +120,7 @@ def shape_rewards(
     reward_clip_range: float = 10.0,
     token_level_kl: bool = False,
     normalize_advantage: bool = False,
+    advantage_epsilon: float = STD_EPSILON,
     gather: Gather | None = None,
     estimator: AdvantageEstimator = rloo_advantages,
     source_scores: torch.Tensor | None = None,
@@ -129,7 +130,8 @@ def shape_rewards(
 ) -> ShapedRewards:
     """From the reward source's scores and the rollout's log-probs to advantages, in this order:
     missing-stop-token penalty, reward normalisation and clipping, the sequence KL folded into the reward,
-    ``estimator`` (the judged leave-one-out of RLOO by default), advantage normalisation.
+    ``estimator`` (the judged leave-one-out of RLOO by default), advantage normalisation (by the std plus
+    ``advantage_epsilon``).
 
     ``raw_scores`` is NaN where no source judged a completion: such a completion has no reward, is left out of
     its group's baseline and of the normalisation statistics, and gets advantage 0 (as does a judged one with
@@ -177,7 +179,7 @@ def shape_rewards(
     if per_reward is None:
         advantages = estimator(scores if token_level_kl else rlhf_reward, judged, k, gather)
         if normalize_advantage:
-            advantages = standardize(advantages, has_judged_sibling(judged, k), gather)
+            advantages = standardize(advantages, has_judged_sibling(judged, k), gather, advantage_epsilon)
     else:
         if source_scores is None or normalize_reward or normalize_advantage:
             raise ValueError(

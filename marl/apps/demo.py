@@ -176,7 +176,8 @@ def demo_rloo_config(
     reward_weights: list[float] | None = None,
     algorithm: str = "rloo",
 ):
-    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token; the
+    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token
+    (``stop_token="none"``: fixed-length completions); the
     demo's k, batch, learning rate, KL coefficient and epochs under the ``algorithm`` preset's other settings
     (:mod:`marl.algorithms`)."""
     from marl.config import RLOOConfig
@@ -203,7 +204,7 @@ def demo_rloo_config(
         temperature=arguments.temperature,
         # No stop token: every completion runs to response_length, so that stopping early is not a way to
         # keep a positive prompt's score; the policy has to write something positive.
-        stop_token=None,
+        stop_token="none",
         # One generate call per rollout: on CPU a 4-bit decode step costs about the same for 16 or 64 rows.
         local_rollout_forward_batch_size=arguments.per_device_train_batch_size * arguments.num_mini_batches,
         num_sample_generations=DEMO_SAMPLE_GENERATIONS,

@@ -25,7 +25,7 @@ import torch
 
 from marl.algo.metrics import UpdateStats
 from marl.algo.passes import reuses_samples
-from marl.algo.selection import loss_mask, policy_loss
+from marl.algo.selection import loss_mask, policy_loss, truncation_warning
 
 if TYPE_CHECKING:
     from marl.batch_sizes import BatchSizes
@@ -86,6 +86,9 @@ class PolicyUpdate:
         when a step fails."""
         config, sizes = self.config, self.sizes
         mask = loss_mask(rollout.response_mask, rollout.contains_stop, config)
+        truncated = truncation_warning(rollout.contains_stop, config, update)
+        if truncated is not None:
+            warnings.warn(truncated, RuntimeWarning, stacklevel=2)
         stats, skipped = UpdateStats(), 0
         provide = rollout.logprobs is None
         if provide and reuses_samples(config):

@@ -31,13 +31,30 @@ def test_default_is_todays_rloo():
 
 @pytest.mark.parametrize("algorithm", sorted(PRESETS))
 def test_each_preset_sets_its_fields_and_given_fields_win(algorithm):
-    extra = {"stop_token": "eos"}
-    config = RLOOConfig(algorithm=algorithm, **extra)
+    config = RLOOConfig(algorithm=algorithm)
     for name, value in PRESETS[algorithm].items():
         assert getattr(config, name) == value, name
     check_algorithm(config)
-    given = RLOOConfig(algorithm=algorithm, kl_coef=0.3, cliprange=0.1, num_ppo_epochs=2, **extra)
+    given = RLOOConfig(algorithm=algorithm, kl_coef=0.3, cliprange=0.1, num_ppo_epochs=2)
     assert (given.kl_coef, given.cliprange, given.num_ppo_epochs) == (0.3, 0.1, 2)
+
+
+@pytest.mark.parametrize("algorithm", sorted(PRESETS))
+def test_each_preset_works_as_typed_and_stops_at_eos(algorithm):
+    """``marl train-rloo --algorithm X`` with nothing else parses and passes every check (dapo's
+    mask_truncated_completions needs a stop token: the EOS is the default, as in TRL)."""
+    from marl.apps.train_rloo import parse_train_rloo_args
+
+    _, config = parse_train_rloo_args(["--algorithm", algorithm, "--reward_fn", "math:fsum"])
+    assert config.stop_token == "eos" and config.has_stop_token
+    check_algorithm(config)
+
+
+def test_fixed_length_completions_are_asked_for_with_stop_token_none():
+    assert not RLOOConfig(stop_token="none").has_stop_token
+    assert RLOOConfig(stop_token_id=7).stop_token == "none" and RLOOConfig(stop_token_id=7).has_stop_token
+    with pytest.raises(ConfigError, match="mask_truncated_completions=true without a stop token"):
+        check_algorithm(RLOOConfig(algorithm="dapo", stop_token="none"))
 
 
 def test_token_level_defaults_follow_the_loss_and_token_level_kl_means_kl_in_the_loss():
@@ -107,7 +124,7 @@ def test_a_trl_config_converts_and_what_marl_does_not_honour_is_refused(tmp_path
     with pytest.raises(ConfigError, match=r"does not honour: loss_type='cispo'|marl does not implement"):
         check_algorithm(rloo_config_from_trl(GRPOConfig(**common, loss_type="cispo")))
     with pytest.raises(
-        ConfigError, match=r"does not honour: off_policy_mask_threshold=0.5, top_entropy_quantile"
+        ConfigError, match=r"does not honour: off_policy_mask_threshold=0.5 \(.*\), top_entropy_quantile"
     ):
         rloo_config_from_trl(GRPOConfig(**common, top_entropy_quantile=0.2, off_policy_mask_threshold=0.5))
 
@@ -121,3 +138,21 @@ def test_every_preset_trains_a_tiny_model(tiny_llama_dir, tmp_path, algorithm):
     assert len(history) == trainer.sizes.num_total_batches
     assert all(torch.isfinite(torch.tensor(record["loss/policy_avg"])) for record in history)
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy_parameters, strict=True))
+
+
+def test_an_update_whose_completions_are_mostly_truncated_and_masked_warns(tiny_llama_dir, tmp_path):
+    """Under dapo (mask_truncated_completions) a tiny random model rarely writes its EOS in 3 tokens: the
+    completions reach --response_length, the loss masks them, and each update says so instead of training
+    on nothing in silence. Without the mask nothing is said."""
+    config = tiny_config(tmp_path / "dapo", algorithm="dapo", response_length=3, total_episodes=16)
+    trainer = build(tiny_llama_dir, config)
+    with pytest.warns(RuntimeWarning, match=r"update 1: \d+ of 16 completions reached --response_length=3"):
+        trainer.train()
+    assert trainer.log_history  # it trained on, only warned
+    plain = build(tiny_llama_dir, tiny_config(tmp_path / "grpo", algorithm="grpo", response_length=3,
+                                              total_episodes=16))  # fmt: skip
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        plain.train()

@@ -102,7 +102,7 @@ def test_demo_config_is_the_embedded_model_in_4bit(tmp_path):
     arguments = DemoArguments(total_episodes=128, kl_coef=0.1)
     config = demo_rloo_config(arguments, tmp_path / "policy", "adapters/reward")
     assert config.model_name_or_path == "smollm2-135m-instruct" and config.quantization == "4bit"
-    assert config.reward_adapter == ["adapters/reward"] and config.stop_token is None
+    assert config.reward_adapter == ["adapters/reward"] and config.stop_token == "none"
     assert config.total_episodes == 128 and config.kl_coef == 0.1
     completions_per_update = arguments.per_device_train_batch_size * arguments.num_mini_batches
     assert config.batch_sizes(1, 1000).num_total_batches == 128 // completions_per_update

@@ -125,7 +125,7 @@ def test_the_c_heap_is_trimmed_between_sampling_and_scoring(tiny_llama_dir, tmp_
     monkeypatch.setattr(trainer.scorer, "logprobs", logged("score", trainer.scorer.logprobs))
     monkeypatch.setattr(marl.rollout.collect, "release_freed_memory", logged("trim", lambda: None))
     collect_rollout(trainer.sampler, trainer.scorer, trainer.train_prompts[:4], 2, trainer.reward)
-    assert calls == ["sample", "trim", "score"]
+    assert calls == ["sample", "trim", "score", "trim"]  # and once more after scoring, before the update
 
 
 def test_a_micro_batchs_graph_is_gone_before_the_next_forward(tiny_llama_dir, tmp_path):
@@ -500,7 +500,8 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
     """Each prompt is prefilled once for its k samples; at a near-zero temperature sampling is greedy, so the
     completions must equal those of generate() on the prompts repeated k times (k-major)."""
     model_dir = tiny_model_factory(architecture)
-    trainer = build(model_dir, tiny_config(tmp_path / "run", temperature=1e-4, response_length=5))
+    config = tiny_config(tmp_path / "run", temperature=1e-4, response_length=5, stop_token="none")
+    trainer = build(model_dir, config)  # no stop token: compared with generate() run to the limit
     torch.manual_seed(0)  # the random policy below, whatever loading drew from the generator
     with torch.no_grad():
         for name, parameter in trainer.model.peft_model.named_parameters():
