@@ -287,7 +287,10 @@ CASES = [
     Case(RLOO, ["--stop_token", "eos", "--stop_token_id", "1"], r"stop_token and stop_token_id are both set"),
     Case(RLOO, ["--stop_token_id", "-1"], r"stop_token_id=-1 is not a token id"),
     Case(RLOO, ["--stop_token_id", "99999"], r"--stop_token_id 99999 is not a token of this model"),
-    Case(RLOO, ["--missing_eos_penalty", "1"], r"missing_eos_penalty is set without a stop token"),
+    Case(
+        RLOO, ["--missing_eos_penalty", "1", "--stop_token", "none"], r"missing_eos_penalty is set without a"
+    ),
+    Case(RLOO, ["--advantage_epsilon", "0"], r"advantage_epsilon=0.0 must be > 0"),
     Case(RLOO, ["--missing_eos_penalty", "nan", "--stop_token", "eos"], r"--missing_eos_penalty=nan is not"),
     Case(RLOO, ["--normalize_reward", "--reward_clip_range", "0"], r"reward_clip_range=0.0 must be > 0"),
     Case(RLOO, ["--reward_clip_range", "inf"], r"--reward_clip_range=inf is not a finite number"),
@@ -300,8 +303,10 @@ CASES = [
     Case(RLOO, ["--loss_type", "ppo"], r"--loss_type 'ppo' is not a policy loss"),
     Case(RLOO, ["--importance_sampling_level", "sequence"], r"applies to token-level losses"),
     Case(RLOO, ["--scale_rewards", "group"], r"estimator 'rloo' does not scale rewards"),
-    Case(RLOO, ["--algorithm", "dapo"], r"mask_truncated_completions=true without a stop token"),
-    Case(RLOO, ["--mask_truncated_completions", "true"], r"=true without a stop token"),
+    Case(RLOO, ["--algorithm", "dapo", "--stop_token", "none"], r"mask_truncated_completions=true without a"),
+    Case(
+        RLOO, ["--mask_truncated_completions", "true", "--stop_token", "none"], r"=true without a stop token"
+    ),
     Case(RLOO, ["--use_bias_correction_kl", "false"], r"use_bias_correction_kl=False applies to token-level"),
     Case(RLOO, ["--epsilon_high", "0"], r"epsilon_high=0.0 must be > 0"),
     Case(RLOO, ["--kl_placement", "prompt"], r"--kl_placement 'prompt' is not one of"),
