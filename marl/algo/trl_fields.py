@@ -189,6 +189,9 @@ GRPO_ONLY = {
         """
         loss_type scale_rewards importance_sampling_level use_bias_correction_kl""",
     ),
+    "multi_objective_aggregation": FieldOutcome(
+        CONVERTED, "reward_normalization: sum_then_normalize → sum, normalize_then_sum → per_reward (GDPO)"
+    ),
 }
 RLOO_ONLY = {
     "normalize_advantages": FieldOutcome(CONVERTED, "normalize_advantage, with TRL 1.16's epsilon 1e-4"),

@@ -118,6 +118,10 @@ CONVERTED_CASES = {
     "disable_dropout": ({"disable_dropout": True}, {}),
     "log_completions": ({"log_completions": True}, {"num_sample_generations": 10}),
     "loss_type": ({"loss_type": "grpo"}, {"loss_type": "grpo"}),
+    "multi_objective_aggregation": (
+        {"multi_objective_aggregation": "normalize_then_sum"},
+        {"reward_normalization": "per_reward", "scale_rewards": "group"},
+    ),
     "scale_rewards": ({"scale_rewards": "batch"}, {"scale_rewards": "batch"}),
     "importance_sampling_level": (
         {"importance_sampling_level": "sequence"},
