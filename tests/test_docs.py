@@ -26,6 +26,7 @@ SKIPPED_BLOCKS = {
     ("docs/guides/rewards.md", 1),
     ("docs/guides/policies.md", 1),
     ("README.md", 1),
+    ("README.md", 2),
 }
 FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
