@@ -324,6 +324,32 @@ def run_settings(
     }
 
 
+# The reward kinds (marl.rewards.kinds) by the class of the source they build.
+REWARD_KIND_NAMES = {"AdapterReward": "adapter", "EosTerminatedAdapterReward": "eos_adapter"}
+
+
+def reward_record(reward: Any) -> list[dict[str, Any]]:
+    """Each reward source of ``reward`` (a :class:`marl.rewards.WeightedRewards`) as ``rloo_config.json``
+    records it: its metric name, its weight and what it is (a reward adapter, or the function by module and
+    name), so that a run's reward functions are on record beside its ``--reward_adapter`` folders.
+
+    Example:
+        >>> from marl.rewards import FunctionReward, WeightedRewards
+        >>> reward_record(WeightedRewards([FunctionReward(len, "length")], [0.5]))
+        [{'name': 'length', 'weight': 0.5, 'kind': 'function', 'function': 'builtins:len'}]
+    """
+    records = []
+    for source, name, weight in zip(reward.sources, reward.names, reward.weights, strict=True):
+        kind = REWARD_KIND_NAMES.get(type(source).__name__, type(source).__name__)
+        record: dict[str, Any] = {"name": name, "weight": weight, "kind": kind}
+        function = getattr(source, "function", None)
+        if function is not None:
+            qualname = getattr(function, "__qualname__", type(function).__qualname__)
+            record |= {"kind": "function", "function": f"{getattr(function, '__module__', '?')}:{qualname}"}
+        records.append(record)
+    return records
+
+
 def tracker_config(config: Any) -> dict[str, Any]:
     """The config as trackers such as tensorboard accept it: scalars and strings only.
 

@@ -56,6 +56,7 @@ from marl.rollout.records import Rollout
 from marl.train import checkpoints, run_dir
 from marl.train.build import build_training_parts
 from marl.train.plotting import training_curves_note
+from marl.train.progress import progress_description, progress_postfix
 from marl.train.reward_state import reward_trainer_state
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
@@ -334,7 +335,9 @@ class RLOOTrainer:
             settings = run_dir.run_settings(
                 self.config, self.model, self.policy, self.parallelism.num_processes, dataset
             )
-            run_dir.write_run_config(self.output_dir, settings)
+            run_dir.write_run_config(
+                self.output_dir, settings | {"rewards": run_dir.reward_record(self.reward)}
+            )
         if self.config.trackers:
             self.accelerator.init_trackers(run_dir.TRACKER_DIR, config=run_dir.tracker_config(self.config))
 
@@ -372,7 +375,7 @@ class RLOOTrainer:
         with tqdm(
             total=sizes.num_total_batches,
             initial=self.state.update,
-            desc="RLOO",
+            desc=progress_description(config),
             disable=not parallelism.is_local_main_process,
         ) as progress:
             while self.state.update < sizes.num_total_batches:
@@ -385,10 +388,7 @@ class RLOOTrainer:
                     self._start_writing(plan, resumed_update)
                 metrics = self._report(rollout, shaped, update_stats, start)
                 progress.update(1)
-                kl = metrics.get("objective/kl", float("nan"))  # none without a reference pass
-                progress.set_postfix(
-                    episode=self.episode, score=f"{metrics['objective/scores']:.3f}", kl=f"{kl:.3f}"
-                )
+                progress.set_postfix(progress_postfix(metrics, self.episode))
                 if config.save_steps and self.state.update % config.save_steps == 0:
                     self._save_checkpoint()
         if self.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train

@@ -349,6 +349,9 @@ def test_reward_fn_is_called_as_trl_calls_it_with_the_dataset_columns(tiny_llama
         assert prompts[:8] == prompts[8:]
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         assert texts == [completion[0]["content"] for completion in completions]
+    # the run's reward function is on record beside its settings
+    (recorded,) = json.loads((tmp_path / "run" / "rloo_config.json").read_text())["rewards"]
+    assert recorded["kind"] == "function" and recorded["function"].endswith(":" + record.__qualname__)
 
 
 def test_dataset_and_reward_validation(tiny_llama_dir, tmp_path):
