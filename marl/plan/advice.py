@@ -8,7 +8,7 @@ The changes are tried in the order of what they cost the run, least first:
 4. a smaller ``--per_device_train_batch_size`` with a larger ``--gradient_accumulation_steps`` (the same
    optimizer step in more passes);
 5. ``--quantization 4bit`` (another base: its numbers change);
-6. ``--parallelism fsdp2`` over 2, 4 or 8 GPUs (the base sharded; unquantized bases only).
+6. ``--parallelism fsdp2`` over 2, 4 or 8 GPUs (the base sharded; unquantized and 4-bit bases).
 
 Each is planned alone; when none fits alone, they are combined in that order until the run fits.
 
@@ -77,7 +77,7 @@ def _candidates(config: Any, target: PlanTarget) -> Iterator[tuple[str, str, dic
         )
     if config.quantization != "4bit":
         yield "--quantization 4bit", "a 4-bit base (other numbers)", {"quantization": "4bit"}, target
-    if config.quantization is None and target.num_processes == 1:
+    if config.quantization != "8bit" and target.num_processes == 1:
         for gpus in GPU_COUNTS:
             yield (
                 f"--parallelism fsdp2 on {gpus} GPUs",

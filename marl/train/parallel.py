@@ -220,22 +220,39 @@ class ShardedParallelism(ReplicatedParallelism):
     so the peak adds one whole layer. Adapter views switch as without sharding: PEFT's flags live on the
     modules, which FSDP2 changes in place.
 
-    A bitsandbytes base is refused: its 4-bit tensors keep their quantization state beside a ``uint8``
-    storage, which FSDP2's conversion to ``DTensor`` loses (see :meth:`check_model`).
+    A 4-bit bitsandbytes base is sharded too (FSDP-QLoRA): marl packs its 4-bit weights in a tensor of the
+    compute dtype (:func:`marl.model.quantization.bitsandbytes_config`), which FSDP2 shards like any float
+    tensor; each ``Linear4bit`` keeps its quantization state on the module, where bitsandbytes reads it when
+    the gathered weight has none. An 8-bit base is refused (see :meth:`check_model`).
     """
 
     shard = True
 
     def check_model(self, model: MultiAdapterModel) -> None:
-        if model.quantization is not None:
+        if model.quantization == "8bit":
             raise ConfigError(
-                f"--parallelism fsdp2 cannot shard a {model.quantization} bitsandbytes base: marl loads "
-                "quantized weights in uint8 storage with their quantization state beside them, and FSDP2's "
-                "conversion to DTensor drops that state (sharding 4-bit weights needs a float "
-                "bnb_4bit_quant_storage, which marl does not load yet). Use --parallelism replicated with "
-                "--quantization, or --parallelism fsdp2 without --quantization"
+                "--parallelism fsdp2 cannot shard an 8bit bitsandbytes base: bitsandbytes keeps an 8-bit "
+                "weight's scales (CB, SCB) on the Int8Params tensor itself, and FSDP2 gathers the shards "
+                "into a plain tensor without them, so the layer's forward fails ('Parameter' object has no "
+                "attribute 'CB'). Use --quantization 4bit with --parallelism fsdp2, or --parallelism "
+                "replicated with --quantization 8bit"
+            )
+        storage = packed_4bit_dtype(model)
+        if storage is not None and not storage.is_floating_point:
+            raise ConfigError(
+                f"--parallelism fsdp2 cannot shard 4-bit weights packed in {storage}: FSDP2 shards float "
+                "tensors only. Load the base with BitsAndBytesConfig(bnb_4bit_quant_storage=<the compute "
+                "dtype>), as MultiAdapterModel.from_pretrained does"
             )
         check_sharded_launch("fsdp2", self.num_processes)
+
+
+def packed_4bit_dtype(model: MultiAdapterModel) -> torch.dtype | None:
+    """The dtype the base's 4-bit weights are packed in (``None``: it has none)."""
+    for parameter in model.peft_model.parameters():
+        if type(parameter).__name__ == "Params4bit":
+            return parameter.dtype
+    return None
 
 
 PARALLELISMS: Registry[ParallelismFactory] = Registry(

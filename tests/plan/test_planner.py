@@ -214,3 +214,12 @@ def test_json_round_trip_of_a_config_file_folder(config_only):
     assert json.loads((config_only / "config.json").read_text())["model_type"] == "llama"
     assert load_model_config(str(config_only)).model_type == "llama"
     assert torch.float32 == PlanTarget(device="cpu").dtype
+
+
+@pytest.mark.parametrize("quantization, offered", [(None, True), ("4bit", True), ("8bit", False)])
+def test_the_advice_offers_fsdp2_for_the_bases_it_can_shard(quantization, offered, tmp_path):
+    from marl.plan.advice import _candidates
+
+    config = tiny_rloo_config(tmp_path, quantization=quantization)
+    flags = [flags for flags, *_ in _candidates(config, TARGET)]
+    assert any(flag.startswith("--parallelism fsdp2 on") for flag in flags) == offered, flags

@@ -3,7 +3,8 @@
 
 Usage: ``python parallel_run.py MODEL_DIR REWARD_DIR OUTPUT_DIR PARALLELISM [OPTIONS]`` (one process: the
 whole batch of 8 completions; N processes: each its 8 / N rows, the same global batch); OPTIONS,
-comma-separated: ``bf16`` (bf16 mixed precision), ``checkpointing`` (gradient checkpointing). It writes
+comma-separated: ``bf16`` (bf16 mixed precision), ``checkpointing`` (gradient checkpointing), ``4bit`` (a
+4-bit base). It writes
 ``report_<rank>.json``:
 this process's rows' policy and reference log-probs and reward scores, the policy gradient of the first step
 (whole), the policy adapter after 2 updates (whole), and the bytes of the base's parameters this process
@@ -46,6 +47,16 @@ def base_parameter_bytes(model: MultiAdapterModel) -> int:
     return stored_bytes(p for name, p in model.peft_model.named_parameters() if "lora_" not in name)
 
 
+def quantization_constant_bytes(model: MultiAdapterModel) -> int:
+    """Bytes of the 4-bit layers' quantization constants (absmax, code, nested state), which bitsandbytes
+    keeps on each ``Linear4bit`` module (0 for an unquantized base)."""
+    from bitsandbytes.nn import Linear4bit
+
+    states = [module.quant_state for module in model.peft_model.modules() if isinstance(module, Linear4bit)]
+    values = [value for state in states for value in state.as_dict(packed=True).values()]
+    return sum(value.numel() * value.element_size() for value in values if torch.is_tensor(value))
+
+
 def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, options: str = "") -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -56,6 +67,7 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, opt
         num_ppo_epochs=1, num_mini_batches=1, gradient_accumulation_steps=1, learning_rate=1e-2,
         num_sample_generations=0, parallelism=parallelism, seed=0, bf16="bf16" in options.split(","),
         gradient_checkpointing="checkpointing" in options.split(","),
+        quantization="4bit" if "4bit" in options.split(",") else None,
     )  # fmt: skip
     model = MultiAdapterModel.from_config(config)
     with torch.no_grad():  # a policy away from the identity; process 1 differs until process 0's is broadcast
@@ -98,6 +110,7 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, opt
         "adapter": torch.cat([adapter[key].flatten() for key in sorted(adapter)]).tolist(),
         "bytes_before": base_bytes,
         "bytes_held": base_parameter_bytes(model),
+        "constant_bytes": quantization_constant_bytes(model),
         "mixed_precision": trainer.parallelism.accelerator.mixed_precision,
         "gradient_checkpointing": model.gradient_checkpointing,
         "tied": peft_model.get_output_embeddings().weight is peft_model.get_input_embeddings().weight,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datasets
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
@@ -88,13 +89,27 @@ def test_the_accelerate_configs_load_and_name_a_registered_parallelism(name):
     assert named and all(get_parallelism(value) for value in named)
 
 
-def test_a_bitsandbytes_base_is_refused_under_fsdp2():
+def test_an_8bit_base_is_refused_under_fsdp2_saying_what_bitsandbytes_does_not_allow():
     from marl.train.parallel import ShardedParallelism
 
     class QuantizedRecord:  # what check_model reads: the loaded model's quantization
-        quantization = "4bit"
+        quantization = "8bit"
 
-    with pytest.raises(
-        ConfigError, match=r"--parallelism fsdp2 cannot shard a 4bit .*bnb_4bit_quant_storage"
-    ):
+    with pytest.raises(ConfigError, match=r"cannot shard an 8bit .*\(CB, SCB\) on the Int8Params tensor"):
         ShardedParallelism.check_model(None, QuantizedRecord())
+
+
+def test_4bit_weights_packed_in_uint8_are_refused_under_fsdp2(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from marl.train.parallel import ShardedParallelism
+
+    settings = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)  # uint8 storage
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=settings)
+
+    class Loaded:  # a model someone loaded with bitsandbytes' default storage
+        quantization, peft_model = "4bit", base
+
+    refused = r"cannot shard 4-bit weights packed in torch.uint8: .*quant_storage"
+    with pytest.raises(ConfigError, match=refused):
+        ShardedParallelism.check_model(None, Loaded())

@@ -118,3 +118,23 @@ def test_tied_embeddings_and_gradient_checkpointing_under_fsdp2_equal_one_proces
         assert difference(report, expected, "gradient").abs().max() <= GRADIENT_TOLERANCE
         assert difference(report, expected, "adapter").abs().max() <= ADAPTER_TOLERANCE
         assert 0.5 < report["bytes_held"] / expected["bytes_held"] < 0.75  # the embeddings stay whole
+
+
+@pytest.mark.slow
+def test_a_4bit_base_sharded_over_two_processes_equals_one_process(
+    tiny_llama_dir, tiny_reward_adapter, tmp_path
+):
+    """FSDP-QLoRA on CPU: the 4-bit weights, packed in float32 (the compute dtype), are sharded by FSDP2; the
+    same log-probs, scores, gradient and adapter as one process with the same 4-bit base, and each process
+    holds half of the packed weights (the quantization constants, kept on each layer, stay whole)."""
+    expected = run(tiny_llama_dir, tiny_reward_adapter, "replicated", tmp_path / "one", 1, "4bit")[0]
+    reports = run(tiny_llama_dir, tiny_reward_adapter, "fsdp2", tmp_path / "run", processes=2, options="4bit")
+    assert expected["constant_bytes"] > 0  # a 4-bit base
+    for report in reports:
+        for key in ("logprobs", "ref_logprobs", "scores"):
+            assert difference(report, expected, key).abs().max() <= EXACT_TOLERANCE, key
+        assert difference(report, expected, "gradient").abs().max() <= GRADIENT_TOLERANCE
+        assert difference(report, expected, "adapter").abs().max() <= ADAPTER_TOLERANCE
+        assert report["constant_bytes"] == expected["constant_bytes"]
+        whole = expected["bytes_held"] - expected["constant_bytes"]  # the packed weights and the rest
+        assert 0.45 <= report["bytes_held"] / whole <= 0.55, (report["bytes_held"], whole)
