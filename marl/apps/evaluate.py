@@ -166,6 +166,20 @@ def are_training_prompts(source: dict[str, Any], run_dataset: dict[str, Any]) ->
     return where == trained_on and source["split"] == run_dataset["train_split"]
 
 
+def check_one_process() -> None:
+    """Refuse a launch of several processes: ``marl evaluate`` samples on one process and has no sharded
+    mode, so each launched process would sample every prompt and write the same files."""
+    from marl.train.launch import current_launch
+
+    launch = current_launch()
+    if launch.processes > 1:
+        raise ConfigError(
+            f"marl evaluate runs in one process, but {launch.launcher} started {launch.processes}: each "
+            "would sample every prompt and write the same results. Run it without a launcher: "
+            "marl evaluate ..."
+        )
+
+
 def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """Load ONE model (base + policy adapter + reward adapter), compare policy and base, print and save.
 
@@ -185,6 +199,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     from marl.rollout.samplers import get_sampler
 
     console = Console()
+    check_one_process()
     get_sampler(arguments.sampler)  # an unknown name fails before any work
     judge = load_judge(arguments.judge)
     if arguments.judge is None:  # VADER is in the demo extra: without it, stop before the model loads

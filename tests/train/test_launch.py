@@ -90,6 +90,16 @@ def test_train_rloo_refuses_fsdp2_in_one_process_before_the_model_loads(tiny_lla
     assert not (tmp_path / "run").exists()
 
 
+def test_evaluate_launched_as_several_processes_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
+    from marl.apps.cli import evaluate_main
+
+    for name, value in TORCHRUN_2.items():
+        monkeypatch.setenv(name, value)
+    line = refused(capsys, evaluate_main, ["--output_dir", str(tmp_path / "out")])
+    assert "marl evaluate runs in one process, but torchrun started 2" in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_help_text_of_parallelism_names_every_registered_one(capsys):
     with pytest.raises(SystemExit):
         parse_train_rloo_args(["--help"])
