@@ -26,13 +26,44 @@ TRL_FLAG_HINTS: dict[str, str] = {
     "num_iterations": "marl's flag is --num_ppo_epochs (passes over each rollout)",
     "epsilon": "marl's flag is --cliprange (PPO clip range)",
     "normalize_advantages": "marl's flag is --normalize_advantage",
-    "steps_per_generation": "marl's flag is --num_mini_batches (optimizer steps per rollout and epoch)",
+    "steps_per_generation": "marl's flag is --num_mini_batches (optimizer steps per rollout and epoch: "
+    "steps_per_generation / gradient_accumulation_steps)",
+    "generation_batch_size": "marl's completions per update are per_device_train_batch_size × "
+    "gradient_accumulation_steps × --num_mini_batches",
+    "max_steps": "marl's flag is --total_episodes (completions in total; TRL's max_steps counts optimizer "
+    "steps, marl.algo.from_trl.rloo_config_from_trl converts it)",
+    "top_p": "marl samples with --temperature alone (no top_p, top_k or min_p)",
+    "top_k": "marl samples with --temperature alone (no top_p, top_k or min_p)",
+    "min_p": "marl samples with --temperature alone (no top_p, top_k or min_p)",
+    "use_peft": "marl always trains a LoRA policy adapter: drop the flag (--lora_r, --lora_alpha and "
+    "--lora_target_modules shape it)",
+    "lora_dropout": "marl trains without dropout (the update must see the function the rollout sampled): "
+    "drop the flag",
+    "max_length": "marl's flag is --response_length (new tokens per completion); prompts are never cut",
     "reward_funcs": "marl's flags are --reward_fn module:function and --reward_adapter DIR",
     "reward_model_path": "marl's flag is --reward_adapter DIR (a reward LoRA + score head)",
     "sft_model_path": "marl's flags are --model_name_or_path and --policy_adapter DIR",
     "max_prompt_length": "marl does not cut prompts: a prompt too long for the context with its completion "
     "is refused",
 }
+
+
+def flag_hints(names: Sequence[str], known: Sequence[str]) -> str:
+    """A hint per unknown flag among ``names``: the TRL name's marl flag, else the closest ``known`` flag.
+
+    Example:
+        >>> print(flag_hints(["--rlook", "3", "--top_p", "0.9"], ["rloo_k", "temperature", "seed"]))
+        --top_p is a TRL name: marl samples with --temperature alone ...; --rlook: did you mean --rloo_k?
+    """
+    import difflib
+
+    hints = [trl_flag_hints([word]) for word in names]
+    for word, hint in zip(names, list(hints), strict=True):
+        name = str(word).removeprefix("--").split("=")[0].replace("-", "_")
+        if not hint and str(word).startswith("--"):
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            hints.append(f"--{name}: did you mean --{close[0]}?" if close else "")
+    return "; ".join(hint for hint in hints if hint)
 
 
 def trl_flag_hints(names: Sequence[str]) -> str:
@@ -123,7 +154,8 @@ def parse_flags(dataclass_types: list[type], prog: str, words: Sequence[str]) ->
     _check_config_file(words, parser)
     *parsed, _common, unknown = parser.parse_args_and_config(list(words), return_remaining_strings=True)
     if unknown:
-        hints = trl_flag_hints([word for word in unknown if word.startswith("--")])
+        known = [action.dest for action in parser._actions]
+        hints = flag_hints([word for word in unknown if word.startswith("--")], known)
         raise ConfigError(f"unknown flags {unknown}: {hints or f'see `{prog} --help` for the flags'}")
     return tuple(parsed)
 
@@ -158,7 +190,7 @@ def _check_config_file(words: Sequence[str], parser: argparse.ArgumentParser) ->
     known = {action.dest for action in parser._actions} | {"env"}
     unknown = [str(key) for key in settings if key not in known]
     if unknown:
-        hints = trl_flag_hints(unknown)
+        hints = flag_hints([f"--{key}" for key in unknown], sorted(known))
         raise ConfigError(
             f"the config file {path} has unknown settings {unknown}: "
             + (

@@ -328,6 +328,12 @@ CASES = [
     Case(RLOO, ["--num_generations", "4"], r"--num_generations is a TRL name: marl's flag is --rloo_k"),
     Case(RLOO, ["--max-completion-length", "9"], r"--max_completion_length .*flag is --response_length"),
     Case(RLOO, ["--beta", "0.1"], r"--beta is a TRL name: marl's flag is --kl_coef"),
+    Case(RLOO, ["--max_steps", "10"], r"--max_steps is a TRL name: marl's flag is --total_episodes"),
+    Case(RLOO, ["--top_p", "0.9"], r"--top_p is a TRL name: marl samples with --temperature alone"),
+    Case(RLOO, ["--use_peft"], r"--use_peft is a TRL name: marl always trains a LoRA policy adapter"),
+    Case(RLOO, ["--lora_dropout", "0.1"], r"--lora_dropout is a TRL name: marl trains without dropout"),
+    Case(RLOO, ["--max_length", "64"], r"--max_length is a TRL name: marl's flag is --response_length"),
+    Case(RLOO, ["--rlook", "4"], r"unknown flags \['--rlook', '4'\]: --rlook: did you mean --rloo_k\?"),
     Case(RLOO, ["--num_iterations", "2"], r"--num_iterations is a TRL name: marl's flag is --num_ppo_epochs"),
     Case(RLOO, ["--epsilon", "0.3"], r"--epsilon is a TRL name: marl's flag is --cliprange"),
     Case(
@@ -458,6 +464,8 @@ CASES += [
 EVALUATE = "evaluate"
 CASES += [
     Case(EVALUATE, [NO_DEFAULTS], r"evaluating the base alone needs --output_dir"),
+    Case(EVALUATE, ["--reward_fns", "m:f"], r"--reward_fns: did you mean --reward_fn\?"),
+    Case(EVALUATE, ["--reward_fn", "no_such_module:f"], r"--reward_fn 'no_such_module:f': could not import"),
     Case(
         EVALUATE,
         ["--policy_adapter", "{files}/missing"],
