@@ -59,13 +59,22 @@ def test_bucketed_decode_samples_from_the_distribution_it_scores(family, dtype, 
     """Its ``scores`` (``logits / T`` of every step) against the family's own forward and marl's log-probs,
     while rows stop inside a bucket and the survivors are compacted into smaller ones."""
     model = load(family_dir, family, dtype=dtype)
+    assert_decode_samples_what_it_scores(
+        model, family_dir, family, dtype, BucketedDecoder(model.peft_model, 9)
+    )
+
+
+def assert_decode_samples_what_it_scores(model, family_dir, family, dtype, decoder: BucketedDecoder) -> None:
+    """``decoder`` (9 rows: three prompts, k = 3) draws from the distribution the family's forward and marl's
+    log-probs give, and compacts its rows as they stop (also the CUDA tests' check)."""
     tolerance = logprob_tolerance(dtype)
     pad = pad_token_id(AutoTokenizer.from_pretrained(family_dir(family)))
     width = max(len(row) for row in PROMPT_ROWS)
-    ids = torch.tensor([[pad] * (width - len(row)) + row for row in PROMPT_ROWS])
-    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in PROMPT_ROWS])
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in PROMPT_ROWS], device=model.device)
+    mask = torch.tensor(
+        [[0] * (width - len(row)) + [1] * len(row) for row in PROMPT_ROWS], device=model.device
+    )
     copies = 3  # 9 rows: a bucket of 16, then 8, 4, ... as rows stop
-    decoder = BucketedDecoder(model.peft_model, 9)
     torch.manual_seed(0)
     with model.policy(), model._inference():
         free = decoder.sample(ids, mask, SamplingSettings(TEMPERATURE, 8, (), pad), copies)
@@ -73,6 +82,7 @@ def test_bucketed_decode_samples_from_the_distribution_it_scores(family, dtype, 
     settings = SamplingSettings(TEMPERATURE, 8, (int(free.flatten().mode().values),), pad)
 
     scores: list[torch.Tensor] = []
+    compactions = len(decoder.compactions)
     torch.manual_seed(0)
     with model.policy(), model._inference():
         completions = decoder.sample(ids, mask, settings, copies, scores=scores)
@@ -84,7 +94,7 @@ def test_bucketed_decode_samples_from_the_distribution_it_scores(family, dtype, 
         forward = model.peft_model(
             input_ids=sequences, attention_mask=full_mask, position_ids=position_ids_from_mask(full_mask)
         ).logits[:, width - 1 : -1]
-    assert decoder.compactions, "the live rows never moved to a smaller bucket"
+    assert len(decoder.compactions) > compactions, "the live rows never moved to a smaller bucket"
     sampled = torch.stack([torch.log_softmax(step.float(), dim=-1) for step in scores], dim=1)
     valid = valid[:, : sampled.shape[1]]
     expected = torch.log_softmax(forward[:, : sampled.shape[1]].float() / TEMPERATURE, dim=-1)
