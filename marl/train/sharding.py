@@ -84,6 +84,12 @@ def apply_fully_shard(
     fully_shard(body, **settings)
     if head is not None and not tied:
         fully_shard(head, **settings)
+    # bitsandbytes keeps a 4-bit layer's quantization constants on the module too; the DTensor lost them:
+    # give them back, so that the memory card counts what each process holds (its shard, the constants whole)
+    for module in causal_lm.modules():
+        weight, state = getattr(module, "weight", None), getattr(module, "quant_state", None)
+        if state is not None and isinstance(weight, DTensor) and getattr(weight, "quant_state", None) is None:
+            weight.quant_state = state
     # fully_shard replaced every managed parameter by a new DTensor parameter: point the records at them
     current = dict(peft_model.named_parameters())
     with torch.no_grad():

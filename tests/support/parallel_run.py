@@ -48,13 +48,18 @@ def base_parameter_bytes(model: MultiAdapterModel) -> int:
 
 
 def quantization_constant_bytes(model: MultiAdapterModel) -> int:
-    """Bytes of the 4-bit layers' quantization constants (absmax, code, nested state), which bitsandbytes
-    keeps on each ``Linear4bit`` module (0 for an unquantized base)."""
+    """Bytes of the 4-bit layers' quantization constants (absmax, code, offset, nested state), which
+    bitsandbytes keeps on each ``Linear4bit`` module (0 for an unquantized base)."""
     from bitsandbytes.nn import Linear4bit
 
-    states = [module.quant_state for module in model.peft_model.modules() if isinstance(module, Linear4bit)]
-    values = [value for state in states for value in state.as_dict(packed=True).values()]
-    return sum(value.numel() * value.element_size() for value in values if torch.is_tensor(value))
+    total = 0
+    for module in model.peft_model.modules():
+        state = module.quant_state if isinstance(module, Linear4bit) else None
+        while state is not None:
+            values = (state.absmax, state.code, state.offset)
+            total += sum(value.numel() * value.element_size() for value in values if torch.is_tensor(value))
+            state = getattr(state, "state2", None)
+    return total
 
 
 def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, options: str = "") -> None:
