@@ -111,3 +111,16 @@ def test_examples_of_the_builders_run(modules):
     import doctest
 
     assert doctest.testmod(modules["built_models"]).failed == 0
+
+
+def test_a_failed_run_is_reported_and_the_others_go_on(modules, tmp_path):
+    vs_trl = modules["vs_trl"]
+    failures: list[dict] = []
+    broken = {"system": "marl", "config": {"setup": "broken"}}  # the worker cannot build its config
+    assert vs_trl.run_block({"marl": broken}, 1, tmp_path, "gpu-0.5b-none", failures) == []
+    assert [failure["system"] for failure in failures] == ["marl"]
+    assert "TypeError" in failures[0]["error"]
+    report_markdown = importlib.import_module("report_markdown")
+    lines = report_markdown._failures({"blocks": {"none": {"failures": failures}}})
+    assert lines[1] == "Runs that failed:"
+    assert lines[3].startswith("- none, marl (`gpu-0.5b-none-marl-0`) failed:")

@@ -262,6 +262,16 @@ def _length_check(entry: dict[str, Any]) -> str:
     )
 
 
+def _failures(entry: dict[str, Any]) -> list[str]:
+    """The runs that failed (not in any table above), each with the last line of its log."""
+    lines = []
+    for quantization, block in entry["blocks"].items():
+        for failure in block.get("failures", []):
+            last = failure["error"].strip().splitlines()[-1] if failure["error"].strip() else ""
+            lines.append(f"- {quantization}, {failure['system']} (`{failure['run']}`) failed: `{last}`")
+    return ["", "Runs that failed:", "", *lines] if lines else []
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     systems = report["systems"]
     lines = [
@@ -329,6 +339,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             *floor_table(entry),
             "",
             _length_check(entry),
+            *_failures(entry),
         ]
     setups = list(report["setups"].values())
     fields = list(setups[0]["config"])

@@ -479,13 +479,22 @@ def progress_line(label: str, result: dict) -> str:
     )
 
 
-def run_block(jobs: dict[str, dict], runs: int, work_dir: Path, name: str) -> list[dict]:
-    """``runs`` runs of every system's job, alternating the order, each in its own process."""
+def run_block(
+    jobs: dict[str, dict], runs: int, work_dir: Path, name: str, failures: list[dict]
+) -> list[dict]:
+    """``runs`` runs of every system's job, alternating the order, each in its own process. A run that fails
+    goes to ``failures`` (system, the end of its log) and the others go on: one system that cannot run on a
+    machine (a GPU run that cannot be repeated at will) does not cost the measurements of the rest."""
     systems, measured = list(jobs), []
     for index in range(runs):
         for system in systems if index % 2 == 0 else systems[::-1]:
             label = f"{name}-{system}-{index}"
-            result = run_in_subprocess(jobs[system], work_dir, label)
+            try:
+                result = run_in_subprocess(jobs[system], work_dir, label)
+            except RuntimeError as error:
+                failures.append({"system": system, "run": label, "error": str(error)[-3000:]})
+                print(f"  {label}: FAILED, see {work_dir / (label + '.log')}", flush=True)
+                continue
             measured.append({"system": system, "result": result})
             print(progress_line(label, result), flush=True)
     return measured
@@ -555,7 +564,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             common = dict(quantization=quantization, config=dataclasses.asdict(config), prompts=prompts)
             common.update(model_path=model_path, reward_adapter=reward_adapter)
             jobs = {s: dict(common, system=s, **sharing(s, known)) for s in systems[setup]}
-            block["runs"] = run_block(jobs, args.runs, work_dir, f"{setup}-{quantization}")
+            block["failures"] = []
+            block["runs"] = run_block(jobs, args.runs, work_dir, f"{setup}-{quantization}", block["failures"])
             block["summary"] = summarize(block["runs"])
             block["floor"] = compute_floor(config, quantization, model_path, reward_adapter, prompts)
             block["machine_floors"] = probe_in_subprocess(config.threads, config.device)
@@ -570,6 +580,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                 output.parent.mkdir(parents=True, exist_ok=True)
                 output.write_text(render_markdown(report))
                 print(f"results: {output}", flush=True)
+    blocks = [block for entry in report["setups"].values() for block in entry["blocks"].values()]
+    if failed := [failure["run"] for block in blocks for failure in block["failures"]]:
+        raise SystemExit(f"{len(failed)} runs failed ({', '.join(failed)}); their logs are in {work_dir}")
 
 
 def setup_systems(config: BenchConfig, known: Sequence[str], chosen: Sequence[str] | None) -> list[str]:
