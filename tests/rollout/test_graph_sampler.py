@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from test_static_sampler import PROMPT_ROWS, STATIC_FAMILIES, TEMPERATURE, draw, load
+from test_static_sampler import PROMPT_ROWS, STATIC_FAMILIES, TEMPERATURE, draw, load, metrics
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import AutoTokenizer, StaticCache
 
@@ -24,6 +24,7 @@ from marl.rollout.prompts import Prompt
 from marl.rollout.samplers import SamplerSettings
 
 from support.families import FAMILIES, logprob_tolerance, position_ids_from_mask
+from support.runs import build, tiny_config
 
 # Sliding-window cache layers count their fill in a Python int: those families decode eager.
 SLIDING = {"gemma2", "gemma3_text", "mistral"}
@@ -209,3 +210,16 @@ def test_a_base_sharded_over_processes_decodes_with_the_static_decode(family_dir
     tokenizer = AutoTokenizer.from_pretrained(family_dir("llama"))
     sampler = GraphSampler(model, tokenizer, SamplerSettings(TEMPERATURE, 4, synced_processes=True))
     assert (sampler.path, sampler.decoder) == ("static", None) and "sharded" in sampler.path_reason
+
+
+@pytest.mark.slow
+def test_training_with_the_graph_sampler_reproduces_the_static_sampler(tiny_llama_dir, tmp_path):
+    static = tmp_path / "static"
+    build(tiny_llama_dir, tiny_config(static, total_episodes=32, sampler="static")).train()
+    graph = tmp_path / "graph"
+    trainer = build(tiny_llama_dir, tiny_config(graph, total_episodes=32, sampler="graph"))
+    trainer.train()
+    assert trainer.sampler.path == "eager"  # on a CPU
+    assert metrics(graph) == metrics(static)
+    adapter = "adapter_model.safetensors"
+    assert (graph / adapter).read_bytes() == (static / adapter).read_bytes()
