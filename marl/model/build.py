@@ -99,11 +99,13 @@ def load_base(
     quantization: str | None,
     dtype: torch.dtype,
     device_map: Any = None,
+    frozen_float32: bool = False,
     **options: Any,
 ) -> nn.Module:
     """Load the base at ``path`` with ``auto_class`` (a causal LM, or a sequence classifier for reward
     training), quantized through bitsandbytes or not, frozen, on ``device_map`` (default: the current CUDA
-    device if there is one, else CPU). ``options`` go to ``from_pretrained`` (e.g. ``num_labels=1``)."""
+    device if there is one, else CPU). ``options`` go to ``from_pretrained`` (e.g. ``num_labels=1``);
+    ``frozen_float32``: see :func:`marl.model.quantization.prepare_quantized_base`."""
     quantization = parse_quantization(quantization)
     if device_map is None and torch.cuda.is_available():
         device_map = {"": torch.cuda.current_device()}
@@ -115,7 +117,7 @@ def load_base(
         **({"device_map": device_map} if device_map is not None else {}),
         **options,
     )
-    return prepare_quantized_base(base, quantization)
+    return prepare_quantized_base(base, quantization, frozen_float32=frozen_float32)
 
 
 def load(

@@ -66,20 +66,27 @@ def bitsandbytes_config(quantization: str | None, compute_dtype: torch.dtype) ->
     return BitsAndBytesConfig(load_in_8bit=True)
 
 
-def prepare_quantized_base(model: nn.Module, quantization: str | None) -> nn.Module:
-    """Make a freshly loaded quantized base ready for adapters: freeze it, upcast its non-quantized
-    parameters (norms, embeddings) to float32 (``prepare_model_for_kbit_training``), keep its 4-bit layers
+def prepare_quantized_base(
+    model: nn.Module, quantization: str | None, *, frozen_float32: bool = False
+) -> nn.Module:
+    """Make a freshly loaded quantized base ready for adapters: freeze it, keep its 4-bit layers
     differentiable on CPU, drop LLM.int8's per-call notice, and let go of the checkpoint's pages and of the
     memory the quantization freed. An unquantized base is only frozen.
+
+    Its non-quantized parameters (embeddings, LM head, norms, biases) stay in the dtype they were loaded in,
+    the compute dtype: ``from_pretrained(dtype=...)`` has already rounded them to it, whatever the
+    checkpoint's dtype, so a float32 copy (what PEFT's ``prepare_model_for_kbit_training`` makes, and marl did
+    before) holds the same values in twice the bytes (a Llama-3.1-8B shape in bf16: 2.1 GB), and under
+    autocast the head was cast back to bf16 at every call. They are frozen: nothing rounds them again. The
+    LoRA weights and AdamW's state are float32 all the same (PEFT makes adapter weights float32).
+    ``frozen_float32=True`` upcasts them as PEFT does (how marl loaded a base before, kept to compare).
 
     Gradient checkpointing is not switched on here; the caller decides (see ``MultiAdapterModel``).
     """
     quantization = parse_quantization(quantization)
+    model.requires_grad_(False)
     if quantization is None:
-        model.requires_grad_(False)
         return model
-    from peft import prepare_model_for_kbit_training
-
     from marl.model.memory import release_freed_memory
 
     if quantization == "4bit":
@@ -87,7 +94,10 @@ def prepare_quantized_base(model: nn.Module, quantization: str | None) -> nn.Mod
     else:
         _silence_int8_cast_notice()
         use_one_int8_path_in_train_and_eval(model)
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if frozen_float32:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     release_checkpoint_mapping(model)
     # Quantizing cycles every float32 weight through the C heap, which keeps what they freed (a 0.5B model:
     # 1.96 GB of anonymous memory after the load, 0.40 GB once returned).

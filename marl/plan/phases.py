@@ -16,7 +16,8 @@ hold at once: the working set of that phase, above the weights and the training 
 Quantized bases: every ``nn.Linear`` but the LM head becomes a :class:`QuantizedLinearStandIn`, which makes
 what bitsandbytes makes (the weight dequantized to the compute dtype for each product, in the forward and
 again in the backward pass, never kept) and which keeps the input's dtype as bitsandbytes does; the
-parameters transformers leaves unquantized are float32, as after ``prepare_model_for_kbit_training``.
+parameters transformers leaves unquantized stay in the compute dtype, as marl keeps them
+(:func:`marl.model.quantization.prepare_quantized_base`).
 
 Example:
     >>> shapes = PhaseShapes(prompt_length=32, response_length=16, rloo_k=4, rows_per_pass=8,
@@ -115,8 +116,9 @@ class QuantizedLinearStandIn(nn.Linear):
 
 
 def quantize_stand_in(causal_lm: nn.Module, quantization: str, compute_dtype: torch.dtype) -> int:
-    """Replace every ``nn.Linear`` but the LM head by a :class:`QuantizedLinearStandIn` and make the other
-    floating parameters float32 (``prepare_model_for_kbit_training``); returns how many layers."""
+    """Replace every ``nn.Linear`` but the LM head by a :class:`QuantizedLinearStandIn`; the other floating
+    parameters stay in the compute dtype (:func:`marl.model.quantization.prepare_quantized_base`); returns
+    how many layers."""
     head = causal_lm.get_output_embeddings()
     replaced = 0
     for module in list(causal_lm.modules()):
@@ -124,12 +126,6 @@ def quantize_stand_in(causal_lm: nn.Module, quantization: str, compute_dtype: to
             if type(child) is nn.Linear and child is not head:
                 setattr(module, child_name, QuantizedLinearStandIn(child, compute_dtype, quantization))
                 replaced += 1
-    for module in causal_lm.modules():
-        if isinstance(module, QuantizedLinearStandIn):
-            continue
-        for parameter in module.parameters(recurse=False):
-            if parameter.dtype in (torch.float16, torch.bfloat16):
-                parameter.data = parameter.data.float()
     return replaced
 
 
@@ -162,8 +158,8 @@ def as_under_autocast(peft_model: nn.Module, dtype: torch.dtype) -> None:
     ``torch.autocast(dtype)``, which the meta device does not run: autocast computes a linear layer on
     ``dtype`` copies of its input and weight, and the backward pass keeps both. So PEFT's float32 copy of a
     LoRA input (it casts to the LoRA weights' dtype) is kept as a ``dtype`` copy, half the bytes, and a
-    float32 LM head (next to a quantized base) is copied to ``dtype`` at every call (the sampler's and each
-    log-prob chunk's)."""
+    float32 LM head (an unquantized float32 base under bf16 autocast) is copied to ``dtype`` at every call
+    (the sampler's and each log-prob chunk's); a head already in ``dtype`` is not copied."""
     from peft.tuners.lora import LoraLayer
 
     def autocast_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:

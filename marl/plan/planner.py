@@ -5,7 +5,7 @@ The plan of one process is, per phase of the run:
     peak(phase) = resident + working set of the phase (traced, :mod:`marl.plan.phases`) + runtime
 
 - **resident**: the base as stored (NF4 / int8 layers counted as bitsandbytes stores them, the rest in the
-  compute dtype, float32 next to a quantized base), every adapter (policy LoRA in float32, reward LoRAs and
+  compute dtype, also next to a quantized base), every adapter (policy LoRA in float32, reward LoRAs and
   score heads, the reference copy when the reference is the initial policy) and AdamW's two float32 moments
   of the policy LoRA, which exist from the first optimizer step on and stay;
 - **working set**: what the phase makes and holds at once, traced by running the family's own code on the

@@ -60,8 +60,14 @@ def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype):
 
     tokenizer = load_tokenizer(path)
     _pad_with_a_token_other_than_eos(tokenizer)
+    # Its score head trains (PEFT's modules_to_save): float32 beside a quantized base, as PEFT prepares it.
     model = load_base(
-        AutoModelForSequenceClassification, path, quantization=quantization, dtype=dtype, num_labels=1
+        AutoModelForSequenceClassification,
+        path,
+        quantization=quantization,
+        dtype=dtype,
+        num_labels=1,
+        frozen_float32=True,
     )
     # The classifier pools at the last token that is not padding; it needs to know which id that is.
     # Gradient checkpointing, if asked for, is switched on by RewardTrainer (activation_checkpointing).
