@@ -6,28 +6,31 @@ scores, ``Σ_s w_s · r_s`` over the sources that judged a completion; the estim
 advantage.
 
 ``per_reward`` (GDPO, Liu et al. 2026, arXiv 2601.05242; TRL 1.16's ``"normalize_then_sum"``): each source's
-scores are normalised within the prompt's group over the completions that source judged,
-``n_s = (r_s − mean_g r_s) / (std_g r_s + 1e-4)`` (the unbiased std, TRL's epsilon), the std only where the
-estimator scales (``grpo`` with ``--scale_rewards group``; ``rloo`` and ``grpo`` with ``none`` only centre).
-The estimator sees ``Σ_s w_s · n_s``, over the sources that judged the completion, minus the missing-EOS
-penalty and, with the KL in the reward (``--kl_placement reward``), ``kl_coef · KL``: both are added AFTER the
-per-source normalisation, in its units (a ``kl_coef`` tuned under ``sum`` means something else here). The
-estimator takes its baseline without a scale of its own (``rloo``: leave-one-out; ``grpo``: the group mean),
-and the advantages are z-scored over the completions with an advantage of the whole batch (every process),
-std + 1e-4: GDPO's batch-wise normalisation. A source that judged fewer than two completions of a group adds 0
-to them; a completion no source judged stays unjudged (advantage 0), as under ``sum``.
+scores are normalised within the prompt's group over the completions that source judged, ``n_s = (r_s − mean_g
+r_s) / (std_g r_s + 1e-4)`` (the unbiased std, TRL's epsilon), the std only with ``--scale_rewards group``:
+GRPO's default, and allowed with ``rloo`` under ``per_reward`` for this (``rloo`` without it, and
+``--scale_rewards none``, only centre). Centring alone changes nothing a group baseline would not remove
+anyway: with every completion judged, ``rloo`` without the scale gives ``sum``'s advantages z-scored over the
+batch; the per-source std is what keeps one source's spread from deciding the advantage. The estimator sees
+``Σ_s w_s · n_s``, over the sources that judged the completion, minus the missing-EOS penalty and, with the KL
+in the reward (``--kl_placement reward``), ``kl_coef · KL``: both are added AFTER the per-source
+normalisation, in its units (a ``kl_coef`` tuned under ``sum`` means something else here). The estimator takes
+its baseline without a scale of its own (``rloo``: leave-one-out; ``grpo``: the group mean), and the
+advantages are z-scored over the completions with an advantage of the whole batch (every process), std + 1e-4:
+GDPO's batch-wise normalisation. A source that judged fewer than two completions of a group adds 0 to them; a
+completion no source judged stays unjudged (advantage 0), as under ``sum``.
 
 Defined for the ``rloo`` and ``grpo`` estimators; refused (before any work) with ``reinforce_pp`` or an
 estimator registered elsewhere, with ``--scale_rewards batch`` (the batch scale is the last step already),
 ``--normalize_reward`` (it z-scores the summed score, which is no longer what trains) and
 ``--normalize_advantage`` (the batch normalisation is part of ``per_reward``).
 
-With ONE reward source of weight 1 and no missing-EOS penalty, ``per_reward`` gives today's ``sum``
-advantages z-scored over the batch (std + 1e-4): exactly (up to float rounding) under ``rloo`` with the KL in
-the reward or in the loss, and under ``grpo`` with ``--scale_rewards group`` or ``none`` and the KL in the
-loss (GRPO's default). The group mean a source loses is constant within its group, so the baseline removes it
-anyway; the group std of one source is the group std of the sum. ``--normalize_advantage`` does the same
-z-score with std + 1e-8.
+With ONE reward source of weight 1 and no missing-EOS penalty, ``per_reward`` gives today's ``sum`` advantages
+z-scored over the batch (std + 1e-4): exactly (up to float rounding) under ``rloo`` without
+``--scale_rewards`` with the KL in the reward or in the loss, and under ``grpo`` with ``--scale_rewards
+group`` or ``none`` and the KL in the loss (GRPO's default). The group mean a source loses is constant within
+its group, so the baseline removes it anyway; the group std of one source is the group std of the sum.
+``--normalize_advantage`` does the same z-score with std + 1e-8.
 
 Rows are k-major (row ``j * P + i`` is sample ``j`` of prompt ``i``), as everywhere in :mod:`marl.algo`.
 
@@ -118,7 +121,7 @@ def per_reward_normalization(config: Any) -> PerRewardNormalization:
                 "its group and z-scores the advantages over the batch itself. Drop --" + flag
             )
     if name == "rloo":
-        return PerRewardNormalization(scale=False, estimator=rloo_advantages)
+        return PerRewardNormalization(scale=scale == "group", estimator=rloo_advantages)
     return PerRewardNormalization(
         scale=scale == "group", estimator=functools.partial(grpo_advantages, scale_rewards="none")
     )

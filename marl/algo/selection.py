@@ -65,11 +65,14 @@ def check_algorithm(config: RLOOConfig) -> None:
         raise ConfigError(f"--loss_type {loss_type!r} is not a policy loss. Use one of {list(LOSS_TYPES)}")
     estimator = get_advantage_estimator(config.advantage_estimator)
     if config.scale_rewards is not None:
-        if not takes_scale_rewards(estimator):
+        # per_reward scales each source by its group std under rloo too (marl.algo.reward_normalization)
+        per_source = config.reward_normalization == "per_reward" and config.advantage_estimator == "rloo"
+        if not takes_scale_rewards(estimator) and not per_source:
+            also = " or --reward_normalization per_reward (each source by its group std)"
             raise ConfigError(
                 f"scale_rewards={config.scale_rewards!r} is set but the advantage estimator "
                 f"{config.advantage_estimator!r} does not scale rewards. Drop --scale_rewards, or use "
-                "--advantage_estimator grpo"
+                f"--advantage_estimator grpo{also if config.advantage_estimator == 'rloo' else ''}"
             )
         if config.scale_rewards not in SCALE_REWARDS:
             raise ConfigError(

@@ -138,9 +138,9 @@ class DemoArguments:
         default="sum",
         metadata={
             "help": "How the two rewards combine (marl.algo.reward_normalization): 'sum' (the weighted sum "
-            "of the raw scores) or 'per_reward' (GDPO: each normalised within its prompt group first; the "
-            "KL penalty then weighs against those normalised units, and the default kl_coef was measured "
-            "under 'sum')."
+            "of the raw scores) or 'per_reward' (GDPO: each reward minus its prompt group's mean, divided "
+            "by its std, before the weighted sum; the KL penalty then weighs against those normalised "
+            "units, and the default kl_coef was measured under 'sum')."
         },
     )
     response_length: int = field(default=20, metadata={"help": "Maximum new tokens per completion."})
@@ -200,6 +200,8 @@ def demo_rloo_config(
         learning_rate=arguments.learning_rate,
         kl_coef=arguments.kl_coef,
         reward_normalization=arguments.reward_normalization,
+        # per_reward: each reward by its group std too (centring alone, the leave-one-out removes anyway)
+        scale_rewards="group" if arguments.reward_normalization == "per_reward" else None,
         response_length=arguments.response_length,
         temperature=arguments.temperature,
         # No stop token: every completion runs to response_length, so that stopping early is not a way to

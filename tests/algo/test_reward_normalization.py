@@ -108,7 +108,7 @@ def gdpo_loop(scores, weights, k, *, scale, estimator, penalty, stopped, non_sco
     num_sources=st.integers(1, 3),
     seed=st.integers(0, 10_000),
     abstain=st.sampled_from([0.0, 0.3, 0.7]),
-    estimator_scale=st.sampled_from([("rloo", None), ("grpo", "group"), ("grpo", "none")]),
+    estimator_scale=st.sampled_from([("rloo", None), ("rloo", "group"), ("grpo", "group"), ("grpo", "none")]),
     penalty=st.sampled_from([None, 1.5]),
     token_level_kl=st.booleans(),
 )
@@ -351,6 +351,15 @@ def test_undefined_combinations_are_refused_before_any_work(settings_, named):
     message = str(refused.value)
     assert named in message and "per_reward" in message and "\n" not in message
     check_components(RLOOConfig(**settings_))  # the same settings under the default are fine
+
+
+def test_rloo_scales_each_source_only_under_per_reward():
+    scaled = RLOOConfig(reward_normalization="per_reward", scale_rewards="group")
+    check_components(scaled)
+    assert scaled.advantage_estimator == "rloo" and reward_normalization(scaled).scale
+    assert not reward_normalization(RLOOConfig(reward_normalization="per_reward")).scale
+    with pytest.raises(ConfigError, match="or --reward_normalization per_reward"):
+        check_components(RLOOConfig(scale_rewards="group"))  # under sum rloo has no scale to set
 
 
 def test_an_unknown_choice_names_the_flag_and_the_choices():

@@ -48,7 +48,12 @@ def test_rewards_name_the_adapters_of_the_run(tmp_path):
     assert config.reward_weights == [1.0, 0.4]
     assert config.reward_normalization == "sum"  # the demo's default is unchanged
     per_reward = DemoArguments(reward_normalization="per_reward")
-    assert demo_rloo_config(per_reward, tmp_path, entries).reward_normalization == "per_reward"
+    per_reward_config = demo_rloo_config(per_reward, tmp_path, entries)
+    assert (per_reward_config.reward_normalization, per_reward_config.scale_rewards) == (
+        "per_reward",
+        "group",
+    )
+    assert config.scale_rewards is None
     # One reward: the single-reward demo's adapter, named as before.
     assert reward_adapter_entries(("sentiment",), {"sentiment": "s", "topic": "t"}) == ["s"]
 
