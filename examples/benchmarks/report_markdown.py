@@ -274,8 +274,10 @@ def _failures(entry: dict[str, Any]) -> list[str]:
 
 def render_markdown(report: dict[str, Any]) -> str:
     systems = report["systems"]
+    grpo = all(entry["config"].get("algorithm") == "grpo" for entry in report["setups"].values())
+    trainer = "GRPOTrainer (marl --algorithm grpo)" if grpo else "RLOOTrainer"
     lines = [
-        f"# marl vs TRL RLOOTrainer ({report['date']})",
+        f"# marl vs TRL {trainer} ({report['date']})",
         "",
         "Command:",
         "",

@@ -50,6 +50,9 @@ class BenchConfig:
     threads: int = 0  # torch intra-op threads; 0 = all cores
     compare_sharing: bool = False  # marl also runs with share_prompt_prefix=False (where marl has it)
     cache_implementation: str = ""  # TRL's generate cache (its `cache_implementation`); "" = its default
+    # "rloo": marl's rloo preset against TRL's RLOOTrainer; "grpo": marl's grpo preset against TRL's
+    # GRPOTrainer (`trl`), both with GRPOConfig's defaults (kl_coef/beta 0 unless --kl-coef is given)
+    algorithm: str = "rloo"
 
     @property
     def batch_size(self) -> int:

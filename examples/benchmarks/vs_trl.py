@@ -42,6 +42,7 @@ Commands:
 
     python examples/benchmarks/vs_trl.py                     # every CPU setup, fp32 and 4-bit, 3 runs each
     python examples/benchmarks/vs_trl.py --setup cpu-long --quantization 4bit --runs 5
+    python examples/benchmarks/vs_trl.py --setup cpu-long4 --algorithm grpo   # grpo preset vs GRPOTrainer
     python examples/benchmarks/vs_trl.py --setup gpu         # on a machine with one CUDA GPU
     python examples/benchmarks/vs_trl.py --setup gpu --dry-run --quantization none   # its code path, on a CPU
 """
@@ -104,6 +105,8 @@ def marl_systems() -> tuple[str, ...]:
 # The sampler of each marl system that does not sample with marl's default.
 MARL_SAMPLERS = {"marl-generate": "transformers", "marl-graph": "graph"}
 TRL_SYSTEMS = ("trl", "trl-grpo")
+# --algorithm: marl's preset, and TRL's trainer that `trl` then runs (RLOOTrainer or GRPOTrainer)
+ALGORITHMS = ("rloo", "grpo")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -225,7 +228,9 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
                 completion_lengths.append(logs["completions/mean_length"])
 
     config_class, trainer_class = (
-        (GRPOConfig, GRPOTrainer) if job["system"] == "trl-grpo" else (TRLRLOOConfig, TRLRLOOTrainer)
+        (GRPOConfig, GRPOTrainer)
+        if job["system"] == "trl-grpo" or config.algorithm == "grpo"
+        else (TRLRLOOConfig, TRLRLOOTrainer)
     )
     cache = {"cache_implementation": config.cache_implementation} if config.cache_implementation else {}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as output_dir:
@@ -300,6 +305,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as output_dir:
         rloo_config = RLOOConfig(
             output_dir=output_dir,
+            algorithm=config.algorithm,
             rloo_k=config.rloo_k,
             per_device_train_batch_size=config.batch_size,
             gradient_accumulation_steps=1,
@@ -456,11 +462,22 @@ def setup_names(value: str) -> list[str]:
 
 
 def build_config(setup: str, args: argparse.Namespace) -> BenchConfig:
+    """The setup's config with the command line's overrides; ``--algorithm grpo`` also sets the KL
+    coefficient to GRPOConfig's ``beta`` default, 0, unless ``--kl-coef`` is given.
+
+    Example:
+        >>> build_config("cpu-long4", parse_args(["--algorithm", "grpo"])).kl_coef
+        0.0
+    """
     values = dict(SETUPS[setup], setup=setup, **(DRY_RUN if getattr(args, "dry_run", False) else {}))
     for field in dataclasses.fields(BenchConfig):
         override = getattr(args, field.name, None)
         if field.name not in ("setup", "model") and override is not None:
             values[field.name] = override
+    if values.get("algorithm", "rloo") not in ALGORITHMS:
+        raise SystemExit(f"--algorithm: {values['algorithm']!r} is not one of {list(ALGORITHMS)}")
+    if values.get("algorithm") == "grpo" and getattr(args, "kl_coef", None) is None:
+        values["kl_coef"] = 0.0  # GRPOConfig's beta
     return BenchConfig(**values)
 
 
@@ -539,6 +556,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "setups": {},
     }
     name = "-".join(sorted({s.split("-")[0] for s in configs})) if len(configs) > 1 else next(iter(configs))
+    if algorithms := sorted({config.algorithm for config in configs.values()} - {"rloo"}):
+        name += "-" + "-".join(algorithms)
     results_dir = REPO_ROOT / "benchmarks" / "results"
     output = Path(args.output) if args.output else results_dir / f"{date:%Y-%m-%d}-{name}.md"
     if args.dry_run and not args.output:
