@@ -164,11 +164,11 @@ def load(
     # The first policy wraps the base in a PeftModel; every later adapter is added to it.
     if policy.folder is not None:
         adapters.check_lora_targets(base, policy.folder.state, policy.folder.directory, role="policy")
-        peft_model = get_peft_model(base, _saved_policy_config(policy.folder), adapter_name=policy_name)
+        peft_model = wrap_with_peft(base, _saved_policy_config(policy.folder), adapter_name=policy_name)
         _load_saved_lora(peft_model, policy_name, policy.folder, policy.folder.state)
     else:
         adapters.check_target_modules(base, policy.lora_config.target_modules, "--lora_target_modules")
-        peft_model = get_peft_model(base, policy.lora_config, adapter_name=policy_name)
+        peft_model = wrap_with_peft(base, policy.lora_config, adapter_name=policy_name)
     policies = {policy_name: _register_policy(peft_model, policy_name, policy, reference, {})}
     rewards: dict[str, RewardAdapter] = {}
     for name, folder in folders.items():
@@ -411,3 +411,11 @@ def _check_only_policies_train(peft_model: PeftModel, trainable: set[int]) -> No
             f"{foreign[:3]}; the shared base (and so the reward and the reference) would move with them. "
             "Train only adapter weights (LoraConfig with bias='none' and no trainable base modules)"
         )
+
+
+def wrap_with_peft(base: Any, lora_config: Any, **kwargs: Any) -> PeftModel:
+    """``peft.get_peft_model``, without the deprecation notice that PEFT's own constructor raises by reading
+    transformers' ``is_gradient_checkpointing``: PEFT's call, which no marl setting or user can change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(base, lora_config, **kwargs)

@@ -99,6 +99,23 @@ def prompt_cache_can_be_shared(causal_lm: nn.Module) -> bool:
     return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
 
 
+def cache_argument(model: nn.Module, cache: Any) -> dict[str, Any]:
+    """``cache`` as the keyword ``model``'s forward takes it: ``cache`` in transformers 5.x (where
+    ``past_key_values`` is deprecated), ``past_key_values`` in a model class that has no ``cache`` yet.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> list(cache_argument(LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=8,
+        ...     intermediate_size=8, num_attention_heads=2, vocab_size=10)), None))
+        ['cache']
+    """
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    keyword = "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+    return {keyword: cache}
+
+
 def exact_generation_config(settings: SamplingSettings) -> GenerationConfig:
     """A ``GenerationConfig`` that samples from ``softmax(logits / temperature)`` and nothing else."""
     return GenerationConfig(
@@ -180,7 +197,7 @@ def generate_exactly(
             input_ids=input_ids,
             attention_mask=attention_mask,
             generation_config=config,
-            past_key_values=past_key_values,
+            **cache_argument(peft_model, past_key_values),
             synced_gpus=settings.synced_processes,
             **output_options,
         )

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from marl.model.generation import SamplingSettings
+from marl.model.generation import SamplingSettings, cache_argument
 
 # A decode step: (input ids [A, 1], attention mask [A, S], position ids [A, 1], cache) -> logits [A, 1, V].
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
@@ -75,7 +75,7 @@ def _forward_step(peft_model: nn.Module) -> DecodeStep:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            **cache_argument(peft_model, cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits

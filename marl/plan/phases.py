@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from marl.model.families import LogitHead, backbone
+from marl.model.generation import cache_argument
 from marl.model.logprobs import logprobs_from_hidden
 from marl.model.packing import pack_rows
 from marl.model.static_decode import _repeat_rows
@@ -294,7 +295,7 @@ def sampling_peak(model: nn.Module, shapes: PhaseShapes, shared_prefill: bool = 
             input_ids=_zeros(device, prompts, shapes.prompt_length),
             attention_mask=_cache_mask(model, prompts, shapes.prompt_length, width),
             position_ids=_zeros(device, prompts, shapes.prompt_length),
-            past_key_values=cache,
+            **cache_argument(model, cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits
@@ -308,7 +309,7 @@ def sampling_peak(model: nn.Module, shapes: PhaseShapes, shared_prefill: bool = 
             input_ids=drawn,
             attention_mask=_cache_mask(model, rows, 1, width),
             position_ids=_zeros(device, rows, 1),
-            past_key_values=cache,
+            **cache_argument(model, cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits

@@ -219,10 +219,10 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
     """The :class:`MemoryPlan` of an ``RLOOConfig`` (``config``) on the model of ``model_config`` (a
     transformers config, e.g. from :func:`load_model_config`) for ``target``; ``system`` plans the same job
     as another system would run it (:data:`marl.plan.systems.SYSTEMS`: ``trl-rloo``, ``ppo``)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     from marl.batch_sizes import local_batch_size
-    from marl.model.build import enable_gradient_checkpointing
+    from marl.model.build import enable_gradient_checkpointing, wrap_with_peft
     from marl.model.families import disable_dropout
     from marl.plan.systems import SYSTEMS, check_plannable
 
@@ -240,7 +240,7 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
         target_modules=targets[0] if targets == ["all-linear"] else targets,
     )
     try:
-        peft_model = get_peft_model(base, policy_lora)
+        peft_model = wrap_with_peft(base, policy_lora)
     except ValueError as error:
         raise ConfigError(f"--lora_target_modules {' '.join(targets)}: {error}") from error
     disable_dropout(peft_model)  # as marl loads every model
