@@ -49,10 +49,11 @@ class EvaluateArguments:
         default=None,
         metadata={"help": "Policy adapter folder (from train-rloo). Unset: evaluate the base alone."},
     )
-    model_name_or_path: str = field(
-        default="smollm2-135m-instruct",
+    model_name_or_path: str | None = field(
+        default=None,
         metadata={
-            "help": "Base model: the embedded id, a local folder or a hub id already in the local cache."
+            "help": "Base model: the embedded id, a local folder or a hub id already in the local cache. "
+            "Unset: the training run's (its rloo_config.json), else smollm2-135m-instruct."
         },
     )
     reward_adapter: list[str] | None = field(
@@ -70,7 +71,9 @@ class EvaluateArguments:
             "reported. Repeat the flag for several."
         },
     )
-    quantization: str | None = field(default=None, metadata={"help": "Load the base in '4bit' or '8bit'."})
+    quantization: str | None = field(
+        default=None, metadata={"help": "Load the base in '4bit' or '8bit'. Unset: the training run's."}
+    )
     dataset_name: str = dataset_name_field("Held-out prompts")
     dataset_split: str = field(
         default="test",
@@ -78,14 +81,20 @@ class EvaluateArguments:
     )
     prompt_column: str = field(default="prompt", metadata={"help": "Column that holds the prompts."})
     num_prompts: int = field(default=200, metadata={"help": "Evaluate on the first this many prompts."})
-    response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
-    temperature: float = field(default=0.7, metadata={"help": "Sampling temperature (use the training one)."})
+    response_length: int | None = field(
+        default=None,
+        metadata={"help": "Maximum new tokens per completion. Unset: the training run's, else 53."},
+    )
+    temperature: float | None = field(
+        default=None, metadata={"help": "Sampling temperature. Unset: the training run's, else 0.7."}
+    )
     batch_size: int = field(default=32, metadata={"help": "Prompts per generation batch."})
     seed: int = field(default=0, metadata={"help": "Seed of the sampling (same for base and policy)."})
-    stop_at_eos: bool = field(
-        default=True,
+    stop_at_eos: bool | None = field(
+        default=None,
         metadata={
-            "help": "End completions at EOS (as --stop_token eos in training); false: run to the limit."
+            "help": "End completions at EOS (as --stop_token eos in training); false: run to the limit. "
+            "Unset: as the training run did, else true."
         },
     )
     judge: str | None = field(
@@ -115,9 +124,9 @@ class EvaluateArguments:
         check_seed(self.seed)
         check_threads(self.threads)
         for name in ("num_prompts", "batch_size", "response_length"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"--{name}={getattr(self, name)} must be a positive integer: fix the flag")
-        if self.temperature <= 0:
+        if self.temperature is not None and self.temperature <= 0:
             raise ConfigError(
                 f"--temperature={self.temperature} must be > 0: evaluation samples like training"
             )
@@ -126,6 +135,53 @@ class EvaluateArguments:
         results_dir = Path(self.output_dir or self.policy_adapter)
         if results_dir.exists() and not results_dir.is_dir():
             raise ConfigError(f"{results_dir} is a file; --output_dir must be a folder for {RESULTS_FILE}")
+
+
+# What ``marl evaluate`` takes from the training run's rloo_config.json when unset, and its own defaults.
+RUN_SETTINGS = {
+    "model_name_or_path": ("model_name_or_path", "smollm2-135m-instruct"),
+    "quantization": ("quantization", None),
+    "response_length": ("response_length", 53),
+    "temperature": ("temperature", 0.7),
+    "stop_at_eos": ("stop_token", True),
+}
+
+
+def fill_from_training_run(arguments: EvaluateArguments) -> dict[str, Any]:
+    """Fill ``arguments``' unset sampling and model settings from the training run's ``rloo_config.json``
+    (so that evaluation samples as the run did: its base, length, temperature and stop), else with
+    ``marl evaluate``'s defaults; returns those taken from the run.
+
+    Example:
+        >>> arguments = EvaluateArguments(output_dir="out")  # no policy: no run to read
+        >>> fill_from_training_run(arguments), arguments.response_length, arguments.stop_at_eos
+        ({}, 53, True)
+    """
+    from marl.train.run_dir import CONFIG_FILE
+
+    run: dict[str, Any] = {}
+    if arguments.policy_adapter is not None:
+        folder = Path(arguments.policy_adapter)
+        for config_file in (folder / CONFIG_FILE, folder.parent / CONFIG_FILE):
+            if config_file.is_file():
+                try:
+                    run = json.loads(config_file.read_text())
+                except (OSError, ValueError):
+                    run = {}
+                break
+    taken = {}
+    for name, (key, default) in RUN_SETTINGS.items():
+        if getattr(arguments, name) is not None:
+            continue
+        value = run.get(key, default) if isinstance(run, dict) else default
+        if name == "stop_at_eos" and key in run:
+            value = (
+                run[key] == "eos"
+            )  # a run's "none" (or, before EOS was the default, None) ran to the limit
+        if key in run:
+            taken[name] = value
+        setattr(arguments, name, value)
+    return taken
 
 
 def training_run_dataset(policy_adapter: str | None) -> tuple[Path, dict[str, Any]] | None:
@@ -200,6 +256,9 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
 
     console = Console()
     check_one_process()
+    taken = fill_from_training_run(arguments)
+    if taken:
+        print(f"as the training run did (its rloo_config.json): {taken}", file=sys.stderr)
     get_sampler(arguments.sampler)  # an unknown name fails before any work
     judge = load_judge(arguments.judge)
     if arguments.judge is None:  # VADER is in the demo extra: without it, stop before the model loads

@@ -248,3 +248,32 @@ def test_reward_functions_and_several_reward_adapters_are_each_reported(eval_set
     assert [row["reward_scores"]["column_reward:matches"] for row in completions] == pytest.approx(expected)
     one, two = (summary["policy"]["reward_scores_by_name"][name] for name in ("one", "two"))
     assert one == pytest.approx(two) and one == pytest.approx(summary["policy"]["reward_score"])
+
+
+def test_unset_sampling_settings_come_from_the_training_run(eval_setup, tmp_path):
+    """A policy folder whose rloo_config.json says how the run sampled (its base, length, temperature, no
+    stop token): evaluation samples the same way unless a flag says otherwise."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(eval_setup["trained_policy"], run)
+    recorded = {"model_name_or_path": eval_setup["base"], "quantization": None, "response_length": 3,
+                "temperature": 1.3, "stop_token": "none"}  # fmt: skip
+    (run / "rloo_config.json").write_text(json.dumps(recorded))
+    arguments = EvaluateArguments(
+        policy_adapter=str(run), dataset_name=eval_setup["prompts"], dataset_split="train",
+        prompt_column="text", num_prompts=len(PROMPTS), batch_size=3, output_dir=str(tmp_path / "out"),
+    )  # fmt: skip
+    run_evaluation(arguments)
+    settings = json.loads((tmp_path / "out" / RESULTS_FILE).read_text())["settings"]
+    assert (settings["response_length"], settings["temperature"], settings["stop_at_eos"]) == (3, 1.3, False)
+    assert settings["model_name_or_path"] == eval_setup["base"]
+    rows = [json.loads(line) for line in (tmp_path / "out" / COMPLETIONS_FILE).read_text().splitlines()]
+    assert all(row["policy"]["length"] == 3 for row in rows)  # no stop token: every completion runs to 3
+    given = EvaluateArguments(policy_adapter=str(run), response_length=4, output_dir=str(tmp_path / "o2"))
+    from marl.apps.evaluate import fill_from_training_run
+
+    taken = fill_from_training_run(given)
+    assert taken == {"model_name_or_path": eval_setup["base"], "quantization": None, "temperature": 1.3,
+                     "stop_at_eos": False}  # fmt: skip
+    assert given.response_length == 4
