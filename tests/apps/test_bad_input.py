@@ -280,7 +280,7 @@ CASES = [
     Case(
         RLOO,
         ["--sampler", "nope"],
-        r"--sampler 'nope' is not a registered .*\['static', 'transformers'\]",
+        r"--sampler 'nope' is not a registered .*\['graph', 'static', 'transformers'\]",
     ),
     Case(RLOO, ["--response_length", "0"], r"response_length=0 must be a positive integer"),
     Case(RLOO, ["--stop_token", "bos"], r"stop_token='bos' is not supported"),
@@ -291,6 +291,16 @@ CASES = [
         RLOO, ["--missing_eos_penalty", "1", "--stop_token", "none"], r"missing_eos_penalty is set without a"
     ),
     Case(RLOO, ["--advantage_epsilon", "0"], r"advantage_epsilon=0.0 must be > 0"),
+    Case(
+        RLOO,
+        ["--reward_normalization", "nope"],
+        r"--reward_normalization 'nope' is not a registered .*\['per_reward', 'sum'\]",
+    ),
+    Case(
+        RLOO,
+        ["--reward_normalization", "per_reward", "--algorithm", "reinforce_pp"],
+        r"per_reward is defined for the rloo and grpo advantage estimators.*not for 'reinforce_pp'",
+    ),
     Case(RLOO, ["--missing_eos_penalty", "nan", "--stop_token", "eos"], r"--missing_eos_penalty=nan is not"),
     Case(RLOO, ["--normalize_reward", "--reward_clip_range", "0"], r"reward_clip_range=0.0 must be > 0"),
     Case(RLOO, ["--reward_clip_range", "inf"], r"--reward_clip_range=inf is not a finite number"),
@@ -512,6 +522,7 @@ CASES += [
         run, run / "policy", ignore=shutil.ignore_patterns("policy"))),
     Case(DEMO, ["--reward_adapter", "{files}/missing-reward"], r"no reward adapter in .*--train_reward"),
     Case(DEMO, ["--total_episodes", "0"], r"total_episodes=0 must be positive"),
+    Case(DEMO, ["--reward_normalization", "nope"], r"--reward_normalization 'nope' is not a registered"),
     Case(DEMO, ["--rewards", "sentiment,fluency"], r"unknown reward 'fluency'; pass 'sentiment'"),
     Case(DEMO, ["--rewards", "topic"], r"must name sentiment"),
     Case(DEMO, ["--topic_weight", "-1"], r"--topic_weight=-1.0 must be a positive finite number"),
