@@ -111,6 +111,16 @@ def test_every_module_is_in_the_api_reference() -> None:
     assert modules - documented == set(), "add these modules to a page of docs/reference/"
 
 
+def test_every_module_is_on_the_layout_page() -> None:
+    layout = (DOCS / "concepts" / "layout.md").read_text()
+    unnamed = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "marl").rglob("*.py")
+        if path.stem not in ("__init__", "__main__") and not re.search(rf"\b{path.stem}\b", layout)
+    )
+    assert not unnamed, "name these modules in docs/concepts/layout.md"
+
+
 def _reference_text() -> str:
     return "\n".join(page.read_text() for page in sorted((DOCS / "reference").glob("*.md")))
 
