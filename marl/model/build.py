@@ -102,10 +102,9 @@ def load_base(
     frozen_float32: bool = False,
     **options: Any,
 ) -> nn.Module:
-    """Load the base at ``path`` with ``auto_class`` (a causal LM, or a sequence classifier for reward
-    training), quantized through bitsandbytes or not, frozen, on ``device_map`` (default: the current CUDA
-    device if there is one, else CPU). ``options`` go to ``from_pretrained`` (e.g. ``num_labels=1``);
-    ``frozen_float32``: see :func:`marl.model.quantization.prepare_quantized_base`."""
+    """Load the base at ``path`` with ``auto_class`` (a causal LM, or a reward-training classifier), quantized
+    or not (``frozen_float32``: :func:`marl.model.quantization.prepare_quantized_base`), frozen, on
+    ``device_map`` (default: the current CUDA device if any, else CPU); ``options`` go to from_pretrained."""
     quantization = parse_quantization(quantization)
     if device_map is None and torch.cuda.is_available():
         device_map = {"": torch.cuda.current_device()}
@@ -414,8 +413,8 @@ def _check_only_policies_train(peft_model: PeftModel, trainable: set[int]) -> No
 
 
 def wrap_with_peft(base: Any, lora_config: Any, **kwargs: Any) -> PeftModel:
-    """``peft.get_peft_model``, without the deprecation notice that PEFT's own constructor raises by reading
-    transformers' ``is_gradient_checkpointing``: PEFT's call, which no marl setting or user can change."""
+    """``peft.get_peft_model`` without the deprecation notice PEFT's own constructor raises (it reads
+    transformers' ``is_gradient_checkpointing``), which no marl setting or user can change."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         return get_peft_model(base, lora_config, **kwargs)

@@ -54,6 +54,10 @@ import os, signal, sys
 
 _spec = os.environ.get("MARL_TEST_KILL_AT")
 _signal = int(os.environ.get("MARL_TEST_KILL_SIGNAL", signal.SIGKILL))
+if _spec and _signal == signal.SIGINT:
+    # A process started from a shell's background job inherits SIGINT ignored, and Python then keeps it
+    # ignored: the Ctrl-C under test would never arrive. A terminal's Ctrl-C reaches a foreground run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 if _spec:
     _needle, _count = _spec.rsplit(":", 1)
     _left = [int(_count)]
