@@ -366,3 +366,23 @@ def test_an_unknown_choice_names_the_flag_and_the_choices():
     with pytest.raises(ConfigError, match=r"--reward_normalization 'gdpo' .*'per_reward'"):
         check_components(RLOOConfig(reward_normalization="gdpo"))
     assert RLOOConfig().reward_normalization == "sum" and reward_normalization(RLOOConfig()) is None
+
+
+def test_a_normalisation_registered_from_outside_is_chosen_by_name():
+    """The registry is the extension point: a choice registered by a user is what ``--reward_normalization``
+    NAME selects, and the config refuses nothing about it."""
+    from marl.algo.advantages import rloo_advantages
+    from marl.algo.reward_normalization import (
+        REWARD_NORMALIZATIONS,
+        PerRewardNormalization,
+        register_reward_normalization,
+        reward_normalization,
+    )
+    from marl.config import RLOOConfig
+
+    unscaled = PerRewardNormalization(scale=False, estimator=rloo_advantages)
+    register_reward_normalization("centred_unscaled", lambda config: unscaled)
+    try:
+        assert reward_normalization(RLOOConfig(reward_normalization="centred_unscaled")) is unscaled
+    finally:
+        del REWARD_NORMALIZATIONS["centred_unscaled"]
