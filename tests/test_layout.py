@@ -13,7 +13,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "marl"
 # Lowest first. A module may import from its own layer and the layers before it.
 LAYERS = [
     ("marl.errors", "marl.validation", "marl.environment", "marl.cpu_threads", "marl.registry"),
-    ("marl.config", "marl.batch_sizes", "marl.model_settings", "marl.algorithms", "marl.stop_settings"),
+    (
+        "marl.config",
+        "marl.batch_sizes",
+        "marl.model_settings",
+        "marl.algorithms",
+        "marl.stop_settings",
+        "marl.sweep_settings",
+    ),
     ("marl.data",),
     ("marl.model",),
     ("marl.algo",),
