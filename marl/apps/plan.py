@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,10 +60,12 @@ class PlanArguments:
 
 
 def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
-    """Plan ``config`` as ``arguments`` say, print the plan (and the changes that fit), return it."""
-    from marl.plan.advice import changes_that_fit
+    """Plan ``config`` as ``arguments`` say, print the plan (and the changes that fit, or how far the closest
+    setting is) on stdout, return it. Each plan takes seconds on a large model (its phases are traced), so a
+    line on stderr says which plan is being made, numbered against those of its kind."""
+    from marl.plan.advice import advise
     from marl.plan.planner import PlanTarget, load_model_config, plan_memory
-    from marl.plan.report import changes_text
+    from marl.plan.report import advice_text
 
     model_config = load_model_config(config.model_name_or_path)
     target = PlanTarget(
@@ -71,13 +74,21 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
         prompt_length=arguments.prompt_length,
         num_processes=arguments.num_processes,
     )
+    systems = ("trl-rloo", "ppo") if arguments.compare else ()
+    progress(f"[1/{1 + len(systems)}] planning the run as given ({config.model_name_or_path})")
     plan = plan_memory(config, model_config, target)
     print(plan)
-    if arguments.compare:
-        for system in ("trl-rloo", "ppo"):
-            print()
-            print(plan_memory(config, model_config, target, system=system))
-    if plan.fits is False:
+    for number, system in enumerate(systems, start=2):
+        progress(f"[{number}/{1 + len(systems)}] planning the same run as {system}")
         print()
-        print(changes_text(changes_that_fit(config, model_config, target)))
+        print(plan_memory(config, model_config, target, system=system))
+    if plan.fits is False:
+        progress("it does not fit: planning the changes that could make it fit")
+        print()
+        print(advice_text(advise(config, model_config, target, plan, progress)))
     return plan
+
+
+def progress(line: str) -> None:
+    """One progress line of ``marl plan`` on stderr (stdout holds the plan alone)."""
+    print(f"marl plan: {line}", file=sys.stderr, flush=True)

@@ -10,7 +10,11 @@ The changes are tried in the order of what they cost the run, least first:
 5. ``--quantization 4bit`` (another base: its numbers change);
 6. ``--parallelism fsdp2`` over 2, 4 or 8 GPUs (the base sharded; unquantized and 4-bit bases).
 
-Each is planned alone; when none fits alone, they are combined in that order until the run fits.
+Each is planned alone; when none fits alone, they are combined in that order until the run fits. When only
+changes that add GPUs fit, those on the run's own GPUs are also combined (listed first when that fits). When
+nothing on the run's own GPUs fits, the one that came closest is kept (:class:`Advice`): how far over the
+budget it is, and how much of the budget the base alone takes, are what a user needs to choose a card or a
+model.
 
 Example:
     >>> from transformers import LlamaConfig
@@ -27,13 +31,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from marl.plan.planner import MemoryPlan, PlanTarget, plan_memory, with_changes
 
 GPU_COUNTS = (2, 4, 8)
+FITS_AS_IT_IS = "(none: it fits as it is)"
+AS_GIVEN = "(the run as given)"
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,16 @@ class Change:
     flags: str
     why: str
     plan: MemoryPlan
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The changes that fit, cheapest first (the first is "no change" when the run fits as it is; empty when
+    nothing tried fits) and, when no change on the run's own number of processes fits, the one of those
+    (the run as given included) with the smallest predicted peak."""
+
+    fitting: list[Change] = field(default_factory=list)
+    closest: Change | None = None
 
 
 def _candidates(config: Any, target: PlanTarget) -> Iterator[tuple[str, str, dict, PlanTarget]]:
@@ -87,26 +103,74 @@ def _candidates(config: Any, target: PlanTarget) -> Iterator[tuple[str, str, dic
             )
 
 
-def changes_that_fit(config: Any, model_config: Any, target: PlanTarget) -> list[Change]:
-    """The changes (alone, else combined in order) whose plan fits ``target.memory_gb``; the first is "no
-    change" when the run fits as it is. Empty when nothing tried fits."""
-    plan = plan_memory(config, model_config, target)
+def advise(
+    config: Any,
+    model_config: Any,
+    target: PlanTarget,
+    plan: MemoryPlan | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Advice:
+    """The :class:`Advice` for ``config`` on ``target`` (``plan``: the run's plan, when already made);
+    ``progress`` gets one line before each plan it makes (``[n/N] planning with FLAGS``)."""
+    say = progress or _quiet
+    if plan is None:
+        plan = plan_memory(config, model_config, target)
     if plan.fits is None or plan.fits:
-        return [Change("(none: it fits as it is)", "", plan)]
+        return Advice([Change(FITS_AS_IT_IS, "", plan)])
     candidates = list(_candidates(config, target))
-    fitting = []
-    for words, why, changes, changed_target in candidates:
-        candidate = plan_memory(with_changes(config, **changes), model_config, changed_target)
-        if candidate.fits:
-            fitting.append(Change(words, why, candidate))
-    if fitting:
-        return fitting
+    tried = [Change(AS_GIVEN, "", plan)]
+    for number, (words, why, changes, changed_target) in enumerate(candidates, start=1):
+        say(f"[{number}/{len(candidates)}] planning with {words}")
+        planned = plan_memory(with_changes(config, **changes), model_config, changed_target)
+        tried.append(Change(words, why, planned))
+    fitting = [change for change in tried[1:] if change.plan.fits]
+    local = [candidate for candidate in candidates if candidate[3].num_processes == target.num_processes]
+    if not fitting:
+        together = _together(config, model_config, candidates, tried, say)
+        fitting = [together] if together is not None else []
+    elif not any(_same_processes(change, target) for change in fitting) and len(local) > 1:
+        together = _together(config, model_config, local, tried, say)
+        fitting = [together, *fitting] if together is not None else fitting
+    same = [change for change in tried if _same_processes(change, target)]
+    if any(change.plan.fits for change in same):
+        return Advice(fitting)
+    return Advice(fitting, min(same, key=lambda change: change.plan.peak))
+
+
+def _same_processes(change: Change, target: PlanTarget) -> bool:
+    return change.plan.target.num_processes == target.num_processes
+
+
+def _quiet(line: str) -> None:
+    """No progress lines."""
+
+
+def _together(
+    config: Any,
+    model_config: Any,
+    candidates: list[tuple[str, str, dict, PlanTarget]],
+    tried: list[Change],
+    say: Callable[[str], None],
+) -> Change | None:
+    """``candidates`` combined in order (a larger GPU count replaces a smaller one) until the run fits: the
+    first combination that fits, else ``None``; each combination planned is added to ``tried``."""
     combined: dict[str, Any] = {}
-    flags: dict[str, str] = {}  # by flag: a larger GPU count replaces a smaller one
-    for words, _, changes, changed_target in candidates:
+    flags: dict[str, str] = {}  # by flag
+    for number, (words, _, changes, changed_target) in enumerate(candidates, start=1):
         combined.update(changes)
         flags[words.split()[0]] = words
-        together = plan_memory(with_changes(config, **combined), model_config, changed_target)
-        if together.fits:
-            return [Change(" ".join(flags.values()), "these together", together)]
-    return []
+        if number == 1:
+            continue  # the first alone is planned already
+        together = " ".join(flags.values())
+        say(f"[{number}/{len(candidates)}] planning together: {together}")
+        planned = plan_memory(with_changes(config, **combined), model_config, changed_target)
+        tried.append(Change(together, "these together", planned))
+        if planned.fits:
+            return tried[-1]
+    return None
+
+
+def changes_that_fit(config: Any, model_config: Any, target: PlanTarget) -> list[Change]:
+    """The changes (alone, else combined in order) whose plan fits ``target.memory_gb``; the first is "no
+    change" when the run fits as it is. Empty when nothing tried fits (see :func:`advise`)."""
+    return advise(config, model_config, target).fitting

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from marl.apps.cli import main
+from marl.apps.cli import main, plan_main
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +56,98 @@ def test_compare_plans_trl_and_ppo_as_the_planner_models_them(config_folder, cap
     ]
     peaks = [_peak_gb(block) for block in blocks]
     assert peaks[0] < peaks[1] < peaks[2]
+
+
+def _progress(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("marl plan: ")]
+
+
+def _plan_flags(model: str, *more: str):
+    from marl.apps.flags import parse_flags
+    from marl.apps.plan import PlanArguments
+    from marl.config import RLOOConfig
+
+    return parse_flags(
+        [PlanArguments, RLOOConfig], "marl plan", ["--model_name_or_path", model, *FLAGS, *more]
+    )
+
+
+def test_plan_says_on_stderr_which_plan_it_makes_and_stdout_holds_the_plan_alone(config_folder, capsys):
+    plan = plan_main(["--model_name_or_path", config_folder, *FLAGS])
+    captured = capsys.readouterr()
+    assert captured.out == f"{plan}\n"  # the plan as before, nothing else
+    assert _progress(captured.err) == [f"marl plan: [1/1] planning the run as given ({config_folder})"]
+    main(["plan", "--model_name_or_path", config_folder, *FLAGS, "--compare"])
+    err = _progress(capsys.readouterr().err)
+    assert [line.split("]")[0] for line in err] == ["marl plan: [1/3", "marl plan: [2/3", "marl plan: [3/3"]
+    assert err[1].endswith("as trl-rloo") and err[2].endswith("as ppo")
+
+
+@pytest.fixture(scope="module")
+def embedding_heavy_folder(tmp_path_factory):
+    """A config-only model whose base is mostly its (untied) embeddings: quantization hardly shrinks it."""
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("embedding-heavy")
+    LlamaConfig(
+        vocab_size=100_000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    ).save_pretrained(folder)  # fmt: skip
+    return str(folder)
+
+
+def test_when_nothing_fits_the_closest_setting_its_excess_and_the_bases_share_are_named(
+    embedding_heavy_folder, capsys
+):
+    from marl.model.memory import format_bytes
+    from marl.plan.advice import _candidates, advise
+    from marl.plan.planner import PlanTarget, load_model_config, plan_memory
+    from marl.plan.report import advice_text
+
+    _, config = _plan_flags(embedding_heavy_folder)
+    model_config = load_model_config(embedding_heavy_folder)
+    base = plan_memory(config, model_config, PlanTarget(device="cpu", prompt_length=32)).resident[
+        "base weights"
+    ]
+    memory_gb = 1.1 * base / 0.9 / 1e9  # usable: the base and a tenth more; the runtime alone is more
+    plan = plan_main(["--model_name_or_path", embedding_heavy_folder, *FLAGS, "--memory_gb", f"{memory_gb}"])
+    captured = capsys.readouterr()
+    target = plan.target
+    advice = advise(config, model_config, target, plan)
+    closest = advice.closest
+    assert closest is not None and closest.plan.target.num_processes == 1 and not closest.plan.fits
+    assert all(change.plan.target.num_processes > 1 for change in advice.fitting)  # only more GPUs fit
+    budget = plan.budget_bytes
+    # stdout: the plan, then the advice; its last lines name the closest setting, its excess, the base's share
+    assert captured.out == f"{plan}\n\n{advice_text(advice)}\n"
+    closest_line, share_line = captured.out.splitlines()[-2:]
+    assert closest_line.startswith(f"nothing tried on 1 process fits; closest: {closest.flags} needs ")
+    assert (
+        f"{format_bytes(closest.plan.peak - budget)} over the {format_bytes(budget)} usable" in closest_line
+    )
+    closest_base = closest.plan.resident["base weights"]
+    assert closest_base > budget / 2
+    quantization, dtype = closest.plan.settings["quantization"], closest.plan.settings["dtype"]
+    kind = dtype if quantization == "none" else quantization.replace("bit", "-bit")
+    assert share_line.strip().startswith(f"the {kind} base alone takes")
+    assert f"alone takes {format_bytes(closest_base)} of the {format_bytes(budget)} usable" in share_line
+    # stderr: one line per plan made, each change tried named
+    err = captured.err
+    for flags, *_ in _candidates(config, target):
+        assert f"planning with {flags}\n" in err
+    assert "it does not fit" in err and "planning together" in err
+
+
+def test_the_bases_share_is_said_only_when_it_takes_most_of_the_usable_memory(config_folder):
+    from marl.plan.advice import Change
+    from marl.plan.planner import PlanTarget, load_model_config, plan_memory
+    from marl.plan.report import closest_text
+
+    _, config = _plan_flags(config_folder)
+    model_config = load_model_config(config_folder)
+    base = plan_memory(config, model_config, PlanTarget(device="cpu")).resident["base weights"]
+    for share, said in ((0.25, False), (0.75, True)):
+        target = PlanTarget(device="cpu", prompt_length=32, memory_gb=base / share / 0.9 / 1e9)
+        text = closest_text(Change("(the run as given)", "", plan_memory(config, model_config, target)))
+        assert ("base alone takes" in text) == said, text
+        assert text.startswith("nothing tried on 1 process fits; closest: (the run as given) needs")
