@@ -7,12 +7,19 @@ are no curves (:func:`training_curves_note`).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from marl.data.assets import MissingAssetError, demo_package
 
 Panel = tuple[str, tuple[tuple[str, str | None], ...]]
+
+RLHF_METRIC = "objective/rlhf_reward"
+# ``objective/rlhf_reward`` is score − coef·KL under every preset; what it is to the run depends on where
+# the run's KL acts (``kl_placement`` in its ``rloo_config.json``, :func:`rlhf_panel`). Without the settings:
+RLHF_TITLE = "score − coef·KL (objective/rlhf_reward)"
 
 # One panel per entry: its title and the (metric, legend) lines it draws. A panel none of whose metrics a run
 # logged is left out (the judge panel needs a trainer with a judge and held-out prompts). With several reward
@@ -25,7 +32,7 @@ PANELS: tuple[Panel, ...] = (
     ),
     ("gold-judge score, held-out prompts", (("eval/judge_score", None),)),
     ("KL to the reference (sum over tokens)", (("objective/kl", None),)),
-    ("RLHF reward = score − kl_coef·KL", (("objective/rlhf_reward", None),)),
+    (RLHF_TITLE, ((RLHF_METRIC, None),)),
     (
         "groups whose rewards are all equal (teach nothing)",
         (("objective/zero_spread_groups", "weighted sum"),),
@@ -61,10 +68,50 @@ def source_names(records: list[dict[str, float]]) -> list[str]:
     return list(names)
 
 
-def logged_panels(records: list[dict[str, float]]) -> list[Panel]:
+def rlhf_panel(settings: Mapping[str, Any] | None) -> Panel | None:
+    """The RLHF-reward panel as true for a run of ``settings`` (its ``rloo_config.json``): with the KL in the
+    reward (``--kl_placement reward``: rloo, reinforce_pp) the reward the advantages are computed from; with
+    the KL in the loss (the GRPO presets) score − β·KL is what the loss's KL term and the reward optimise
+    together, not a reward, and with β = 0 it is the score itself, so no panel (``None``).
+
+    Example:
+        >>> rlhf_panel({"kl_placement": "reward", "kl_coef": 0.05})[0]
+        'RLHF reward = score − kl_coef·KL (KL in the reward, kl_coef=0.05)'
+        >>> rlhf_panel({"kl_placement": "loss", "kl_coef": 0.04})[0]
+        'score − β·KL (KL in the loss as β·k3 per token, β=0.04; not the reward)'
+        >>> rlhf_panel({"kl_placement": "loss", "kl_coef": 0.0}) is None
+        True
+    """
+    lines = ((RLHF_METRIC, None),)
+    if not settings or settings.get("kl_placement") not in ("reward", "loss"):
+        return (RLHF_TITLE, lines)
+    coefficient = float(settings.get("kl_coef") or 0.0)
+    if settings["kl_placement"] == "reward":
+        return (f"RLHF reward = score − kl_coef·KL (KL in the reward, kl_coef={coefficient:g})", lines)
+    if coefficient == 0:
+        return None
+    return (f"score − β·KL (KL in the loss as β·k3 per token, β={coefficient:g}; not the reward)", lines)
+
+
+def run_settings_of(metrics_file: str | Path) -> dict[str, Any] | None:
+    """The settings of the run whose ``metrics.jsonl`` is ``metrics_file``: its ``rloo_config.json`` beside
+    it, or ``None`` where there is none (metrics copied elsewhere).
+
+    Example:
+        >>> run_settings_of("/nonexistent/metrics.jsonl") is None
+        True
+    """
+    from marl.train.run_dir import CONFIG_FILE
+
+    path = Path(metrics_file).parent / CONFIG_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def logged_panels(records: list[dict[str, float]], settings: Mapping[str, Any] | None = None) -> list[Panel]:
     """The panels of ``records``: those of ``PANELS`` with at least one metric logged, and with several reward
     sources, after the weighted sum, one panel per source's own mean score and one with each source's share
-    of the advantage; the flat-groups panel then draws each source's too.
+    of the advantage; the flat-groups panel then draws each source's too. ``settings`` (the run's
+    ``rloo_config.json``) decide the RLHF-reward panel (:func:`rlhf_panel`).
 
     Example:
         >>> [title for title, _ in logged_panels([{"objective/scores": 1.0, "objective/kl": 0.1}])]
@@ -76,7 +123,9 @@ def logged_panels(records: list[dict[str, float]]) -> list[Panel]:
          "reward source 'topic': mean score (unweighted)", 'share of the advantage by reward source']
     """
     names = source_names(records)
-    panels = list(PANELS)
+    rlhf = rlhf_panel(settings)
+    panels = [panel if panel[0] != RLHF_TITLE else rlhf for panel in PANELS]
+    panels = [panel for panel in panels if panel is not None]
     if len(names) > 1:
         per_source: list[Panel] = [
             (f"reward source {name!r}: mean score (unweighted)", ((f"{SOURCE_PREFIX}{name}", None),))
@@ -123,8 +172,8 @@ def training_curves_note(metrics_file: str | Path, output_file: str | Path) -> s
 
 def plot_training_curves(metrics_file: str | Path, output_file: str | Path, title: str | None = None) -> Path:
     """Plot the panels of :func:`logged_panels` (the weighted reward, each source's score and share of the
-    advantage, judge score, KL, RLHF reward, flat groups: those the run logged) against the episode
-    (completions seen) into ``output_file``, four panels a row.
+    advantage, judge score, KL, RLHF reward as the run's ``rloo_config.json`` says it, flat groups: those the
+    run logged) against the episode (completions seen) into ``output_file``, four panels a row.
 
     Example:
         >>> plot_training_curves("runs/rloo/metrics.jsonl", "runs/rloo/training_curves.png")  # doctest: +SKIP
@@ -133,7 +182,7 @@ def plot_training_curves(metrics_file: str | Path, output_file: str | Path, titl
     records = read_metrics(metrics_file)
     if not records:
         raise ValueError(f"{metrics_file} has no records: the run logged no update")
-    panels = logged_panels(records)
+    panels = logged_panels(records, run_settings_of(metrics_file))
     columns = min(len(panels), PANELS_PER_ROW)
     rows = -(-len(panels) // columns)
     figure, axes = plt.subplots(
