@@ -123,6 +123,7 @@ def generate_and_score(
     reward_names: Sequence[str] | None = None,
     reward_functions: Sequence[str] = (),
     columns: Sequence[Mapping[str, Any]] | None = None,
+    policies: Sequence[str] | None = None,
 ) -> dict[str, ScoredCompletions]:
     """Sample and measure completions of the base (``"base"``, adapters disabled) and, if ``with_policy``, of
     policy ``policy`` (default: the model's first policy), keyed ``"policy"``, and of its starting adapter
@@ -134,7 +135,10 @@ def generate_and_score(
     dataset columns) and a fresh ``transformers.TrainerState``. The first source fills ``reward_scores``;
     with ``reward_names`` or a reward function, each source fills its entry of ``reward_scores_by_name``.
 
-    Both models see the same prompts in the same batches with the same seed per batch.
+    ``policies``: several policies of the model, each sampled and measured as the one policy is, keyed by its
+    name (instead of ``"policy"``), the base sampled once for all of them (instead of ``policy`` and
+    ``with_policy``). Every model sees the same prompts in the same batches with the same seed per batch, so
+    a policy's completions are those it gets evaluated alone.
 
     Example:
         >>> from marl.rewards import load_judge
@@ -154,20 +158,27 @@ def generate_and_score(
     from marl.rollout.samplers import SamplerSettings, get_sampler
     from marl.rollout.scoring import Scorer
 
+    if policies is not None:
+        if policy is not None or not with_policy or not policies:
+            raise ValueError("pass policies=[names] (one or more) alone: not with policy= or with_policy=")
+        if "base" in policies or len(set(policies)) != len(policies):
+            raise ValueError(f"policies {list(policies)}: each name once, and none named 'base'")
     make_sampler = get_sampler(sampler or RLOOConfig.sampler)
-    rollout_sampler = make_sampler(
-        model,
-        tokenizer,
+
+    def sampler_of(name: str | None):
         # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
-        SamplerSettings(
+        settings = SamplerSettings(
             temperature=temperature,
             response_length=response_length,
             stop_at_eos=stop_at_eos,
             rows_per_pass=batch_size,
-            policy=policy,
-        ),
-    )
-    scorer = Scorer(model, tokenizer, temperature=temperature, rows_per_pass=batch_size, policy=policy)
+            policy=name,
+        )
+        return make_sampler(model, tokenizer, settings)
+
+    def scorer_of(name: str | None) -> Scorer:
+        return Scorer(model, tokenizer, temperature=temperature, rows_per_pass=batch_size, policy=name)
+
     prepared = prepare_text_prompts(
         prompts,
         tokenizer,
@@ -183,36 +194,43 @@ def generate_and_score(
     names += list(reward_functions)
     by_name = reward_names is not None or bool(reward_functions)
     rewards = plan_rewards(settings).build(RewardParts(model, tokenizer, batch_size))
-    views = {"base": BASE_VIEW}
-    if with_policy and model.get_policy(policy).reference_adapter is not None:
-        # A policy whose reference is its starting adapter is also measured against that start.
-        views["reference"] = REFERENCE_VIEW
-    if with_policy:
-        views["policy"] = "policy"
+    # What is measured: result key -> (view, the policy whose sampler and scorer serve it).
+    if policies is None:
+        views = {"base": (BASE_VIEW, policy)}
+        if with_policy and model.get_policy(policy).reference_adapter is not None:
+            # A policy whose reference is its starting adapter is also measured against that start.
+            views["reference"] = (REFERENCE_VIEW, policy)
+        if with_policy:
+            views["policy"] = ("policy", policy)
+    else:
+        views = {"base": (BASE_VIEW, policies[0]), **{name: ("policy", name) for name in policies}}
+    samplers = {serving: sampler_of(serving) for _, serving in views.values()}
+    scorers = {serving: scorer_of(serving) for _, serving in views.values()}
     results = {name: ScoredCompletions() for name in views}
     starts = range(0, len(prompts), batch_size)
     for batch_index, start in enumerate(tqdm(starts, desc="evaluating", unit="batch", disable=not progress)):
         raw_prompts = prompts[start : start + batch_size]
-        batch = rollout_sampler.batch(prepared[start : start + batch_size])
-        for name, view in views.items():
+        chunk = prepared[start : start + batch_size]
+        batches = {serving: sampler.batch(chunk) for serving, sampler in samplers.items()}
+        for name, (view, serving) in views.items():
             torch.manual_seed(seed + batch_index)
             # The base is a view of the same model (adapters disabled), not a second copy.
-            samples = rollout_sampler.sample(batch, k=1, view=view)
+            samples = samplers[serving].sample(batches[serving], k=1, view=view)
             record = results[name]
             record.completions.extend(samples.completions)
             record.judge_scores.extend(
                 judge([prompt_text(p) + c for p, c in zip(raw_prompts, samples.completions, strict=True)])
             )
             record.lengths.extend(int(n) for n in samples.lengths.tolist())
-            scoring = scorer.scoring_batch(samples, TrainerState())
+            scoring = scorers[serving].scoring_batch(samples, TrainerState())
             for index, (reward_name, reward) in enumerate(zip(names, rewards, strict=True)):
                 scores = reward.score(scoring).tolist()
                 if index == 0:
                     record.reward_scores.extend(scores)
                 if by_name:
                     record.reward_scores_by_name.setdefault(reward_name, []).extend(scores)
-            if name == "policy":
-                logprobs, ref_logprobs = scorer.logprobs(samples)
+            if view == "policy":
+                logprobs, ref_logprobs = scorers[serving].logprobs(samples)
                 record.kls.extend(masked_sum(logprobs - ref_logprobs, samples.response_mask).tolist())
         if after_batch is not None:
             after_batch()

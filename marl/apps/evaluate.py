@@ -9,13 +9,15 @@ held-out.
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from marl.apps.eval_folders import check_same_settings, policy_folders, run_record
+from marl.apps.eval_ranking import rank_and_report
 from marl.apps.eval_report import COMPLETIONS_FILE, RESULTS_FILE, results_table, write_results
 from marl.apps.eval_scores import generate_and_score, summarize, win_rate
 from marl.config import RLOOConfig
@@ -24,6 +26,9 @@ from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError
 from marl.model.quantization import parse_quantization
 from marl.validation import check_fields, check_seed
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
 
 # What ``marl evaluate``'s module has always offered; the measurements and the report live beside it.
 __all__ = [
@@ -45,9 +50,13 @@ __all__ = [
 class EvaluateArguments:
     """Command-line arguments of ``marl evaluate``."""
 
-    policy_adapter: str | None = field(
+    policy_adapter: list[str] | None = field(
         default=None,
-        metadata={"help": "Policy adapter folder (from train-rloo). Unset: evaluate the base alone."},
+        metadata={
+            "help": "Policy adapter folder (from train-rloo). Repeat the flag, or pass a sweep's folder (its "
+            "member folders are runs), to rank several policies on the same prompts. Unset: evaluate the "
+            "base alone."
+        },
     )
     model_name_or_path: str | None = field(
         default=None,
@@ -116,9 +125,9 @@ class EvaluateArguments:
     )
 
     def __post_init__(self) -> None:
-        for name in ("reward_adapter", "reward_fn"):  # one given in Python as a string
-            if isinstance(getattr(self, name), str):
-                setattr(self, name, [getattr(self, name)])
+        for name in ("policy_adapter", "reward_adapter", "reward_fn"):  # one given in Python as a string
+            if isinstance(getattr(self, name), (str, os.PathLike)):
+                setattr(self, name, [str(getattr(self, name))])
         self.quantization = parse_quantization(self.quantization)
         check_fields(self)
         check_seed(self.seed)
@@ -130,9 +139,14 @@ class EvaluateArguments:
             raise ConfigError(
                 f"--temperature={self.temperature} must be > 0: evaluation samples like training"
             )
-        if self.output_dir is None and self.policy_adapter is None:
+        if self.output_dir is None and not self.policy_adapter:
             raise ConfigError("evaluating the base alone needs --output_dir for the results")
-        results_dir = Path(self.output_dir or self.policy_adapter)
+        if self.output_dir is None and len(self.policy_adapter) > 1:
+            raise ConfigError(
+                "ranking several --policy_adapter folders needs --output_dir for the results (a sweep's "
+                "folder, given alone, holds them)"
+            )
+        results_dir = Path(self.output_dir or self.policy_adapter[0])
         if results_dir.exists() and not results_dir.is_dir():
             raise ConfigError(f"{results_dir} is a file; --output_dir must be a folder for {RESULTS_FILE}")
 
@@ -147,40 +161,39 @@ RUN_SETTINGS = {
 }
 
 
-def fill_from_training_run(arguments: EvaluateArguments) -> dict[str, Any]:
+def fill_from_training_run(
+    arguments: EvaluateArguments, folders: Sequence[str] | None = None
+) -> dict[str, Any]:
     """Fill ``arguments``' unset sampling and model settings from the training run's ``rloo_config.json``
     (so that evaluation samples as the run did: its base, length, temperature and stop), else with
-    ``marl evaluate``'s defaults; returns those taken from the run.
+    ``marl evaluate``'s defaults; returns those taken from the run. With several policy ``folders`` (default:
+    ``--policy_adapter``'s), their runs must agree on each unset setting
+    (:func:`marl.apps.eval_folders.check_same_settings`).
 
     Example:
         >>> arguments = EvaluateArguments(output_dir="out")  # no policy: no run to read
         >>> fill_from_training_run(arguments), arguments.response_length, arguments.stop_at_eos
         ({}, 53, True)
     """
-    from marl.train.run_dir import CONFIG_FILE
-
-    run: dict[str, Any] = {}
-    if arguments.policy_adapter is not None:
-        folder = Path(arguments.policy_adapter)
-        for config_file in (folder / CONFIG_FILE, folder.parent / CONFIG_FILE):
-            if config_file.is_file():
-                try:
-                    run = json.loads(config_file.read_text())
-                except (OSError, ValueError):
-                    run = {}
-                break
+    if folders is None:
+        folders = policy_folders(arguments.policy_adapter or [])
+    runs = [run_record(folder) for folder in folders] or [{}]
     taken = {}
     for name, (key, default) in RUN_SETTINGS.items():
         if getattr(arguments, name) is not None:
             continue
-        value = run.get(key, default) if isinstance(run, dict) else default
-        if name == "stop_at_eos" and key in run:
-            value = (
-                run[key] == "eos"
-            )  # a run's "none" (or, before EOS was the default, None) ran to the limit
-        if key in run:
-            taken[name] = value
-        setattr(arguments, name, value)
+        values = []
+        for run in runs:
+            value = run.get(key, default)
+            if name == "stop_at_eos" and key in run:
+                # a run's "none" (or, before EOS was the default, None) ran to the limit
+                value = run[key] == "eos"
+            values.append(value)
+        if len(folders) > 1:
+            check_same_settings(dict(zip(folders, values, strict=True)), f"--{name}")
+        if key in runs[0]:
+            taken[name] = values[0]
+        setattr(arguments, name, values[0])
     return taken
 
 
@@ -194,10 +207,7 @@ def training_run_dataset(policy_adapter: str | None) -> tuple[Path, dict[str, An
     folder = Path(policy_adapter)
     for config_file in (folder / CONFIG_FILE, folder.parent / CONFIG_FILE):
         if config_file.is_file():
-            try:
-                dataset = json.loads(config_file.read_text()).get("dataset")
-            except (OSError, ValueError, AttributeError):
-                return None
+            dataset = run_record(folder).get("dataset")
             return (config_file, dataset) if isinstance(dataset, dict) and "train_split" in dataset else None
     return None
 
@@ -237,7 +247,9 @@ def check_one_process() -> None:
 
 
 def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
-    """Load ONE model (base + policy adapter + reward adapter), compare policy and base, print and save.
+    """Load ONE model (base + policy adapter + reward adapter), compare policy and base, print and save. With
+    several policy folders, each is added to the one base, every policy samples the same prompts as the
+    others, the base samples them once, and the policies are ranked (:mod:`marl.apps.eval_ranking`).
 
     Example:
         >>> arguments = EvaluateArguments(policy_adapter="runs/rloo", reward_adapter="adapters/rm")
@@ -245,6 +257,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """
     from rich.console import Console
 
+    from marl.apps.eval_folders import check_one_base
     from marl.config import reward_adapter_folders
     from marl.cpu_threads import apply_threads
     from marl.data.gold_judge import check_gold_judge
@@ -256,7 +269,11 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
 
     console = Console()
     check_one_process()
-    taken = fill_from_training_run(arguments)
+    folders = policy_folders(arguments.policy_adapter or [])
+    several = len(folders) > 1
+    if several:  # every folder is a policy of one base, before anything loads
+        check_one_base(folders)
+    taken = fill_from_training_run(arguments, folders)
     if taken:
         print(f"as the training run did (its rloo_config.json): {taken}", file=sys.stderr)
     get_sampler(arguments.sampler)  # an unknown name fails before any work
@@ -279,25 +296,31 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     columns = [{name: row[name] for name in dataset.column_names if name != "prompt"} for row in dataset]
     source = prompt_source(arguments.dataset_name, arguments.dataset_split)
     described = describe_prompt_source(source)
-    run = training_run_dataset(arguments.policy_adapter)
+    runs = [run for run in map(training_run_dataset, folders) if run is not None]
     # Warned, not refused: scores on the training prompts are a legitimate measurement (of fit, or when no
     # held-out prompts exist); what must not happen is to present them as held-out.
-    training_prompts = None if run is None else are_training_prompts(source, run[1])
-    if training_prompts:
+    trained_on = [str(config_file) for config_file, run in runs if are_training_prompts(source, run)]
+    training_prompts = bool(trained_on) if runs else None
+    if trained_on:
+        records = f"{trained_on[0]} records" if len(trained_on) == 1 else f"{', '.join(trained_on)} record"
         print(
             f"warning: the evaluation prompts ({described}) are the prompts the policy was trained on, "
-            f"as {run[0]} records: these scores are not held-out scores. For held-out ones pass other "
+            f"as {records}: these scores are not held-out scores. For held-out ones pass other "
             "prompts with --dataset_name (a file the run did not train on) or --dataset_split",
             file=sys.stderr,
         )
     start = time.perf_counter()
+    names = [f"policy{index}" for index in range(len(folders))] if several else ["policy"]
     model = MultiAdapterModel.from_pretrained(
         arguments.model_name_or_path,
         quantization=arguments.quantization,
         reward_adapters=reward_adapter_folders(arguments.reward_adapter or []),
-        policy_adapter=arguments.policy_adapter,
+        policy_adapter=folders[0] if folders else None,
+        policy_name=names[0],
         reference="base",
     )
+    for name, folder in zip(names[1:], folders[1:], strict=True):  # each policy a LoRA on the one base
+        model.add_policy(name, folder, reference="base")
     tokenizer = load_tokenizer(model.name_or_path)
     governor = apply_threads(arguments.threads, model.device.type)
     samples = generate_and_score(
@@ -305,7 +328,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         tokenizer,
         prompts,
         judge,
-        with_policy=arguments.policy_adapter is not None,
+        with_policy=bool(folders),
         response_length=arguments.response_length,
         temperature=arguments.temperature,
         batch_size=arguments.batch_size,
@@ -316,10 +339,11 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         reward_names=list(model.rewards) if len(model.rewards) > 1 else None,
         reward_functions=arguments.reward_fn or (),
         columns=columns,
+        policies=names if several else None,
     )
-    summary = summarize(samples)
     settings = {
         **asdict(arguments),
+        "policy_adapter": folders if several else (folders[0] if folders else None),
         "dataset_split": source["split"],
         "evaluated_prompts": described,
         "training_prompts": training_prompts,
@@ -327,10 +351,16 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
         "num_prompts": len(prompts),
     }
     settings["seconds"] = round(time.perf_counter() - start, 1)
-    output_dir = arguments.output_dir or arguments.policy_adapter
-    results_path = write_results(output_dir, summary, samples, prompts, settings)
+    output_dir = arguments.output_dir or arguments.policy_adapter[0]
     kind = {True: "training prompts of the run", False: "held-out prompts", None: "prompts"}[training_prompts]
     title = f"Evaluation on {len(prompts)} {kind}: {described}"
-    console.print(results_table(summary, title=title, judge=settings["judge"]))
+    if several:  # the results name each policy by its folder
+        folder_of = dict(zip(names, folders, strict=True))
+        samples, summary, table = rank_and_report(samples, folder_of, title, judge=settings["judge"])
+    else:
+        summary = summarize(samples)
+        table = results_table(summary, title=title, judge=settings["judge"])
+    results_path = write_results(output_dir, summary, samples, prompts, settings)
+    console.print(table)
     console.print(f"results written to {results_path}")
     return summary
