@@ -109,27 +109,31 @@ def advise(
     target: PlanTarget,
     plan: MemoryPlan | None = None,
     progress: Callable[[str], None] | None = None,
+    policies: int = 1,
 ) -> Advice:
     """The :class:`Advice` for ``config`` on ``target`` (``plan``: the run's plan, when already made);
-    ``progress`` gets one line before each plan it makes (``[n/N] planning with FLAGS``)."""
+    ``progress`` gets one line before each plan it makes (``[n/N] planning with FLAGS``). ``policies``: of a
+    sweep, each change applied to every policy (:func:`marl.plan.planner.plan_memory`)."""
     say = progress or _quiet
     if plan is None:
-        plan = plan_memory(config, model_config, target)
+        plan = plan_memory(config, model_config, target, policies=policies)
     if plan.fits is None or plan.fits:
         return Advice([Change(FITS_AS_IT_IS, "", plan)])
     candidates = list(_candidates(config, target))
     tried = [Change(AS_GIVEN, "", plan)]
     for number, (words, why, changes, changed_target) in enumerate(candidates, start=1):
         say(f"[{number}/{len(candidates)}] planning with {words}")
-        planned = plan_memory(with_changes(config, **changes), model_config, changed_target)
+        planned = plan_memory(
+            with_changes(config, **changes), model_config, changed_target, policies=policies
+        )
         tried.append(Change(words, why, planned))
     fitting = [change for change in tried[1:] if change.plan.fits]
     local = [candidate for candidate in candidates if candidate[3].num_processes == target.num_processes]
     if not fitting:
-        together = _together(config, model_config, candidates, tried, say)
+        together = _together(config, model_config, candidates, tried, say, policies)
         fitting = [together] if together is not None else []
     elif not any(_same_processes(change, target) for change in fitting) and len(local) > 1:
-        together = _together(config, model_config, local, tried, say)
+        together = _together(config, model_config, local, tried, say, policies)
         fitting = [together, *fitting] if together is not None else fitting
     same = [change for change in tried if _same_processes(change, target)]
     if any(change.plan.fits for change in same):
@@ -151,6 +155,7 @@ def _together(
     candidates: list[tuple[str, str, dict, PlanTarget]],
     tried: list[Change],
     say: Callable[[str], None],
+    policies: int = 1,
 ) -> Change | None:
     """``candidates`` combined in order (a larger GPU count replaces a smaller one) until the run fits: the
     first combination that fits, else ``None``; each combination planned is added to ``tried``."""
@@ -163,14 +168,17 @@ def _together(
             continue  # the first alone is planned already
         together = " ".join(flags.values())
         say(f"[{number}/{len(candidates)}] planning together: {together}")
-        planned = plan_memory(with_changes(config, **combined), model_config, changed_target)
+        planned = plan_memory(
+            with_changes(config, **combined), model_config, changed_target, policies=policies
+        )
         tried.append(Change(together, "these together", planned))
         if planned.fits:
             return tried[-1]
     return None
 
 
-def changes_that_fit(config: Any, model_config: Any, target: PlanTarget) -> list[Change]:
+def changes_that_fit(config: Any, model_config: Any, target: PlanTarget, policies: int = 1) -> list[Change]:
     """The changes (alone, else combined in order) whose plan fits ``target.memory_gb``; the first is "no
-    change" when the run fits as it is. Empty when nothing tried fits (see :func:`advise`)."""
-    return advise(config, model_config, target).fitting
+    change" when the run fits as it is. Empty when nothing tried fits (see :func:`advise`; ``policies``: of a
+    sweep)."""
+    return advise(config, model_config, target, policies=policies).fitting

@@ -45,10 +45,15 @@ from typing import Any
 import torch
 
 from marl.errors import ConfigError
-from marl.model.memory import NF4_DOUBLE_QUANT_BITS_PER_PARAMETER
+from marl.plan.parts import (
+    SweepShape,
+    gathered_layer_bytes,
+    load_extra_bytes,
+    rollout_record_bytes,
+    stored_base_bytes,
+)
 from marl.plan.phases import (
     PhaseShapes,
-    QuantizedLinearStandIn,
     as_under_autocast,
     autocast_dtype,
     autocast_weight_copies,
@@ -151,33 +156,6 @@ class MemoryPlan:
         return plan_text(self)
 
 
-# Each NF4 weight's quantization state also holds its own code books: the 16 NF4 values and the 256 values of
-# the nested 8-bit map (float32), and the nested offset.
-NF4_STATE_BYTES_PER_TENSOR = (16 + 256 + 1) * 4
-
-
-def _linear_parameter_bytes(parameter: torch.Tensor, layer: QuantizedLinearStandIn) -> int:
-    if layer.quantization == "4bit":
-        return round(parameter.numel() * NF4_DOUBLE_QUANT_BITS_PER_PARAMETER / 8) + NF4_STATE_BYTES_PER_TENSOR
-    return parameter.numel() + 4 * layer.out_features  # int8 + one float32 scale per output row
-
-
-def stored_base_bytes(causal_lm: torch.nn.Module) -> tuple[int, int]:
-    """(bytes as stored, parameters) of a meta base built by :func:`meta_base`; tied tensors once."""
-    total, count, seen = 0, 0, set()
-    for module in causal_lm.modules():
-        for name, parameter in module.named_parameters(recurse=False):
-            if id(parameter) in seen:
-                continue
-            seen.add(id(parameter))
-            count += parameter.numel()
-            if isinstance(module, QuantizedLinearStandIn) and name == "weight":
-                total += _linear_parameter_bytes(parameter, module)
-            else:
-                total += parameter.numel() * parameter.element_size()
-    return total, count
-
-
 def meta_base(model_config: Any, quantization: str | None, dtype: torch.dtype) -> torch.nn.Module:
     """The base of ``model_config`` on the meta device as marl loads it (quantized layers stood in for)."""
     causal_lm = meta_causal_lm(model_config, dtype)
@@ -206,19 +184,14 @@ def _parameter_count(peft_model: Any, adapter: str) -> int:
     return sum(p.numel() for n, p in peft_model.named_parameters() if f".{adapter}." in n and "lora_" in n)
 
 
-def _checkpoint_bytes(model_config: Any, parameters: int) -> int:
-    """Bytes of the model's safetensors checkpoint: its parameters in the dtype ``config.json`` names."""
-    name = str(
-        getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
-    )
-    dtype = getattr(torch, name.removeprefix("torch."), torch.float32)
-    return parameters * torch.empty((), dtype=dtype).element_size()
-
-
-def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str = "marl") -> MemoryPlan:
+def plan_memory(
+    config: Any, model_config: Any, target: PlanTarget, system: str = "marl", policies: int = 1
+) -> MemoryPlan:
     """The :class:`MemoryPlan` of an ``RLOOConfig`` (``config``) on the model of ``model_config`` (a
     transformers config, e.g. from :func:`load_model_config`) for ``target``; ``system`` plans the same job
-    as another system would run it (:data:`marl.plan.systems.SYSTEMS`: ``trl-rloo``, ``ppo``)."""
+    as another system would run it (:data:`marl.plan.systems.SYSTEMS`: ``trl-rloo``, ``ppo``); ``policies``:
+    a sweep of that many policies trained at once on the one base, each with ``config``'s shapes
+    (:mod:`marl.plan.parts`; marl only)."""
     from peft import LoraConfig
 
     from marl.batch_sizes import local_batch_size
@@ -227,6 +200,9 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
     from marl.plan.systems import SYSTEMS, check_plannable
 
     layout = SYSTEMS[system]
+    sweep = SweepShape(policies)
+    if sweep.policies > 1 and system != "marl":
+        raise ConfigError(f"a sweep of {policies} policies on one base is planned for marl, not {system!r}")
     dtype, quantization = target.dtype, config.quantization
     shards = target.num_processes if config.parallelism == "fsdp2" else 1
     base = meta_base(model_config, quantization, dtype)
@@ -266,7 +242,7 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
     resident = layout.resident(
         base_bytes=base_bytes,
         classifier_bytes=base_bytes - head_bytes,
-        policy_parameters=policy_parameters,
+        policy_parameters=policy_parameters * sweep.policies,  # each policy's LoRA, AdamW and reference
         reward_bytes=(reward_parameters + len(rewards) * hidden) * element,
         num_rewards=len(rewards),
         reference_copy=reference_copy,
@@ -282,7 +258,10 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
         gradient_checkpointing=config.gradient_checkpointing,
         temperature=config.temperature,
     )
-    sampling_shapes, scoring_shapes = shapes, shapes
+    # a sweep decodes, and updates, every policy's rows at once; scoring keeps its chunks (marl.plan.parts)
+    sampling_shapes = dataclasses.replace(shapes, rows_per_pass=sweep.rows(shapes.rows_per_pass))
+    update_shapes = dataclasses.replace(shapes, micro_batch_rows=sweep.rows(shapes.micro_batch_rows))
+    scoring_shapes = shapes
     if not layout.packs:  # generates the whole rollout at once, scores it micro-batch by micro-batch
         sampling_shapes = dataclasses.replace(shapes, rows_per_pass=local_batch_size(config))
         scoring_shapes = dataclasses.replace(shapes, rows_per_pass=config.per_device_train_batch_size)
@@ -293,13 +272,18 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
         sampling = sampling_peak(peft_model, sampling_shapes, shared_prefill=layout.packs)
         scoring = scoring_peak(peft_model, head, scoring_shapes, 1, full_logits=layout.full_logits)
         update = update_peak(
-            peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
+            peft_model, head, update_shapes, full_logits=layout.full_logits, value_pass=layout.value_model
         )
-    common = {"resident": sum(resident.values()), **_gathered_layer_bytes(base, shards)}
-    copies = autocast_weight_copies(policy_parameters, autocast)
+    common = {"resident": sum(resident.values()), **gathered_layer_bytes(base, shards)}
+    copies = autocast_weight_copies(policy_parameters * sweep.policies, autocast)
     runtime = {"runtime": target.runtime_bytes}
-    records = {"rollout records": _rollout_record_bytes(config, target)}
-    load = _load_extra(model_config, base, quantization, target, base_parameters)
+    records = {"rollout records": rollout_record_bytes(config, target, sweep)}
+    if sweep.other_policies:  # each policy's gradients stay from its backward to its optimizer step
+        gradients = 4 * policy_parameters * sweep.other_policies // shards
+        update_parts = {"LoRA gradients of the other policies": gradients}
+    else:
+        update_parts = {}
+    load = load_extra_bytes(model_config, base, quantization, target, base_parameters)
     phases = [
         PhasePlan("load", {"base weights": resident["base weights"], **load, **runtime}),
         PhasePlan("sampling", {**common, "KV cache + sampling": sampling, **copies, **runtime}),
@@ -308,7 +292,8 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
             {**common, "activations + log-softmax (no grad)": scoring, **copies, **records, **runtime},
         ),
         PhasePlan(
-            "update", {**common, "activations + gradients (micro-batch)": update, **records, **runtime}
+            "update",
+            {**common, "activations + gradients (micro-batch)": update, **update_parts, **records, **runtime},
         ),
     ]
     settings = {
@@ -323,6 +308,8 @@ def plan_memory(config: Any, model_config: Any, target: PlanTarget, system: str 
         "share_prompt_prefix": shapes.share_prompt_prefix,
         "parallelism": f"{config.parallelism} x {target.num_processes}",
     }
+    if sweep.policies > 1:
+        settings["policies (sweep)"] = sweep.policies
     notes = list(layout.notes)
     if config.reward_adapter is None:
         notes.append("no --reward_adapter given: one reward LoRA shaped like the policy's is assumed")
@@ -340,45 +327,6 @@ def plan_for_trainer(trainer: Any) -> MemoryPlan:
         compute_dtype=trainer.model.dtype,
     )
     return plan_memory(trainer.config, trainer.model.config, target)
-
-
-def _load_extra(model_config, base, quantization, target: PlanTarget, parameters: int) -> dict[str, int]:
-    """What loading holds besides the weights: on a GPU, the tensor on its way from the checkpoint (read,
-    converted or quantized one at a time). On CPU, the checkpoint's memory map: transformers keeps every
-    shard's map open until the whole checkpoint is loaded, so each page read stays resident in the process
-    until then (measured: a 4-bit SmolLM2-135M load peaks at 771-846 MiB above the imports, its 538 MB fp32
-    checkpoint plus the 4-bit base; a load that only converts the dtype is the same code, not measured). An
-    unquantized CPU base in the checkpoint's dtype is that map itself, nothing besides."""
-    checkpoint = _checkpoint_bytes(model_config, parameters)
-    same_dtype = checkpoint == parameters * torch.empty((), dtype=target.dtype).element_size()
-    if target.device == "cpu":
-        return {} if quantization is None and same_dtype else {"checkpoint memory map (read)": checkpoint}
-    largest = max((p.numel() for p in base.parameters()), default=0)
-    return {"largest tensor in transit": _checkpoint_bytes(model_config, largest)}
-
-
-def _gathered_layer_bytes(base: torch.nn.Module, shards: int) -> dict[str, int]:
-    """Under fsdp2, a decoder layer's parameters are gathered whole while it runs (and the next one is
-    prefetched): two layers' worth."""
-    if shards == 1:
-        return {}
-    from marl.model.families import backbone
-
-    layers = getattr(backbone(base), "layers", None)
-    if layers is None or not len(layers):
-        return {}
-    layer_bytes = stored_base_bytes(layers[0])[0]
-    return {"gathered layers (fsdp2)": 2 * layer_bytes * (shards - 1) // shards}
-
-
-def _rollout_record_bytes(config: Any, target: PlanTarget) -> int:
-    """The rollout's tensors kept through scoring and the update: ids, masks and positions (int64) of every
-    row and its float32 log-probs, reference log-probs, scores and advantages."""
-    from marl.batch_sizes import local_batch_size
-
-    rows = local_batch_size(config)
-    width = target.prompt_length + config.response_length
-    return rows * (4 * width * 8 + 3 * config.response_length * 4 + 16)
 
 
 @functools.cache
