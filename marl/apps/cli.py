@@ -159,6 +159,7 @@ def plan_main(argv: Sequence[str] | None = None, prog: str = "marl plan") -> Any
         from marl.config import RLOOConfig
         from marl.train.build import check_components
 
+        words = merge_repeated_list_flags(words, [PlanArguments, RLOOConfig])  # --sweep, as train-rloo's
         arguments, config = parse_flags([PlanArguments, RLOOConfig], prog, words)
         check_components(config)
         return run_plan(arguments, config)

@@ -44,6 +44,13 @@ class PlanArguments:
             "models would hold it (the planner's models of those systems)."
         },
     )
+    sweep: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Plan a sweep as train-rloo --sweep trains it: FIELD=V1,V2[,...], repeatable; its "
+            "policies (the product of the lists) train at once on the one base."
+        },
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -63,10 +70,20 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
     """Plan ``config`` as ``arguments`` say, print the plan (and the changes that fit, or how far the closest
     setting is) on stdout, return it. Each plan takes seconds on a large model (its phases are traced), so a
     line on stderr says which plan is being made, numbered against those of its kind."""
+    from marl.model.memory import format_bytes
     from marl.plan.advice import advise
     from marl.plan.planner import PlanTarget, load_model_config, plan_memory
     from marl.plan.report import advice_text
 
+    policies = 1
+    if arguments.sweep:  # the members' settings differ only where memory does not (marl.sweep_settings)
+        from marl.sweep_settings import parse_sweep
+
+        policies = len(parse_sweep(arguments.sweep, config))
+        if policies > 1 and arguments.num_processes > 1:
+            raise ConfigError(
+                f"--sweep trains its {policies} policies in one process: plan it with --num_processes 1"
+            )
     model_config = load_model_config(config.model_name_or_path)
     target = PlanTarget(
         device=arguments.device,
@@ -75,9 +92,17 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
         num_processes=arguments.num_processes,
     )
     systems = ("trl-rloo", "ppo") if arguments.compare else ()
-    progress(f"[1/{1 + len(systems)}] planning the run as given ({config.model_name_or_path})")
-    plan = plan_memory(config, model_config, target)
+    sweep = f"the sweep of {policies} policies" if policies > 1 else "the run"
+    progress(f"[1/{1 + len(systems)}] planning {sweep} as given ({config.model_name_or_path})")
+    plan = plan_memory(config, model_config, target, policies=policies)
     print(plan)
+    if policies > 1:
+        progress(f"planning one of its policies alone (the {policies} runs one after another)")
+        alone = plan_memory(config, model_config, target)
+        print(
+            f"the {policies} policies as runs one after another: predicted peak {format_bytes(alone.peak)} "
+            f"({alone.peak_phase}), each run loading the base again"
+        )
     for number, system in enumerate(systems, start=2):
         progress(f"[{number}/{1 + len(systems)}] planning the same run as {system}")
         print()
@@ -85,7 +110,7 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
     if plan.fits is False:
         progress("it does not fit: planning the changes that could make it fit")
         print()
-        print(advice_text(advise(config, model_config, target, plan, progress)))
+        print(advice_text(advise(config, model_config, target, plan, progress, policies=policies)))
     return plan
 
 

@@ -559,6 +559,8 @@ CASES += [
     Case(PLAN, ["--model_name_or_path", "{files}/missing"], r"no such model folder: .*missing"),
     Case(PLAN, ["--rloo_k", "1"], r"rloo_k=1"),
     Case(PLAN, ["--sampler", "vllm"], r"--sampler 'vllm'"),
+    Case(PLAN, ["--sweep", "rloo_k=2,4"], r"--sweep rloo_k: cannot differ between the policies of a sweep"),
+    Case(PLAN, ["--sweep", "seed=1,2", "--num_processes", "2"], r"--sweep trains its 2 policies in one"),
 ]  # fmt: skip
 
 for index, case in enumerate(CASES):
