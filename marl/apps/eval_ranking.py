@@ -37,10 +37,11 @@ from marl.apps.intervals import Interval, _bigrams, _distinct_2, bootstrap_inter
 if TYPE_CHECKING:
     from marl.apps.eval_scores import ScoredCompletions
 
-# Settings of a run's rloo_config.json that say where it ran, not how it trained: never shown as a difference.
+# Settings of a run's rloo_config.json that say where it ran and what its adapter is called, not how it
+# trained (a sweep names each member's folder and policy): never shown as a difference.
 IGNORED_SETTINGS = frozenset(
     {"output_dir", "logging_dir", "run_name", "resume_from_checkpoint", "overwrite_output_dir", "dataset",
-     "launcher", "model"}
+     "launcher", "model", "policy_adapter_name"}
 )  # fmt: skip
 
 

@@ -41,7 +41,8 @@ def save_policy(base_dir, directory, scale, seed=2, run=None):
     model.save_policy_adapter(directory)
     if run is not None:
         recorded = {"model_name_or_path": str(base_dir), "quantization": None, "response_length": 6,
-                    "temperature": 0.7, "stop_token": "eos", "output_dir": str(directory), **run}  # fmt: skip
+                    "temperature": 0.7, "stop_token": "eos", "output_dir": str(directory),
+                    "policy_adapter_name": f"policy-{directory.name}", **run}  # fmt: skip
         (directory / "rloo_config.json").write_text(json.dumps(recorded))
     return directory
 
@@ -112,7 +113,7 @@ def test_a_sweeps_folder_ranks_its_members_each_sampled_as_when_evaluated_alone(
     scores = [entry["judge_score"] for entry in ranking]
     assert scores == sorted(scores, reverse=True)
     for entry in ranking:
-        assert entry["settings"] == MEMBERS[entry["name"]]  # output_dir differs too, but says where it ran
+        assert entry["settings"] == MEMBERS[entry["name"]]  # not output_dir, policy_adapter_name
         low, high = entry["judge_interval"]
         assert low <= entry["judge_score"] <= high
         halves = entry["wins"] + 0.5 * entry["ties"]
