@@ -14,10 +14,12 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
+
+from marl.rewards.calls import RewardLog
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -46,7 +48,9 @@ class ScoringBatch:
     ``conversations``: each row's prompt messages when it is a conversation (``None`` for a plain prompt).
     ``completion_ids`` (each row's completion ids through its stop token), ``columns`` (each dataset column
     beside the prompt, one value per row) and ``trainer_state`` are what reward functions receive beside the
-    texts (:mod:`marl.rewards.calls`)."""
+    texts (:mod:`marl.rewards.calls`); what they log with ``log_extra`` and ``log_metric`` is kept in
+    ``reward_log``. ``replies``: each conversation's completion parsed as TRL hands it to reward functions
+    where the tokenizer parses responses (:func:`marl.rewards.calls.parsed_replies`), else ``None``."""
 
     prompts: list[str]
     completions: list[str]
@@ -57,6 +61,8 @@ class ScoringBatch:
     completion_ids: list[list[int]] | None = None
     columns: Mapping[str, list[Any]] | None = None
     trainer_state: Any = None
+    reward_log: RewardLog = field(default_factory=RewardLog)
+    replies: list[dict[str, Any] | None] | None = None
 
 
 @runtime_checkable

@@ -190,8 +190,9 @@ def reward_call(batch: ScoringBatch) -> RewardCall:
         for text, messages in zip(batch.prompts, conversations, strict=True)
     ]
     return RewardCall(
-        prompts, batch.completions, batch.completion_ids, batch.columns or {}, batch.trainer_state
-    )
+        prompts, batch.completions, batch.completion_ids, batch.columns or {}, batch.trainer_state,
+        batch.reward_log, batch.replies,
+    )  # fmt: skip
 
 
 def as_tensor(values: Sequence[float | None], batch: ScoringBatch) -> torch.Tensor:

@@ -45,14 +45,16 @@ def collect_rollout(
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
     and reference log-probs where the algorithm reads them (``scorer.passes``), and their scores from
-    ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.calls`)."""
+    ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.calls`), and what they log is
+    the rollout's ``reward_log``."""
     samples = sampler.sample(sampler.batch(prompts), k)
     # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring (measured on SmolLM2 in
     # 4-bit: scoring's peak 900 MiB with it, 790 without; a trim takes milliseconds).
     release_freed_memory()
     logprobs, ref_logprobs = scorer.logprobs(samples)
     with torch.no_grad(), scorer.autocast():
-        scores = reward.score(scorer.scoring_batch(samples, trainer_state))
+        batch = scorer.scoring_batch(samples, trainer_state)
+        scores = reward.score(batch)
     values = {field.name: getattr(samples, field.name) for field in dataclasses.fields(Samples)}
     release_freed_memory()  # what scoring freed goes back before the update
     return Rollout(
@@ -61,6 +63,7 @@ def collect_rollout(
         ref_logprobs=ref_logprobs,
         scores=scores.total,
         source_scores=scores.per_source,
+        reward_log=batch.reward_log,
     )
 
 

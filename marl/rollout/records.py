@@ -30,6 +30,7 @@ from marl.model.packing import PackedRows, pack_rows
 from marl.rollout import stops
 
 if TYPE_CHECKING:
+    from marl.rewards.calls import RewardLog
     from marl.rollout.prompts import PromptBatch
 
 
@@ -141,10 +142,10 @@ class Samples:
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor):
                 values[field.name] = value[rows]
-            elif value is None or not value:  # a pass the rollout skipped, or a field this record lacks
-                values[field.name] = value
-            else:  # a list per row
+            elif isinstance(value, list) and value:  # a list per row
                 values[field.name] = [value[i] for i in positions]
+            else:  # a pass the rollout skipped, a field this record lacks, or one of the whole rollout
+                values[field.name] = value
         return type(self)(**values)
 
 
@@ -153,9 +154,11 @@ class Rollout(Samples):
     """Samples with what the update needs: float32 log-probs under the policy at sampling time and under the
     reference ``[B, T]`` (``None`` where the algorithm does not read them, :mod:`marl.algo.passes`: the
     update's forward then provides the policy's), the reward's weighted scores ``[B]`` (NaN where no source
-    judged a completion) and each source's own scores ``[B, S]``."""
+    judged a completion) and each source's own scores ``[B, S]``; ``reward_log``: what reward functions logged
+    while scoring it (:class:`marl.rewards.calls.RewardLog`: sample-table columns and metrics)."""
 
     logprobs: torch.Tensor = None
     ref_logprobs: torch.Tensor = None
     scores: torch.Tensor = None
     source_scores: torch.Tensor = None
+    reward_log: RewardLog | None = None

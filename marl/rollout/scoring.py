@@ -26,7 +26,7 @@ from marl.data.prompts import left_pad, reward_model_ids
 from marl.model.generation import pad_token_id
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
 from marl.rewards import ScoringBatch, ScoringChunk
-from marl.rewards.calls import columns_per_row
+from marl.rewards.calls import columns_per_row, parsed_replies, parses_responses
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -192,7 +192,19 @@ class Scorer:
             completion_ids=samples.completion_ids,
             columns=columns_per_row(samples.prompt_columns),
             trainer_state=trainer_state,
+            replies=self.replies(samples),
         )
+
+    def replies(self, samples: Samples) -> list[dict[str, Any] | None] | None:
+        """Each conversation's completion parsed as TRL hands it to reward functions, where the tokenizer
+        parses responses (:func:`marl.rewards.calls.parsed_replies`; ``None`` where it does not)."""
+        if not parses_responses(self.tokenizer):
+            return None
+        prompts = [
+            ids[mask.bool()].tolist()
+            for ids, mask in zip(samples.prompt_ids, samples.prompt_mask, strict=True)
+        ]
+        return parsed_replies(self.tokenizer, prompts, samples.completion_ids, samples.prompt_messages)
 
     def reward_rows(self, samples: Samples) -> list[list[int]]:
         """Token ids a reward adapter reads per row: a conversation with the completion as the assistant's

@@ -1,4 +1,4 @@
-"""The ``trainer_state`` reward functions receive (:mod:`marl.rewards.calls`): a
+"""The ``trainer_state`` reward functions receive (:mod:`marl.rewards.calls`), and the metrics they log. A
 ``transformers.TrainerState``, the class TRL passes, filled with the run's progress so that a reward shaped by
 it (``trainer_state.global_step / trainer_state.max_steps``, ``trainer_state.epoch``) reads the same numbers
 as under TRL.
@@ -19,7 +19,11 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
+
+from marl.errors import DataError
+from marl.rewards.calls import logged_metric_means
 
 
 def reward_trainer_state(trainer: Any) -> Any:
@@ -40,3 +44,26 @@ def reward_trainer_state(trainer: Any) -> Any:
         is_local_process_zero=parallelism.is_local_main_process,
         is_world_process_zero=parallelism.is_main_process,
     )
+
+
+def reward_function_metrics(rollout: Any, metrics: Mapping[str, float]) -> dict[str, float]:
+    """What the run's reward functions logged with ``log_metric`` while scoring ``rollout`` (this process's
+    :class:`marl.rollout.records.Rollout`), to log with the update's ``metrics`` under the names given: each
+    the mean of every value any process logged during the update's rollout, as TRL averages them. Every
+    process calls it (it gathers the names and sums). A name that is one of marl's own metrics is an error
+    naming it.
+
+    Example:
+        >>> metrics = reward_function_metrics(rollout, {"objective/kl": 0.1})  # doctest: +SKIP
+    """
+    from accelerate.utils import gather_object
+
+    sums = rollout.reward_log.metric_sums() if rollout.reward_log is not None else {}
+    logged = logged_metric_means(gather_object([sums]))
+    taken = sorted(set(logged) & set(metrics))
+    if taken:
+        raise DataError(
+            f"a reward function logged {taken[0]!r} with log_metric, which is one of marl's own metrics: "
+            "give it another name"
+        )
+    return logged

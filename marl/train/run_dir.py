@@ -373,17 +373,41 @@ def write_run_config(output_dir: Path, settings: dict[str, Any]) -> None:
     write_atomically(output_dir / CONFIG_FILE, json.dumps(settings, indent=2, default=str) + "\n")
 
 
+def sample_rows(
+    prompts: Sequence[str], completions: Sequence[str], scores: Sequence[float], extra: dict[str, list[Any]]
+) -> list[dict[str, Any]]:
+    """The sample table's rows: prompt, completion and score of each completion, then the columns reward
+    functions logged for it with ``log_extra`` (TRL's extra columns of its completions table).
+
+    Example:
+        >>> sample_rows(["p"], [" c"], [0.5], {"parsed": [True]})
+        [{'prompt': 'p', 'completion': ' c', 'score': 0.5, 'parsed': True}]
+    """
+    rows = [
+        {"prompt": prompt, "completion": completion, "score": float(score)}
+        for prompt, completion, score in zip(prompts, completions, scores, strict=True)
+    ]
+    for column, values in extra.items():
+        for row, value in zip(rows, values, strict=True):
+            row[column] = value
+    return rows
+
+
 def write_sample_table(output_dir: Path, update: int, rows: list[dict[str, Any]]) -> None:
-    """Print a table of sample completions (prompt, completion, score) and save it as JSON lines."""
+    """Print a table of sample completions (prompt, completion, score and any column a reward function
+    logged) and save it as JSON lines."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"samples at update {update}", show_lines=True)
-    for column in ("prompt", "completion", "score"):
+    columns = list(dict.fromkeys(name for row in rows for name in row))
+    for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(row["prompt"], row["completion"], f"{row['score']:.4f}")
+        table.add_row(
+            *(f"{row[name]:.4f}" if name == "score" else str(row.get(name, "")) for name in columns)
+        )
     Console().print(table)
     path = sample_table_file(output_dir, update)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    path.write_text("".join(json.dumps(row, default=str) + "\n" for row in rows))

@@ -57,7 +57,7 @@ from marl.train import checkpoints, run_dir
 from marl.train.build import build_training_parts
 from marl.train.plotting import training_curves_note
 from marl.train.progress import progress_description, progress_postfix
-from marl.train.reward_state import reward_trainer_state
+from marl.train.reward_state import reward_function_metrics, reward_trainer_state
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
 PROCESS_SEED_STRIDE = 100_003
@@ -205,6 +205,7 @@ class RLOOTrainer:
         """The update's metrics over all processes, with its sample table when one is due; logged every
         ``logging_steps``, at the end and with every judged table, then given to the callbacks."""
         metrics = self._metrics(RolloutStats.of(rollout, shaped, self.config.rloo_k), update_stats, start)
+        metrics.update(reward_function_metrics(rollout, metrics))  # what reward functions gave log_metric
         sample_now = self.sample_every and (self.state.update - 1) % self.sample_every == 0
         metrics.update(self._sample_table(rollout) if sample_now else {})
         judged_now = sample_now and self.judge is not None  # the same on every process
@@ -263,7 +264,7 @@ class RLOOTrainer:
                 samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
             with torch.no_grad(), self.parallelism.autocast():
                 batch = self.scorer.scoring_batch(samples, reward_trainer_state(self))
-                scores = self.reward.score(batch).total.tolist()
+                scores, extra = self.reward.score(batch).total.tolist(), batch.reward_log.extra
             if not self.parallelism.is_main_process:
                 return {}
             if self.judge is not None:
@@ -277,12 +278,10 @@ class RLOOTrainer:
                 }
         else:
             samples, scores = rollout, rollout.scores.tolist()
-        rows = [
-            {"prompt": prompt, "completion": completion, "score": float(score)}
-            for prompt, completion, score in zip(
-                samples.prompt_texts, samples.completions, scores, strict=True
-            )
-        ][:SAMPLE_TABLE_ROWS]
+            extra = rollout.reward_log.extra if rollout.reward_log is not None else {}
+        rows = run_dir.sample_rows(samples.prompt_texts, samples.completions, scores, extra)[
+            :SAMPLE_TABLE_ROWS
+        ]
         run_dir.write_sample_table(self.output_dir, self.state.update, rows)
         return held_out
 

@@ -68,8 +68,9 @@ COMPLETIONS = [
 ]
 
 
-def trl_rewards(model_dir, tokenizer, rows, completion_ids, functions):
-    """TRL's own ``_calculate_rewards`` of a real tiny ``GRPOTrainer`` (prompt-major rows)."""
+def trl_rewards(model_dir, tokenizer, rows, completion_ids, functions, with_trainer=False):
+    """TRL's own ``_calculate_rewards`` of a real tiny ``GRPOTrainer`` (prompt-major rows); with
+    ``with_trainer``, also the trainer (what the functions logged is in its pending logs)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -91,11 +92,13 @@ def trl_rewards(model_dir, tokenizer, rows, completion_ids, functions):
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     conversational = is_conversation(prompts[0])
     completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-    return trainer._calculate_rewards(inputs, prompts, completions, completion_ids)
+    rewards = trainer._calculate_rewards(inputs, prompts, completions, completion_ids)
+    return (rewards, trainer) if with_trainer else rewards
 
 
-def marl_rewards(model_dir, tokenizer, rows, completion_ids, functions):
-    """marl's rollout path on the same completions (k-major rows); returns them prompt-major."""
+def marl_rewards(model_dir, tokenizer, rows, completion_ids, functions, with_batch=False):
+    """marl's rollout path on the same completions (k-major rows); returns them prompt-major (with
+    ``with_batch``, also the scored batch and the k-major row of each prompt-major row)."""
     from transformers import TrainerState
 
     from marl.model.multi_adapter import MultiAdapterModel
@@ -121,8 +124,14 @@ def marl_rewards(model_dir, tokenizer, rows, completion_ids, functions):
     )
     scorer = Scorer(MultiAdapterModel.from_pretrained(str(model_dir)), tokenizer, temperature=1.0)
     reward = WeightedRewards([FunctionReward(function) for function in functions])
-    per_source = reward.score(scorer.scoring_batch(samples, TrainerState())).per_source
-    return per_source[torch.tensor([order.index(row) for row in range(len(order))])]
+    batch = scorer.scoring_batch(samples, TrainerState())
+    per_source = reward.score(batch).per_source
+    rows_of = [order.index(row) for row in range(len(order))]
+    return (
+        (per_source[torch.tensor(rows_of)], batch, rows_of)
+        if with_batch
+        else per_source[torch.tensor(rows_of)]
+    )
 
 
 @pytest.mark.parametrize(
@@ -186,3 +195,110 @@ def test_async_functions_of_one_batch_are_awaited_together():
 
     outputs = run_reward_functions([slow, slow], RewardCall(["p"], ["c"]), ["a", "b"])
     assert outputs == [[1.0], [1.0]] and overlap == [2, 2]
+
+
+def logging_reward(completions, log_extra, log_metric, **kwargs):
+    """A reward function using TRL's logging keywords: a column for the completions table, two metrics."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    lengths = [len(text) for text in texts]
+    log_extra("length", lengths)
+    log_extra("first_word", [text.split()[0] if text.split() else "" for text in texts])
+    log_metric("length/mean", sum(lengths) / len(lengths))
+    log_metric("length/max", max(lengths))
+    return [float(length) for length in lengths]
+
+
+async def async_logging_reward(completions, log_metric, **kwargs):
+    log_metric("length/mean", 1.0)  # the same name from a second function: TRL averages all its values
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("rows", [PLAIN, CONVERSATIONAL], ids=["plain", "conversational"])
+def test_what_reward_functions_log_is_recorded_as_trl_records_it(tiny_llama_dir, rows):
+    """TRL keeps log_extra columns for its completions table and log_metric values, averaged per name, for
+    the step's metrics; marl puts the same columns in its sample table rows and logs the same means under the
+    same names."""
+    from marl.model.build import load_tokenizer
+    from marl.rewards.calls import logged_metric_means
+    from marl.train.run_dir import sample_rows
+
+    tokenizer = load_tokenizer(str(tiny_llama_dir))
+    completion_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in COMPLETIONS]
+    functions = [logging_reward, async_logging_reward]
+    expected, trainer = trl_rewards(
+        tiny_llama_dir, tokenizer, rows, completion_ids, functions, with_trainer=True
+    )
+    got, batch, rows_of = marl_rewards(
+        tiny_llama_dir, tokenizer, rows, completion_ids, functions, with_batch=True
+    )
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # the metrics: TRL's pending values, averaged as TRL's step does (sum over processes / count)
+    trl_metrics = {name: sum(values) / len(values) for name, values in trainer._pending_metrics.items()}
+    assert logged_metric_means([batch.reward_log.metric_sums()]) == trl_metrics
+    assert set(trl_metrics) == {"length/mean", "length/max"}
+    # the columns: TRL's pending columns (prompt-major) are marl's sample-table columns row for row
+    table = sample_rows(
+        batch.prompts, batch.completions, [0.0] * len(batch.completions), batch.reward_log.extra
+    )
+    trl_extra = dict(trainer._pending_extra_logs)
+    assert set(trl_extra) == {"length", "first_word"}
+    for column, values in trl_extra.items():
+        assert [table[row][column] for row in rows_of] == values
+    assert len(set(trl_extra["length"])) > 1  # the column differs between rows: the order is checked
+
+
+def test_a_logged_column_must_have_one_value_per_completion():
+    from marl.errors import DataError
+    from marl.rewards import FunctionReward
+
+    def short(completions, log_extra, **kwargs):
+        log_extra("length", [1])
+        return [0.0] * len(completions)
+
+    with pytest.raises(
+        DataError, match=r"reward function 'short' called log_extra\('length', ...\) with 1 values"
+    ):
+        FunctionReward(short)(["p", "q"], ["a", "b"])
+
+
+def test_where_the_tokenizer_parses_responses_functions_get_the_parsed_reply_as_in_trl(family_dir):
+    """TRL 1.16 hands reward functions a conversation's completion parsed by its ``parse_response`` when the
+    tokenizer has a response template (reasoning split from the content): marl hands them the same message,
+    from the prompt ids TRL's own trainer tokenises."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import parse_response, qwen3_template
+
+    from marl.model.build import load_tokenizer
+
+    model_dir = family_dir("qwen2")  # ChatML, as the Qwen3 response template reads it
+    tokenizer = load_tokenizer(str(model_dir))
+    tokenizer.response_template = qwen3_template
+    texts = ["<think>1+2=3, 3*4</think>It is 12", "12", "<think>3*3</think>9", "nine"]  # each ends at EOS
+    completion_ids = [
+        tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for text in texts
+    ]
+    received = []
+
+    def keep(completions, **kwargs):
+        received.extend(completions)
+        return [0.0] * len(completions)
+
+    config = GRPOConfig(
+        output_dir="unused", use_cpu=True, report_to="none", num_generations=2, per_device_train_batch_size=2,
+        max_completion_length=8, bf16=False,
+    )  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(model_dir), reward_funcs=[keep], args=config,
+        train_dataset=Dataset.from_list(CONVERSATIONAL), processing_class=tokenizer,
+    )  # fmt: skip
+    prompts = [row["prompt"] for row in CONVERSATIONAL for _ in range(2)]
+    prompt_ids = trainer._tokenize_prompts(prompts)[0]
+    expected = [
+        [parse_response(tokenizer, ids, prefix=prefix)]
+        for prefix, ids in zip(prompt_ids, completion_ids, strict=True)
+    ]
+    assert expected[0][0]["reasoning_content"] == "1+2=3, 3*4" and expected[0][0]["content"] == "It is 12"
+    marl_rewards(model_dir, tokenizer, CONVERSATIONAL, completion_ids, [keep])
+    order = [2 * prompt + sample for sample in range(2) for prompt in range(len(CONVERSATIONAL))]
+    assert [received[order.index(row)] for row in range(len(order))] == expected

@@ -326,12 +326,15 @@ def test_reward_fn_is_called_as_trl_calls_it_with_the_dataset_columns(tiny_llama
 
     def record(prompts, completions, completion_ids, trainer_state, answer, **kwargs):
         calls.append((prompts, completions, completion_ids, trainer_state, answer, kwargs))
+        # TRL's logging keywords: a column of the sample table, a metric of the update
+        kwargs["log_extra"]("reversed", [text[::-1] for text in answer])
+        kwargs["log_metric"]("answer_length", sum(len(text) for text in answer) / len(answer))
         return [0.0] * len(completions)
 
     conversations = datasets.Dataset.from_list(
         [{"prompt": [{"role": "user", "content": text}], "answer": text[::-1]} for text in PROMPTS[:4]]
     )
-    config = tiny_config(tmp_path / "run", total_episodes=32)
+    config = tiny_config(tmp_path / "run", total_episodes=32, num_sample_generations=2)
     trainer = build(tiny_llama_dir, config, reward_fn=record, dataset=conversations)
     trainer.train()
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
@@ -340,7 +343,7 @@ def test_reward_fn_is_called_as_trl_calls_it_with_the_dataset_columns(tiny_llama
     assert steps > 1 and [call[3].global_step for call in calls] == [0, steps]
     assert {call[3].max_steps for call in calls} == {trainer.sizes.total_optimizer_steps}
     for prompts, completions, completion_ids, _, answer, kwargs in calls:
-        assert len(prompts) == 16 and set(kwargs) == set()  # no other column, nothing else
+        assert len(prompts) == 16 and set(kwargs) == {"log_extra", "log_metric"}  # no other column
         # conversations as message lists, completions as the assistant's reply (TRL's shapes)
         assert all(prompt[0]["role"] == "user" for prompt in prompts)
         assert all(completion[0]["role"] == "assistant" for completion in completions)
@@ -349,6 +352,12 @@ def test_reward_fn_is_called_as_trl_calls_it_with_the_dataset_columns(tiny_llama
         assert prompts[:8] == prompts[8:]
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         assert texts == [completion[0]["content"] for completion in completions]
+    # what it logged: the metric under its name, each update's mean; the column beside each sample
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["answer_length"] for m in metrics] == [sum(map(len, c[4])) / len(c[4]) for c in calls]
+    table = (tmp_path / "run" / "samples" / "update_000001.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in table]
+    assert rows and [row["reversed"] for row in rows] == [text[::-1] for text in calls[0][4][: len(rows)]]
     # the run's reward function is on record beside its settings
     (recorded,) = json.loads((tmp_path / "run" / "rloo_config.json").read_text())["rewards"]
     assert recorded["kind"] == "function" and recorded["function"].endswith(":" + record.__qualname__)
