@@ -23,9 +23,12 @@ SCRIPT = textwrap.dedent(
     rank = int(os.environ["RANK"])
     seen = []
 
-    def reward_fn(prompts, completions):
+    def reward_fn(prompts, completions, log_metric, **kwargs):
         # an offset per process: the gathered mean of the scores shows whether both processes were counted
         seen.extend(prompts)
+        log_metric("rank", float(rank))  # logged as the mean over both processes, as TRL averages it
+        if rank == 1:
+            log_metric("rank_1_only", 7.0)  # a name one process logs: the other must not wait for it
         return [completion.count("e") + 100.0 * rank for completion in completions]
 
     config = RLOOConfig(
@@ -70,6 +73,7 @@ def test_two_process_cpu_run(tiny_llama_dir, tmp_path):
         # process 0 scores lie in [0, 6], process 1 in [100, 106]: a mean near 50 counts both
         assert 45 < record["objective/scores"] < 60
         assert 0 <= record["val/num_eos_tokens"] <= 16
+        assert record["rank"] == 0.5 and record["rank_1_only"] == 7.0  # what reward functions logged
     assert (output_dir / "adapter_model.safetensors").is_file()
 
 
