@@ -302,3 +302,35 @@ def test_where_the_tokenizer_parses_responses_functions_get_the_parsed_reply_as_
     marl_rewards(model_dir, tokenizer, CONVERSATIONAL, completion_ids, [keep])
     order = [2 * prompt + sample for sample in range(2) for prompt in range(len(CONVERSATIONAL))]
     assert [received[order.index(row)] for row in range(len(order))] == expected
+
+
+def test_logging_errors_name_the_function_and_the_fix():
+    from types import SimpleNamespace
+
+    from marl.errors import DataError
+    from marl.rewards import FunctionReward
+    from marl.rewards.calls import RewardLog
+    from marl.train.reward_state import reward_function_metrics
+
+    def not_a_number(completions, log_metric, **kwargs):
+        log_metric("length", "long")
+        return [0.0] * len(completions)
+
+    def own_column(completions, log_extra, **kwargs):
+        log_extra("score", [1.0] * len(completions))
+        return [0.0] * len(completions)
+
+    with pytest.raises(
+        DataError, match=r"reward function 'not_a_number' called log_metric\('length', 'long'\)"
+    ):
+        FunctionReward(not_a_number)(["p"], ["a"])
+    with pytest.raises(DataError, match=r"reward function 'own_column' called log_extra\('score', ...\)"):
+        FunctionReward(own_column)(["p"], ["a"])
+    # a metric named as one of marl's own is refused where the update's metrics are put together
+    log = RewardLog(rows=1)
+    log.log_metric_for("reward function 'f'")("objective/kl", 1.0)
+    with pytest.raises(
+        DataError, match=r"'objective/kl' with log_metric, which is one of marl's own metrics"
+    ):
+        reward_function_metrics(SimpleNamespace(reward_log=log), {"objective/kl": 0.1, "lr": 1e-3})
+    assert reward_function_metrics(SimpleNamespace(reward_log=log), {"lr": 1e-3}) == {"objective/kl": 1.0}
