@@ -22,6 +22,7 @@ from marl.model.families import LogitHead, backbone
 from marl.model.generation import SamplingSettings, sample
 from marl.model.logprobs import logprobs_from_hidden
 from marl.model.packing import PackedRows, read_slots
+from marl.model.routing import RowRoutes
 from marl.model.static_decode import sample_static
 from marl.model.views import AdapterViews
 
@@ -235,13 +236,16 @@ class ForwardPasses(AdapterViews):
         attention_mask: torch.Tensor,
         settings: SamplingSettings,
         copies: int = 1,
+        routes: RowRoutes | None = None,
     ) -> torch.Tensor:
         """:meth:`sample` over a static KV cache, each prompt prefilled once for its ``copies`` samples
         (prompt-major rows, see :func:`marl.model.static_decode.sample_static`), in eval mode without grad.
+        ``routes``: inside :meth:`routed` with these routes, one name per prompt: each prompt's rows decode
+        under its own adapter.
 
         Example:
             >>> with model.policy():  # doctest: +SKIP
             ...     rows = model.sample_static(ids, mask, SamplingSettings(0.7, 16, (eos,), pad), copies=4)
         """
         with self._inference():
-            return sample_static(self.peft_model, input_ids, attention_mask, settings, copies)
+            return sample_static(self.peft_model, input_ids, attention_mask, settings, copies, routes=routes)

@@ -14,9 +14,10 @@ that flattening. Mixture-of-experts layers send a permuted subset of tokens to e
 name can follow: such models are refused.
 
 :func:`route_rows` passes the names to every LoRA layer through forward pre-hooks, as PEFT's own
-``adapter_names`` path does, and keeps them until the context exits. The caller runs the backward pass
-inside the context: a layer under gradient checkpointing computes its forward again during the backward pass,
-and that second forward must be routed the same way.
+``adapter_names`` path does, and keeps them until the context exits. The hooks read a :class:`RowRoutes` at
+every call, so a decode whose finished rows leave the batch names its remaining rows before each step. The
+caller runs the backward pass inside the context: a layer under gradient checkpointing computes its forward
+again during the backward pass, and that second forward must be routed the same way.
 
 Example:
     >>> with model.routed(["positive", "negative", BASE_VIEW]):  # doctest: +SKIP
@@ -95,21 +96,38 @@ def per_input_row(row_adapters: list[str], inputs: int) -> list[str]:
     return row_adapters
 
 
+class RowRoutes:
+    """The adapter name of each row of the next forward passes; :attr:`names` may be replaced between passes
+    (a decode names the rows still decoding before each step).
+
+    Example:
+        >>> routes = RowRoutes(["a", "b", "a"])
+        >>> routes.names = [routes.names[row] for row in (0, 2)]
+        >>> routes.names
+        ['a', 'a']
+    """
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = list(names)
+
+
 def _routed_layers(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, LoraLayer | AuxiliaryTrainingWrapper)]
 
 
 @contextlib.contextmanager
-def route_rows(model: nn.Module, row_adapters: list[str]) -> Iterator[None]:
+def route_rows(model: nn.Module, row_adapters: list[str] | RowRoutes) -> Iterator[None]:
     """Every forward of ``model``'s LoRA layers in the body runs row ``i`` of its batch through
     ``row_adapters[i]`` (the adapters must be enabled: a layer with adapters disabled computes the base for
-    every row). A layer called with another number of rows raises PEFT's error naming both counts."""
+    every row); a :class:`RowRoutes` is read at every call. A layer called with another number of rows
+    raises PEFT's error naming both counts."""
+    routes = row_adapters if isinstance(row_adapters, RowRoutes) else RowRoutes(row_adapters)
 
     def pass_row_adapters(
         module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        inputs = args[0]
-        names = per_input_row(row_adapters, inputs.shape[0]) if inputs.dim() == 2 else row_adapters
+        inputs, names = args[0], routes.names
+        names = per_input_row(names, inputs.shape[0]) if inputs.dim() == 2 else names
         return args, {**kwargs, "adapter_names": names}
 
     handles = [

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from marl.model.generation import SamplingSettings, cache_argument
+from marl.model.routing import RowRoutes
 
 # A decode step: (input ids [A, 1], attention mask [A, S], position ids [A, 1], cache) -> logits [A, 1, V].
 DecodeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
@@ -108,6 +109,7 @@ def sample_static(
     copies: int = 1,
     decode_step: DecodeStep | None = None,
     scores: list[torch.Tensor] | None = None,
+    routes: RowRoutes | None = None,
 ) -> torch.Tensor:
     """``copies`` completions of each left-padded prompt under the ACTIVE adapter view, prompt-major (row
     ``i * copies + j`` is sample ``j`` of prompt ``i``, as ``generate`` on ``input_ids.repeat_interleave``
@@ -115,7 +117,9 @@ def sample_static(
     stopped. The caller chooses eval mode and ``torch.no_grad``; ``decode_step`` replaces the model call of
     the decode steps (e.g. a compiled one). ``scores``: a list that receives each step's ``logits / T``
     ``[P * copies, V]`` (zeros on rows that had stopped), as ``generate(..., output_scores=True)`` returns
-    them.
+    them. ``routes``: the adapter of each prompt (one name per row of ``input_ids``), read by the routing
+    hooks the caller installed (:meth:`marl.MultiAdapterModel.routed`); before every step the decode names
+    the rows still in the batch, each after its prompt.
     """
     from transformers import StaticCache
 
@@ -126,6 +130,7 @@ def sample_static(
     step = decode_step or _forward_step(peft_model)
     cache = StaticCache(config=peft_model.get_base_model().config, max_cache_len=prompt_length + steps)
     positions = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    prompt_names = None if routes is None else list(routes.names)
     logits = _forward_step(peft_model)(input_ids, attention_mask, positions, cache)
     _repeat_rows(cache, copies)
     logits = logits[:, -1].float().repeat_interleave(copies, dim=0)
@@ -173,6 +178,8 @@ def sample_static(
                 idle = active[:1]
         rows_now = active if idle is None else idle
         tokens = completions[rows_now, index : index + 1]
+        if prompt_names is not None:  # each row still decoding keeps its prompt's adapter
+            routes.names = [prompt_names[row // copies] for row in rows_now.tolist()]
         logits = step(tokens, mask[rows_now], next_position[rows_now, None] + index, cache)[:, -1].float()
     return completions
 

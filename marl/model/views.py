@@ -25,7 +25,7 @@ from torch import nn
 
 from marl.errors import ConfigError
 from marl.model.records import BASE_VIEW, DEFAULT_POLICY, REFERENCE_VIEW, PolicyAdapter, RewardAdapter
-from marl.model.routing import check_row_adapters, route_rows, routing_problem
+from marl.model.routing import RowRoutes, check_row_adapters, route_rows, routing_problem
 
 
 @dataclass
@@ -208,24 +208,27 @@ class AdapterViews:
         return self._view(self.get_policy(name).name)
 
     @contextlib.contextmanager
-    def routed(self, row_adapters: Sequence[str]) -> Iterator[Self]:
+    def routed(self, row_adapters: Sequence[str] | RowRoutes) -> Iterator[Self]:
         """Context manager: row ``i`` of every forward in the body runs through ``row_adapters[i]``, an
         adapter on the base (a policy, a reference copy, a reward adapter) or ``BASE_VIEW`` for the base
         alone, in train or eval mode, with gradients (:mod:`marl.model.routing`). Run the backward pass
-        inside. Restores what every view restores; which parameters train is not changed.
+        inside. A :class:`marl.model.routing.RowRoutes` is read at every forward (its first names are
+        checked), so that the body may name other rows between passes. Restores what every view restores;
+        which parameters train is not changed.
 
         Example:
             >>> reference = model.get_policy("negative").reference_adapter or BASE_VIEW  # doctest: +SKIP
             >>> with model.routed(["positive", "negative", reference]):  # doctest: +SKIP
             ...     logprobs = model.token_logprobs(ids, mask, response_start=8)
         """
-        names = check_row_adapters(row_adapters, self.adapter_names)
+        routes = row_adapters if isinstance(row_adapters, RowRoutes) else None
+        names = check_row_adapters(routes.names if routes else row_adapters, self.adapter_names)
         problem = routing_problem(self.peft_model.get_base_model().config)
         if problem is not None:
             raise ConfigError(f"rows of several adapters cannot share a pass on this model: {problem}")
         # Any adapter active enables the adapter layers; the rows' names then decide what each row gets.
         active = next((name for name in names if name != BASE_VIEW), self.default_policy)
-        with self._view(active), route_rows(self.peft_model, names):
+        with self._view(active), route_rows(self.peft_model, routes or names):
             yield self
 
     @contextlib.contextmanager

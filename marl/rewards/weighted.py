@@ -64,11 +64,21 @@ class WeightedRewards:
 
     def score(self, batch: ScoringBatch) -> RewardScores:
         per_source = torch.stack([scores.float() for scores in score_sources(self.sources, batch)], dim=1)
-        weights = torch.tensor(self.weights, dtype=torch.float32, device=per_source.device)
-        judged = ~torch.isnan(per_source)
-        total = torch.where(judged, per_source * weights, torch.zeros_like(per_source)).sum(dim=1)
-        total = torch.where(judged.any(dim=1), total, torch.full_like(total, math.nan))
-        return RewardScores(total, per_source)
+        return RewardScores(weighted_total(per_source, self.weights), per_source)
+
+
+def weighted_total(per_source: torch.Tensor, weights: Sequence[float]) -> torch.Tensor:
+    """``Σ_i w_i · r_i`` per row of ``per_source`` ``[B, S]`` over the sources that judged the row (NaN: not
+    judged); NaN where none did. A sweep weighs the same scores with each policy's own weights.
+
+    Example:
+        >>> weighted_total(torch.tensor([[1.0, 2.0], [float("nan"), 4.0], [float("nan")] * 2]), [1.0, 0.5])
+        tensor([2., 2., nan])
+    """
+    weights = torch.tensor(list(weights), dtype=torch.float32, device=per_source.device)
+    judged = ~torch.isnan(per_source)
+    total = torch.where(judged, per_source * weights, torch.zeros_like(per_source)).sum(dim=1)
+    return torch.where(judged.any(dim=1), total, torch.full_like(total, math.nan))
 
 
 def build_rewards(

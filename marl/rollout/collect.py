@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.algo.passes import POLICY_PASS
+from marl.algo.passes import POLICY_PASS, ScoringPasses
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import sequence_kl
 from marl.model.memory import release_freed_memory
@@ -42,16 +42,24 @@ def collect_rollout(
     k: int,
     reward: WeightedRewards,
     trainer_state: Any = None,
+    policies: Sequence[str] | None = None,
+    passes: ScoringPasses | None = None,
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
-    and reference log-probs where the algorithm reads them (``scorer.passes``), and their scores from
-    ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.calls`), and what they log is
-    the rollout's ``reward_log``."""
-    samples = sampler.sample(sampler.batch(prompts), k)
+    and reference log-probs where the algorithm reads them (``passes``, default ``scorer.passes``), and their
+    scores from ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.calls`), and what
+    they log is the rollout's ``reward_log``.
+
+    ``policies`` (one per prompt): the rows of several policies, sampled in one batched decode
+    (``sampler.sample_routed``) and scored in the same passes, each row under its own policy
+    (:meth:`marl.rollout.scoring.Scorer.rows_view`); :func:`split_rollout` gives each policy its rows."""
+    batch = sampler.batch(prompts)
+    samples = sampler.sample(batch, k) if policies is None else sampler.sample_routed(batch, k, policies)
     # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring (measured on SmolLM2 in
     # 4-bit: scoring's peak 900 MiB with it, 790 without; a trim takes milliseconds).
     release_freed_memory()
-    logprobs, ref_logprobs = scorer.logprobs(samples)
+    row_policies = None if policies is None else [policies[i] for i in samples.prompt_index.tolist()]
+    logprobs, ref_logprobs = scorer.logprobs(samples, passes, row_policies)
     with torch.no_grad(), scorer.autocast():
         batch = scorer.scoring_batch(samples, trainer_state)
         scores = reward.score(batch)
@@ -65,6 +73,34 @@ def collect_rollout(
         source_scores=scores.per_source,
         reward_log=batch.reward_log,
     )
+
+
+def split_rollout(rollout: Rollout, members: int) -> list[Rollout]:
+    """A rollout of ``members`` policies' prompts, member after member (as :func:`collect_rollout` got them
+    with ``policies``), as one rollout per policy: its rows in their order (k-major), its prompt groups
+    numbered from 0, the columns reward functions logged (``log_extra``) cut to its rows; a metric they
+    logged (``log_metric``) was measured on every policy's rows at once, and each policy keeps it whole.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> rollout = SimpleNamespace(prompt_index=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]),
+        ...     select=lambda rows: SimpleNamespace(prompt_index=rollout.prompt_index[rows], rows=rows))
+        >>> [(part.rows.tolist(), part.prompt_index.tolist()) for part in split_rollout(rollout, 2)]
+        [([0, 1, 4, 5], [0, 1, 0, 1]), ([2, 3, 6, 7], [0, 1, 0, 1])]
+    """
+    per_member = (int(rollout.prompt_index.max()) + 1) // members
+    parts = []
+    for member in range(members):
+        rows = torch.nonzero(rollout.prompt_index // per_member == member).flatten()
+        part = rollout.select(rows)
+        part.prompt_index = part.prompt_index - member * per_member
+        log = getattr(part, "reward_log", None)
+        if log is not None and members > 1:
+            positions = rows.tolist()
+            extra = {name: [values[i] for i in positions] for name, values in log.extra.items()}
+            part.reward_log = dataclasses.replace(log, rows=len(positions), extra=extra)
+        parts.append(part)
+    return parts
 
 
 def complete_for_metrics(

@@ -21,7 +21,9 @@ Which path it takes, logged once when it first samples (:attr:`GraphSampler.path
   compiled step is traced with the policy adapter active);
 - ``generate``: a model whose cache holds states other than attention keys and values (as ``static``);
 - ``static``: a base sharded over processes (``--parallelism fsdp2``), whose processes must keep running
-  forward passes together until every one's rows have stopped.
+  forward passes together until every one's rows have stopped; and the rows of several policies sampled
+  together (:meth:`~marl.rollout.transformers_sampler.TransformersSampler.sample_routed`, a sweep): the
+  compiled step is traced with one adapter active, which per-row routing cannot follow (logged once).
 
 Example:
     >>> sampler = GraphSampler(model, tokenizer, SamplerSettings(0.7, 16))  # doctest: +SKIP
@@ -83,7 +85,7 @@ class GraphSampler(StaticSampler):
     ) -> None:
         super().__init__(model, tokenizer, settings)
         self.decoder: BucketedDecoder | None = None
-        self._logged = False
+        self._logged = self._logged_routing = False
         if self.fallback_reason is not None:
             self.path, self.path_reason = "generate", self.fallback_reason
             return
@@ -130,7 +132,18 @@ class GraphSampler(StaticSampler):
         )
         logger.warning("--sampler graph decodes eager from now on: %s", self.path_reason)
 
-    def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
+    def _generate(
+        self, prompts: PromptBatch, k: int, view: str, policies: list[str] | None = None
+    ) -> torch.Tensor:
+        if policies is not None:  # rows of several policies: the captured step is traced for one adapter
+            if not self._logged_routing:
+                self._logged_routing = True
+                logger.info(
+                    "--sampler graph decodes the rows of several policies with the static decode: its "
+                    "compiled step is traced with one policy adapter active, which routing per row cannot "
+                    "follow"
+                )
+            return StaticSampler._generate(self, prompts, k, view, policies)
         if not self._logged:
             self._logged = True
             logger.info("--sampler graph decodes %s: %s", self.path, self.path_reason)
@@ -138,7 +151,7 @@ class GraphSampler(StaticSampler):
             return super()._generate(prompts, k, view)
         decoder = self.decoder
 
-        def sample_chunk(ids: torch.Tensor, mask: torch.Tensor, copies: int) -> torch.Tensor:
+        def sample_chunk(ids: torch.Tensor, mask: torch.Tensor, copies: int, routes: None) -> torch.Tensor:
             with self.model._inference():
                 return decoder.sample(ids, mask, self.sampling, copies, compiled=view == DEFAULT_POLICY)
 

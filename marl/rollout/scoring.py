@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +25,7 @@ from marl.algo.passes import ALL_PASSES, ScoringPasses
 from marl.data.prompts import left_pad, reward_model_ids
 from marl.model.generation import pad_token_id
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
+from marl.model.records import BASE_VIEW
 from marl.rewards import ScoringBatch, ScoringChunk
 from marl.rewards.calls import columns_per_row, parsed_replies, parses_responses
 
@@ -131,10 +132,14 @@ class Scorer:
         )
 
     def logprobs(
-        self, samples: Samples, passes: ScoringPasses | None = None
+        self,
+        samples: Samples,
+        passes: ScoringPasses | None = None,
+        row_policies: Sequence[str] | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """No-grad float32 log-probs of the completions under the policy and the reference, ``[B, T]``; of
-        the passes ``passes`` (default :attr:`passes`) runs, ``None`` for the other."""
+        the passes ``passes`` (default :attr:`passes`) runs, ``None`` for the other. ``row_policies``: the
+        policy of each row (rows of several policies, :meth:`rows_view`), instead of :attr:`policy`."""
         passes = self.passes if passes is None else passes
         shape = samples.response_ids.shape
         logprobs, ref_logprobs = (
@@ -143,13 +148,40 @@ class Scorer:
         )
         with torch.no_grad(), self.autocast():
             for rows, chunk, packed in self.chunks(samples) if passes.policy or passes.reference else ():
+                names = [self.policy] if row_policies is None else [row_policies[r] for r in rows.tolist()]
                 if logprobs is not None:
-                    with self.model.policy(self.policy):
+                    with self.rows_view(names, chunk.prompt_index, packed):
                         logprobs[rows] = self.completion_logprobs(chunk, packed).float()
                 if ref_logprobs is not None:
-                    with self.model.reference(self.policy):
+                    with self.rows_view(names, chunk.prompt_index, packed, reference=True):
                         ref_logprobs[rows] = self.completion_logprobs(chunk, packed).float()
         return logprobs, ref_logprobs
+
+    def rows_view(
+        self,
+        policies: Sequence[str],
+        prompt_index: torch.Tensor,
+        packed: PackedRows | None,
+        reference: bool = False,
+    ) -> contextlib.AbstractContextManager:
+        """The view a forward of rows of ``policies`` (one per row, or one for all) runs in: the policy's (or
+        its reference's) own view when one serves every row, else the rows routed per row
+        (:meth:`marl.MultiAdapterModel.routed`): each row through its policy (or its reference: the frozen
+        copy of its starting adapter, or the base with adapters disabled). A packed forward has one row per
+        prompt group (groups in order of first appearance in ``prompt_index``), named after its group."""
+        if len(set(policies)) == 1:
+            view = self.model.reference if reference else self.model.policy
+            return view(policies[0])
+        if packed is not None:
+            first_rows = dict.fromkeys(prompt_index.tolist())
+            for row, group in enumerate(prompt_index.tolist()):
+                first_rows[group] = row if first_rows[group] is None else first_rows[group]
+            policies = [policies[row] for row in first_rows.values()]
+        if reference:
+            policies = [self.model.get_policy(name).reference_adapter or BASE_VIEW for name in policies]
+            if set(policies) == {BASE_VIEW}:  # the base serves every row: no routing needed
+                return self.model.base()
+        return self.model.routed(policies)
 
     # ------------------------------------------------------------------ reward rows
 

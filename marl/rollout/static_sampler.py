@@ -46,13 +46,19 @@ class StaticSampler(TransformersSampler):
         if self.fallback_reason is not None:
             logger.warning("--sampler static samples with generate for this model: %s", self.fallback_reason)
 
-    def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
-        """Completion ids ``[k * P, response_length]``, k-major, in the transformers sampler's chunks."""
+    def _generate(
+        self, prompts: PromptBatch, k: int, view: str, policies: list[str] | None = None
+    ) -> torch.Tensor:
+        """Completion ids ``[k * P, response_length]``, k-major, in the transformers sampler's chunks (routed
+        per prompt with ``policies``: finished rows leave the batch and the routes follow the rows left)."""
         if self.fallback_reason is not None:
-            return super()._generate(prompts, k, view)
+            return super()._generate(prompts, k, view, policies)
         return self._in_chunks(
             prompts,
             k,
             view,
-            lambda ids, mask, k: self.model.sample_static(ids, mask, self.sampling, copies=k),
+            lambda ids, mask, k, routes: self.model.sample_static(
+                ids, mask, self.sampling, copies=k, routes=routes
+            ),
+            policies,
         )

@@ -23,6 +23,7 @@ from marl.errors import ConfigError, DataError
 from marl.model.generation import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
 from marl.model.multi_adapter import position_ids_from_mask
 from marl.model.records import BASE_VIEW, DEFAULT_POLICY, REFERENCE_VIEW
+from marl.model.routing import RowRoutes
 from marl.rollout.prompts import Prompt, PromptBatch
 from marl.rollout.records import Samples
 
@@ -80,10 +81,28 @@ class TransformersSampler:
     def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
         """``k`` completions of every prompt under ``view`` (``"policy"``, ``"reference"`` or the base,
         :data:`marl.model.records.BASE_VIEW`), k-major."""
+        return self._samples(prompts, k, self._generate(prompts, k, view))
+
+    def sample_routed(self, prompts: PromptBatch, k: int, policies: Sequence[str]) -> Samples:
+        """``k`` completions of every prompt, prompt ``i`` under the policy adapter ``policies[i]``, all in
+        the same batched decode (:meth:`marl.MultiAdapterModel.routed`), k-major. A chunk holds
+        ``rows_per_pass`` rows of every policy; a chunk whose prompts all name one policy decodes under that
+        policy's view, as :meth:`sample` does.
+
+        Example:
+            >>> samples = sampler.sample_routed(batch, 4, ["a", "a", "b", "b"])  # doctest: +SKIP
+        """
+        if len(policies) != prompts.ids.shape[0]:
+            raise ValueError(
+                f"{len(policies)} policies for {prompts.ids.shape[0]} prompts: give one per prompt"
+            )
+        return self._samples(prompts, k, self._generate(prompts, k, DEFAULT_POLICY, list(policies)))
+
+    def _samples(self, prompts: PromptBatch, k: int, responses: torch.Tensor) -> Samples:
         return Samples.from_responses(
             prompts,
             k,
-            self._generate(prompts, k, view),
+            responses,
             stop_token_ids=self.sampling.stop_token_ids,
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.sampling.pad_token_id,
@@ -94,39 +113,58 @@ class TransformersSampler:
         """Nothing to do: generation runs on the model's own policy adapter, whose weights are the live ones
         the optimizer just changed (no copy to refresh)."""
 
-    def _generate(self, prompts: PromptBatch, k: int, view: str) -> torch.Tensor:
-        """Completion ids ``[k * P, response_length]``, k-major, in chunks of ``rows_per_pass`` sampled rows.
+    def _generate(
+        self, prompts: PromptBatch, k: int, view: str, policies: list[str] | None = None
+    ) -> torch.Tensor:
+        """Completion ids ``[k * P, response_length]``, k-major, in chunks of ``rows_per_pass`` sampled rows
+        (per policy, with ``policies``: one per prompt, see :meth:`sample_routed`).
 
         Each prompt is prefilled ONCE: its KV cache is copied to its k samples, instead of running the prompt
         through the model k times.
         """
-        return self._in_chunks(prompts, k, view, self._sample_chunk)
+        return self._in_chunks(prompts, k, view, self._sample_chunk, policies)
 
     def _in_chunks(
         self,
         prompts: PromptBatch,
         k: int,
         view: str,
-        sample_chunk: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
+        sample_chunk: Callable[[torch.Tensor, torch.Tensor, int, RowRoutes | None], torch.Tensor],
+        policies: list[str] | None = None,
     ) -> torch.Tensor:
-        """``sample_chunk(ids, mask, k)`` (prompt-major rows ``i * k + j``) over chunks of ``rows_per_pass``
-        sampled rows under ``view``, put in the rollout's k-major layout (row ``j * P + i``)."""
+        """``sample_chunk(ids, mask, k, routes)`` (prompt-major rows ``i * k + j``) over chunks of
+        ``rows_per_pass`` sampled rows under ``view``, put in the rollout's k-major layout (row ``j * P +
+        i``). With ``policies`` (one per prompt), a chunk holds ``rows_per_pass`` rows of every policy and
+        runs routed, ``routes`` naming its prompts' policies (``None``: one view)."""
         prompts_per_chunk = max(1, self.settings.rows_per_pass // k)
+        if policies is not None:
+            prompts_per_chunk *= len(set(policies))
         pieces = []
         for start in range(0, prompts.ids.shape[0], prompts_per_chunk):
             ids = prompts.ids[start : start + prompts_per_chunk]
             mask = prompts.mask[start : start + prompts_per_chunk]
-            with self._view(view), self.settings.autocast():
-                responses = sample_chunk(ids, mask, k)
+            names = None if policies is None else policies[start : start + prompts_per_chunk]
+            routes = None if names is None or len(set(names)) == 1 else RowRoutes(names)
+            if routes is not None:
+                chosen = self.model.routed(routes)
+            else:
+                chosen = self._view(view) if names is None else self.model.policy(names[0])
+            with chosen, self.settings.autocast():
+                responses = sample_chunk(ids, mask, k, routes)
             pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
         return torch.cat(pieces, dim=1).reshape(k * prompts.ids.shape[0], -1)
 
-    def _sample_chunk(self, ids: torch.Tensor, mask: torch.Tensor, k: int) -> torch.Tensor:
+    def _sample_chunk(
+        self, ids: torch.Tensor, mask: torch.Tensor, k: int, routes: RowRoutes | None = None
+    ) -> torch.Tensor:
+        cache = self._shared_prompt_cache(ids, mask, k)  # routed per prompt
+        if routes is not None:  # generate keeps every row to the end: each sample under its prompt's adapter
+            routes.names = [name for name in routes.names for _ in range(k)]
         return self.model.sample(
             ids.repeat_interleave(k, dim=0),
             mask.repeat_interleave(k, dim=0),
             self.sampling,
-            past_key_values=self._shared_prompt_cache(ids, mask, k),
+            past_key_values=cache,
         )
 
     def _view(self, view: str) -> contextlib.AbstractContextManager:
