@@ -14,15 +14,19 @@ _PUBLIC = {
     "RLOOConfig": "marl.config",
     "RLOOTrainer": "marl.train.trainer",
     "RewardAdapterFunction": "marl.rewards.interop",
+    "SweepTrainer": "marl.train.sweep",
 }
 
 if TYPE_CHECKING:
     from marl.config import RLOOConfig
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards.interop import RewardAdapterFunction
+    from marl.train.sweep import SweepTrainer
     from marl.train.trainer import RLOOTrainer
 
-__all__ = ["MultiAdapterModel", "RLOOConfig", "RLOOTrainer", "RewardAdapterFunction", "__version__"]
+__all__ = [
+    "MultiAdapterModel", "RLOOConfig", "RLOOTrainer", "RewardAdapterFunction", "SweepTrainer", "__version__",
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -25,6 +25,7 @@ SKIPPED_BLOCKS = {
     ("docs/quickstart.md", 1),
     ("docs/guides/rewards.md", 1),
     ("docs/guides/policies.md", 1),
+    ("docs/guides/sweeps.md", 2),
     ("README.md", 1),
     ("README.md", 2),
 }

@@ -60,6 +60,15 @@ class ScriptArguments:
             "deleted once the new run has finished its first update, and kept if the new run stops before."
         },
     )
+    sweep: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Train several policies at once on the one base: FIELD=V1,V2,... (repeat the flag for a "
+            "grid: the members are the product of the lists). Each policy writes to OUTPUT_DIR/<its "
+            "name>; what may differ: marl.sweep_settings.SWEEPABLE_FIELDS (learning_rate, seed, kl_coef, "
+            "reward_weights, ...)."
+        },
+    )
     resume_from_checkpoint: str | None = field(
         default=None,
         metadata={
@@ -99,7 +108,29 @@ def parse_train_rloo_args(
     from marl.train.build import check_components
 
     check_components(config)
+    if script.sweep:
+        from marl.train.sweep import check_sweep_configs
+
+        if script.resume_from_checkpoint not in (None, "latest"):
+            raise ConfigError(
+                "--sweep resumes every policy together: pass --resume_from_checkpoint latest, not one folder"
+            )
+
+        check_sweep_configs([member.config for member in sweep_members(script, config)])
     return script, config
+
+
+def sweep_members(script: ScriptArguments, config: RLOOConfig) -> list[Any]:
+    """The members of ``--sweep`` over ``config`` (:func:`marl.sweep_settings.parse_sweep`).
+
+    Example:
+        >>> script, config = parse_train_rloo_args(["--reward_adapter", "rm", "--sweep", "seed=1,2"])
+        >>> [member.name for member in sweep_members(script, config)]
+        ['seed=1', 'seed=2']
+    """
+    from marl.sweep_settings import parse_sweep
+
+    return parse_sweep(script.sweep or [], config)
 
 
 def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
@@ -118,9 +149,11 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
 
     # The checks that need no model come first, and before torch is imported, so that a typo fails at once.
     arguments = train_arguments(script)
-    plan_start(  # train() repeats this check before it starts
-        config.output_dir, arguments["resume_from_checkpoint"], overwrite=arguments["overwrite_output_dir"]
-    )
+    members = sweep_members(script, config) if script.sweep else []
+    for folder in [member.config.output_dir for member in members] or [config.output_dir]:
+        plan_start(  # train() repeats this check before it starts
+            folder, arguments["resume_from_checkpoint"], overwrite=arguments["overwrite_output_dir"]
+        )
     train_dataset = load_prompt_dataset(
         script.dataset_name, script.dataset_train_split, script.prompt_column, seed=config.seed
     )
@@ -151,10 +184,15 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     # state would set itself up as a single process and the trainer would refuse the mismatch).
     state = PartialState(cpu=not torch.cuda.is_available())
     check_sharded_launch(config.parallelism, state.num_processes)  # before the model loads
-    model = MultiAdapterModel.from_config(config)
+    if members:
+        from marl.train.sweep import SweepTrainer, build_sweep_model
+
+        model = build_sweep_model([member.config for member in members])
+    else:
+        model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
-    trainer = RLOOTrainer(
-        config,
+    trainer = (SweepTrainer if members else RLOOTrainer)(
+        members or config,
         model,
         tokenizer,
         train_dataset,
@@ -166,7 +204,8 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         console = Console()
         if command:
             console.print(f"[bold]{command}[/bold]")
-        console.print(memory_card_with_plan(trainer))
+        # a sweep's card is its first policy's run (the other policies add their LoRAs and optimizer states)
+        console.print(memory_card_with_plan(trainer.trainers[0] if members else trainer))
     return trainer
 
 

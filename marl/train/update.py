@@ -17,15 +17,13 @@ Example:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from marl.algo.metrics import UpdateStats
-from marl.algo.passes import reuses_samples
-from marl.algo.selection import loss_mask, policy_loss, truncation_warning
+from marl.train.joint_update import UpdatePart, run_together
 
 if TYPE_CHECKING:
     from marl.batch_sizes import BatchSizes
@@ -83,84 +81,11 @@ class PolicyUpdate:
     def run(self, rollout: Rollout, advantages: torch.Tensor, update: int) -> tuple[UpdateStats, int]:
         """PPO-clip epochs over ``rollout`` (the ``update``-th, for warnings); returns this process's sums for
         the policy metrics and how many optimizer steps were skipped. The model is left in eval mode, also
-        when a step fails."""
-        config, sizes = self.config, self.sizes
-        mask = loss_mask(rollout.response_mask, rollout.contains_stop, config)
-        truncated = truncation_warning(rollout.contains_stop, config, update)
-        if truncated is not None:
-            warnings.warn(truncated, RuntimeWarning, stacklevel=2)
-        stats, skipped = UpdateStats(), 0
-        provide = rollout.logprobs is None
-        if provide and reuses_samples(config):
-            raise ValueError("the rollout skipped the policy's scoring pass, which reusing its samples reads")
-        if provide:  # filled micro-batch by micro-batch by the update's forward (each row once: one epoch)
-            rollout.logprobs = torch.zeros(rollout.response_ids.shape, device=rollout.response_ids.device)
-        self.model.train()
-        try:
-            for _epoch in range(config.num_ppo_epochs):
-                order = self.shuffled_rows(rollout)
-                for mini_start in range(0, sizes.local_batch_size, sizes.local_mini_batch_size):
-                    mini_batch = order[mini_start : mini_start + sizes.local_mini_batch_size]
-                    num_items = self._tokens_per_micro_batch(mask[mini_batch])
-                    loss_finite = True
-                    for micro_start in range(
-                        0, sizes.local_mini_batch_size, config.per_device_train_batch_size
-                    ):
-                        rows = mini_batch[micro_start : micro_start + config.per_device_train_batch_size]
-                        finite = self._backward(rollout, rows, advantages, mask, num_items, stats, provide)
-                        loss_finite = loss_finite and finite
-                    if self._optimizer_step(loss_finite):
-                        skipped += 1
-                        warnings.warn(
-                            f"update {update}: non-finite loss or gradient; step skipped",
-                            RuntimeWarning,
-                            stacklevel=2,
-                        )
-        finally:
-            self.model.eval()
-        return stats, skipped
+        when a step fails. The loop is :func:`marl.train.joint_update.run_together`'s with this policy
+        alone, the one a sweep runs with every policy."""
+        return run_together([UpdatePart(self, rollout, advantages)], update)[0]
 
-    def _backward(
-        self,
-        rollout: Rollout,
-        rows: torch.Tensor,
-        advantages: torch.Tensor,
-        mask: torch.Tensor,
-        num_items: torch.Tensor | None,
-        stats: UpdateStats,
-        provide: bool = False,
-    ) -> bool:
-        """One micro-batch's forward, loss and backward pass (its metrics added to ``stats``; with
-        ``provide``, its detached log-probs written into ``rollout.logprobs``); returns whether its loss was
-        finite.
-
-        Its own method so that the micro-batch's autograd graph dies when it returns, before the next
-        micro-batch's forward: a custom autograd function may keep its inputs as attributes of its context
-        (bitsandbytes' int8 matmul on CPU keeps each layer's input), which a backward pass does not free.
-        """
-        config = self.config
-        batch = rollout.select(rows)
-        # whole prompt groups: each prompt is computed once, its k gradients flow into it
-        packed = self.scorer.pack(batch) if self.grouped_micro_batches else None
-        with self.model.policy(self.policy), self.parallelism.autocast():
-            new_logprobs, entropy = self.scorer.completion_logprobs(batch, packed, with_entropy=True)
-        # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction (TRL 1.16:
-        # old_per_token_logps = per_token_logps.detach()), whether or not the rollout scored the policy.
-        old = batch.logprobs if reuses_samples(config) else new_logprobs.detach()
-        if provide:
-            rollout.logprobs[rows] = old.float()
-        policy, loss = policy_loss(
-            config, new_logprobs, old, batch.ref_logprobs, advantages[rows], mask[rows], num_items
-        )
-        # Every process runs every backward pass (gradients are averaged inside it); the gradients of a step
-        # with a non-finite loss are thrown away by the caller.
-        finite = bool(torch.isfinite(loss))
-        self.parallelism.backward(loss / config.gradient_accumulation_steps)
-        with torch.no_grad():
-            stats.add(policy, entropy, batch.response_mask)
-        return finite
-
-    def _tokens_per_micro_batch(self, mini_batch_mask: torch.Tensor) -> torch.Tensor | None:
+    def tokens_per_micro_batch(self, mini_batch_mask: torch.Tensor) -> torch.Tensor | None:
         """The ``dapo`` normaliser: the optimizer step's loss tokens over every process, divided by
         processes × accumulation steps (the step's gradient: the token mean of the step); else None."""
         if self.config.loss_type != "dapo":
@@ -184,7 +109,7 @@ class PolicyUpdate:
         groups = torch.randperm(int(rollout.prompt_index.max()) + 1).to(device)
         return torch.cat([torch.nonzero(rollout.prompt_index == group).flatten() for group in groups])
 
-    def _optimizer_step(self, loss_finite: bool) -> bool:
+    def optimizer_step(self, loss_finite: bool) -> bool:
         """Clip the (already averaged) gradients and step; returns whether the step was skipped (anything not
         finite)."""
         skip = self.parallelism.any_process(not loss_finite)

@@ -193,6 +193,15 @@ CASES = [
     Case(RLOO, ["--reward", "function:nocolon"], r"'nocolon' must look like 'module:function'"),
     Case(RLOO, ["--reward_weights", "1", "2"], r"2 reward weights for 1 reward sources"),
     Case(RLOO, ["--reward_weights", "nan"], r"--reward_weights=\[nan\] is not a finite number"),
+    # --- train-rloo: a sweep of several policies
+    Case(RLOO, ["--sweep", "rloo_k=2,4"], r"--sweep rloo_k: cannot differ .*Set --rloo_k once"),
+    Case(RLOO, ["--sweep", "learning_rate"], r"--sweep 'learning_rate' is not FIELD=V1,V2"),
+    Case(RLOO, ["--sweep", "seed=1,1"], r"--sweep seed: the value\(s\) \['1'\] appear more than once"),
+    Case(
+        RLOO,
+        ["--sweep", "seed=1,2", "--resume_from_checkpoint", "{files}/missing"],
+        r"--sweep resumes every policy together: pass --resume_from_checkpoint latest",
+    ),
     # --- train-rloo: the data
     Case(RLOO, ["--dataset_name", "{files}/missing.jsonl"], r"no such dataset file or folder"),
     Case(RLOO, ["--dataset_name", "{files}/prompts.txt"], r"unknown dataset file type '\.txt'"),

@@ -38,13 +38,13 @@ def one_update(model_dir, output_dir, preset, overrides, forced: bool):
     if forced:
         trainer.scorer.passes = ALL_PASSES
     update, gradients = trainer.policy_update, []
-    step = update._optimizer_step
+    step = update.optimizer_step
 
     def recording_step(loss_finite):
         gradients.append([parameter.grad.detach().clone() for parameter in update.parameters])
         return step(loss_finite)
 
-    update._optimizer_step = recording_step
+    update.optimizer_step = recording_step
     return trainer, trainer.train(), gradients
 
 

@@ -1,0 +1,405 @@
+"""``SweepTrainer``: several policies trained at once on one base, one policy LoRA per member of a sweep.
+
+Every update, in one process:
+
+1. rollout (:func:`marl.rollout.collect.collect_rollout` with ``policies``): each policy's prompts (its own
+   seed's order, as its own run would draw them), ALL rows sampled in one batched decode routed per row
+   (``sampler.sample_routed``: the static decode names the rows still decoding before each step), scored in
+   the same passes (each policy's log-probs routed per row; the reference pass is the base with adapters
+   disabled for every row; the reward passes score every row once). A pass runs when any policy reads it
+   (:mod:`marl.algo.passes`); each policy then sees only the passes its own run would have, its rows
+   (:func:`marl.rollout.collect.split_rollout`) and its own weighted reward
+   (:func:`marl.rewards.weighted.weighted_total`);
+2. advantages per policy with its own settings (:meth:`marl.RLOOTrainer._shaped_rewards`);
+3. update (:func:`marl.train.joint_update.run_together`): one forward and ONE backward pass per micro-batch
+   over every policy's rows, each row's gradient reaching only its own adapter; each policy's own optimizer,
+   LR schedule, clipping and skipped steps;
+4. each policy's metrics, sample tables, checkpoints and output folder, as its own run writes them (each
+   member is a :class:`marl.RLOOTrainer` whose loop the sweep runs: one owner per concern).
+
+Randomness: one stream. The process's generators are seeded once with the FIRST policy's seed (as a single
+run seeds them with its own), and the decode draws every row's token from it in one ``multinomial`` per step;
+each policy's shuffles of its update rows follow, policy after policy. Per-policy generators would let a
+policy draw its solo run's tokens only if its rows also decoded in its solo run's batches (float rounding of
+a batched forward differs with the batch), so they buy no exact equality and cost one draw per policy per
+step. The policies' own seeds choose their prompt order and initial LoRA weights; a sweep of one policy is
+bit-identical to that policy's own run (tested). Kill and resume follows each member's checkpoints, taken
+together after the same update.
+
+Example:
+    >>> config = RLOOConfig(output_dir="runs/sweep")
+    >>> members = parse_sweep(["learning_rate=1e-4,3e-4"], config)  # doctest: +SKIP
+    >>> model = build_sweep_model([member.config for member in members])  # doctest: +SKIP
+    >>> trainer = SweepTrainer(members, model, tokenizer, train_dataset=prompts)  # doctest: +SKIP
+    >>> histories = trainer.train()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from marl.algo.metrics import UpdateStats
+from marl.algo.passes import ScoringPasses, scoring_passes
+from marl.algo.shaping import ShapedRewards
+from marl.config import RLOOConfig
+from marl.errors import CheckpointError, ConfigError
+from marl.model.memory import release_freed_memory
+from marl.model.multi_adapter import MultiAdapterModel
+from marl.model.routing import routing_problem
+from marl.rewards.weighted import weighted_total
+from marl.rollout.collect import collect_rollout, complete_for_metrics, split_rollout
+from marl.rollout.prompts import prompts_for_update
+from marl.rollout.records import Rollout
+from marl.rollout.samplers import get_sampler
+from marl.sweep_settings import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember
+from marl.train import run_dir
+from marl.train.joint_update import UpdatePart, run_together
+from marl.train.progress import progress_description
+from marl.train.reward_state import reward_trainer_state
+from marl.train.sweep_report import finish_sweep
+from marl.train.trainer import PROCESS_SEED_STRIDE, RLOOTrainer
+
+# Set per policy by the sweep, or following a swept field.
+_PER_POLICY = {"output_dir", "policy_adapter_name", "token_level_kl"}
+
+
+def check_sweep_configs(configs: Sequence[RLOOConfig]) -> None:
+    """Refuse, before any model work, a sweep whose policies cannot train together: none, a config that is
+    not an :class:`marl.RLOOConfig`, two policies with one adapter name or output folder, a shared setting
+    that differs (:data:`marl.sweep_settings.SHARED_FIELDS`), and several policies in several processes.
+
+    Example:
+        >>> check_sweep_configs([RLOOConfig(output_dir="a", policy_adapter_name="a"),
+        ...                      RLOOConfig(output_dir="b", policy_adapter_name="b", rloo_k=4)])
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: the policies of a sweep differ in rloo_k (2 for a, 4 for b): every policy's \
+rows are sampled in one batched decode with k completions per prompt (the groups of the advantages). Give \
+every policy the same rloo_k
+    """
+    if not configs:
+        raise ConfigError("a sweep needs at least one policy: pass one RLOOConfig per policy")
+    for config in configs:
+        if not isinstance(config, RLOOConfig):
+            raise TypeError(f"every policy's config must be a marl.RLOOConfig, got {type(config).__name__}")
+    for field, what in (("policy_adapter_name", "policy adapter name"), ("output_dir", "output folder")):
+        values = [str(Path(getattr(config, field))) for config in configs]
+        if len(set(values)) < len(values):
+            raise ConfigError(
+                f"two policies of the sweep share the {what} {_repeated(values)!r}: give each policy its own "
+                f"{field} (marl.sweep_settings.parse_sweep sets both from the member's name)"
+            )
+    first = configs[0]
+    for field in dataclasses.fields(RLOOConfig):
+        if field.name in SWEEPABLE_FIELDS or field.name in _PER_POLICY:
+            continue
+        for config in configs[1:]:
+            if getattr(config, field.name) != getattr(first, field.name):
+                why = SHARED_FIELDS.get(field.name, "the shared passes read it")
+                raise ConfigError(
+                    f"the policies of a sweep differ in {field.name} ({getattr(first, field.name)} for "
+                    f"{first.policy_adapter_name}, {getattr(config, field.name)} for "
+                    f"{config.policy_adapter_name}): {why}. Give every policy the same {field.name}"
+                )
+    if len(configs) > 1 and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or first.parallelism != "replicated"):
+        raise ConfigError(
+            "a sweep of several policies runs in one process (--parallelism replicated, the default): launch "
+            "it without torchrun / accelerate launch"
+        )
+
+
+def check_sweep_model(configs: Sequence[RLOOConfig], model: MultiAdapterModel) -> None:
+    """Refuse a model on which the policies of ``configs`` cannot train together: a policy it lacks, rows it
+    cannot route per row (mixture-of-experts), or a sampler that cannot sample several policies at once."""
+    for config in configs:
+        if config.policy_adapter_name not in model.policies:
+            raise ConfigError(
+                f"the model has no policy {config.policy_adapter_name!r} (its policies: "
+                f"{list(model.policies)}); "
+                "build it with marl.train.sweep.build_sweep_model(configs), or add_policy each policy"
+            )
+    if len(configs) > 1:
+        problem = routing_problem(model.config)
+        if problem is not None:
+            raise ConfigError(
+                f"several policies cannot share this model's passes: {problem}. Train them one after another"
+            )
+        sampler = get_sampler(configs[0].sampler)
+        if not hasattr(sampler, "sample_routed"):
+            raise ConfigError(
+                f"--sampler {configs[0].sampler} cannot sample the rows of several policies in one decode "
+                "(it has no sample_routed): use --sampler static"
+            )
+
+
+def build_sweep_model(configs: Sequence[RLOOConfig], **overrides: Any) -> MultiAdapterModel:
+    """ONE base with a policy per config, each named ``config.policy_adapter_name``, each drawn as its own
+    run draws it: the generators seeded with its seed before its fresh LoRA is made (so a sweep's policy
+    starts from its own run's weights). ``overrides`` go to :meth:`marl.MultiAdapterModel.from_config`.
+
+    Example:
+        >>> model = build_sweep_model([member.config for member in members])  # doctest: +SKIP
+    """
+    check_sweep_configs(configs)
+    model = MultiAdapterModel.from_config(configs[0], **overrides)
+    for config in configs[1:]:
+        set_seed(config.seed)
+        adapter = config.policy_adapter if config.policy_adapter is not None else config.policy_lora_config()
+        model.add_policy(config.policy_adapter_name, adapter, reference=config.reference)
+    return model
+
+
+class SweepTrainer:
+    """Trains one policy per member at once on one :class:`marl.MultiAdapterModel` (see the module
+    docstring).
+
+    Args:
+        members: :class:`marl.sweep_settings.SweepMember` objects (from
+            :func:`marl.sweep_settings.parse_sweep`) or one :class:`marl.RLOOConfig` per policy (named after
+            its ``output_dir``'s last part); each with its own ``policy_adapter_name`` on ``model``
+            (:func:`build_sweep_model`) and ``output_dir``.
+        model, tokenizer, train_dataset, eval_dataset, reward_funcs, judge, callbacks, dataset_source: as
+            :class:`marl.RLOOTrainer` takes them, for every policy (callbacks are called after every policy's
+            update, with that policy's state and metrics).
+
+    Attributes:
+        members: the members, in order. trainers: each member's :class:`marl.RLOOTrainer` (its state,
+            metrics, optimizer, checkpoints). state, config, sizes, output_dir: the first member's.
+    """
+
+    def __init__(
+        self,
+        members: Sequence[SweepMember | RLOOConfig],
+        model: MultiAdapterModel,
+        tokenizer: Any,
+        train_dataset: Any,
+        eval_dataset: Any = None,
+        reward_funcs: Any = None,
+        judge: Callable[[list[str]], Any] | None = None,
+        callbacks: Sequence[Callable[..., Any]] = (),
+        dataset_source: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.members = [
+            member if isinstance(member, SweepMember) else SweepMember(Path(member.output_dir).name, member)
+            for member in members
+        ]
+        configs = [member.config for member in self.members]
+        check_sweep_configs(configs)
+        check_sweep_model(configs, model)
+        self.model = model
+        self.trainers = [
+            RLOOTrainer(
+                config,
+                model,
+                tokenizer,
+                train_dataset,
+                eval_dataset,
+                reward_funcs,
+                judge,
+                callbacks,
+                dataset_source,
+            )
+            for config in configs
+        ]
+        every = [scoring_passes(config) for config in configs]
+        self.passes = ScoringPasses(
+            policy=any(passes.policy for passes in every), reference=any(passes.reference for passes in every)
+        )
+
+    @property
+    def state(self) -> Any:
+        return self.trainers[0].state
+
+    @property
+    def config(self) -> RLOOConfig:
+        return self.trainers[0].config
+
+    @property
+    def sizes(self) -> Any:
+        return self.trainers[0].sizes
+
+    @property
+    def output_dir(self) -> Path:
+        return self.trainers[0].output_dir
+
+    # ------------------------------------------------------------------ one update
+
+    def _rollouts(self) -> list[Rollout]:
+        """Every policy's rollout of the next update, sampled and scored together."""
+        first = self.trainers[0]
+        self.model.eval()
+        process = first.parallelism.process_index
+        prompts, policies = [], []
+        for trainer in self.trainers:
+            own = prompts_for_update(
+                trainer.train_prompts, trainer.state.update, process, trainer.sizes, trainer.config.seed
+            )
+            prompts += own
+            policies += [trainer.policy] * len(own)
+        state = reward_trainer_state(first)
+        rollout = collect_rollout(
+            first.sampler,
+            first.scorer,
+            prompts,
+            first.config.rloo_k,
+            first.reward,
+            state,
+            policies,
+            self.passes,
+        )
+        parts = split_rollout(rollout, len(self.trainers))
+        for trainer, part in zip(self.trainers, parts, strict=True):
+            own_passes = scoring_passes(trainer.config)  # what this policy's own run would have scored
+            part.logprobs = part.logprobs if own_passes.policy else None
+            part.ref_logprobs = part.ref_logprobs if own_passes.reference else None
+            part.scores = weighted_total(part.source_scores, trainer.reward.weights)
+        return parts
+
+    def _label(self, index: int) -> str:
+        return f"policy {self.members[index].name}: " if len(self.members) > 1 else ""
+
+    def _update(self, rollouts: list[Rollout], shaped: list[ShapedRewards]) -> list[UpdateStats | None]:
+        """The policies' updates in one loop; a policy none of whose completions was judged skips its
+        steps."""
+        results: list[UpdateStats | None] = [None] * len(self.trainers)
+        parts, judged = [], []
+        for index, (trainer, rollout, own) in enumerate(zip(self.trainers, rollouts, shaped, strict=True)):
+            if trainer.parallelism.any_process(bool(own.judged.any())):
+                judged.append(index)
+                parts.append(UpdatePart(trainer.policy_update, rollout, own.advantages, self._label(index)))
+                continue
+            warnings.warn(
+                f"{self._label(index)}update {trainer.state.update + 1}: no reward source judged any of its "
+                "completions; its optimizer steps are skipped",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            trainer.state.skipped_optimizer_steps += trainer.policy_update.skip()
+        if parts:
+            done = run_together(parts, update=self.state.update + 1)
+            for index, (stats, skipped) in zip(judged, done, strict=True):
+                results[index] = stats
+                self.trainers[index].state.skipped_optimizer_steps += skipped
+            release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout
+        return results
+
+    # ------------------------------------------------------------------ resuming
+
+    def _plans(self, resume: str | os.PathLike | bool | None, overwrite: bool) -> list[run_dir.RunStart]:
+        """Each member's start. ``resume=True``: every member resumes from the latest update ALL of them
+        have a checkpoint of (a sweep killed while saving may have saved some members only), or every member
+        starts again when one has none."""
+        folders = [trainer.output_dir for trainer in self.trainers]
+        if resume is not True:
+            if resume:
+                raise ConfigError(
+                    "a sweep resumes every policy together: pass resume_from_checkpoint=True "
+                    "(--resume_from_checkpoint latest), not one checkpoint folder"
+                )
+            return [run_dir.plan_start(folder, None, overwrite=overwrite) for folder in folders]
+        plans = [run_dir.plan_start(folder, True) for folder in folders]
+        if any(plan.checkpoint is None for plan in plans):
+            return [
+                run_dir.RunStart(plan.output_dir, replace=True, notice=plan.notice)
+                if plan.checkpoint is not None
+                else plan
+                for plan in plans
+            ]
+        common = min(_update_of(plan.checkpoint) for plan in plans)
+        chosen = []
+        for plan in plans:
+            path = plan.output_dir / run_dir.checkpoint_name(common)
+            if not path.is_dir():
+                raise CheckpointError(
+                    f"the sweep's policies were last saved together at update {common}, but {path} is gone "
+                    "(--save_total_limit removed it): resume each policy's folder as its own run, or start "
+                    "the sweep again with --overwrite_output_dir"
+                )
+            chosen.append(dataclasses.replace(plan, checkpoint=path))
+        return chosen
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(
+        self,
+        resume_from_checkpoint: str | os.PathLike | bool | None = None,
+        overwrite_output_dir: bool = False,
+    ) -> dict[str, list[dict[str, float]]]:
+        """Train every policy until ``num_total_batches`` updates are done; returns each member's logged
+        metric dicts by name. ``resume_from_checkpoint=True`` resumes every policy from the sweep's latest
+        common checkpoint; ``overwrite_output_dir`` replaces the runs in the members' folders. At the end a
+        table of the members is printed and their curves drawn (:mod:`marl.train.sweep_report`).
+
+        Example:
+            >>> histories = trainer.train()  # doctest: +SKIP
+        """
+        trainers, first = self.trainers, self.trainers[0]
+        plans = self._plans(resume_from_checkpoint, overwrite_output_dir)
+        for plan in plans:
+            if plan.notice and first.parallelism.is_main_process:
+                print(plan.notice, file=sys.stderr)
+        set_seed(first.config.seed + first.parallelism.process_index * PROCESS_SEED_STRIDE)
+        for trainer, plan in zip(trainers, plans, strict=True):
+            if plan.checkpoint is not None:
+                trainer._load_checkpoint(plan.checkpoint)
+        resumed_update = first.state.update
+        start = (time.perf_counter(), first.episode)
+        title = progress_description(first.config)
+        with tqdm(
+            total=first.sizes.num_total_batches,
+            initial=resumed_update,
+            desc=title if len(trainers) == 1 else f"{len(trainers)} policies: {title}",
+            disable=not first.parallelism.is_local_main_process,
+        ) as progress:
+            while first.state.update < first.sizes.num_total_batches:
+                rollouts = self._rollouts()
+                shaped = [
+                    trainer._shaped_rewards(rollout)
+                    for trainer, rollout in zip(trainers, rollouts, strict=True)
+                ]
+                update_stats = self._update(rollouts, shaped)
+                scores = []
+                for trainer, plan, rollout, own, stats in zip(
+                    trainers, plans, rollouts, shaped, update_stats, strict=True
+                ):
+                    own = complete_for_metrics(rollout, own, trainer.scorer, trainer.config.kl_coef)
+                    trainer.state.update += 1
+                    if trainer.state.update == resumed_update + 1:
+                        trainer._start_writing(plan, resumed_update)
+                    scores.append(f"{trainer._report(rollout, own, stats, start)['objective/scores']:.3f}")
+                progress.update(1)
+                progress.set_postfix({"episode": first.episode, "score": "/".join(scores)})
+                if first.config.save_steps and first.state.update % first.config.save_steps == 0:
+                    for trainer in trainers:
+                        trainer._save_checkpoint()
+        if first.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train
+            for trainer, plan in zip(trainers, plans, strict=True):
+                trainer._start_writing(plan, resumed_update)
+        for trainer in trainers:
+            trainer.parallelism.save_policy_adapter(self.model, trainer.output_dir, trainer.policy)
+        if first.parallelism.is_main_process:
+            finish_sweep(self.members, [trainer.output_dir for trainer in trainers], trainers)
+        first.parallelism.wait()
+        for trainer in trainers:
+            trainer.parallelism.finish()
+        return {
+            member.name: trainer.log_history for member, trainer in zip(self.members, trainers, strict=True)
+        }
+
+
+def _update_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix(run_dir.CHECKPOINT_PREFIX))
+
+
+def _repeated(values: list[str]) -> str:
+    return next(value for value in values if values.count(value) > 1)

@@ -1,0 +1,248 @@
+"""Several policies trained at once on one base (``SweepTrainer``, ``marl train-rloo --sweep``): a sweep of
+one policy is its own run bit for bit; in a sweep each policy's loss and gradients are those of its rows
+alone; an adapter learns only from its own rows; a resumed sweep ends with the uninterrupted sweep's adapters;
+the command runs a grid and refuses what cannot differ."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from marl import MultiAdapterModel
+from marl.apps.cli import parse_train_rloo_args, train_rloo_main
+from marl.errors import ConfigError
+from marl.sweep_settings import parse_sweep
+from marl.train.joint_update import UpdatePart, _backward
+from marl.train.sweep import SweepTrainer, build_sweep_model
+from marl.train.sweep_report import CURVES_FILE, SUMMARY_FILE
+
+from support.families import FAMILIES, FAMILY_SPECS
+from support.runs import PROMPTS, build, count_e, prompt_dataset, tiny_config
+
+ADAPTER = "adapter_model.safetensors"
+
+
+def read_metrics(folder: Path) -> list[dict]:
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        record.pop("eps")  # measures time
+    return records
+
+
+def sweep(model_dir: Path, specs: list[str], output_dir: Path, **settings) -> SweepTrainer:
+    config = tiny_config(output_dir, model_name_or_path=str(model_dir), **settings)
+    members = parse_sweep(specs, config)
+    model = build_sweep_model([member.config for member in members])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return SweepTrainer(members, model, tokenizer, prompt_dataset(), reward_funcs=count_e)
+
+
+def test_a_sweep_of_one_policy_is_its_own_run_bit_for_bit(tiny_llama_dir, tmp_path):
+    """The rloo preset (policy and reference passes, 2 epochs × 2 mini-batches × 2 accumulation steps): the
+    sweep's loop, decode, scoring and update with one policy are the single run's."""
+    build(tiny_llama_dir, tiny_config(tmp_path / "solo")).train()
+    trainer = sweep(tiny_llama_dir, ["learning_rate=1e-2"], tmp_path / "sweep")
+    trainer.train()
+    member = tmp_path / "sweep" / "learning_rate=1e-2"
+    solo, swept = read_metrics(tmp_path / "solo"), read_metrics(member)
+    assert len(solo) == 3 and swept == solo
+    assert (member / ADAPTER).read_bytes() == (tmp_path / "solo" / ADAPTER).read_bytes()
+    assert (tmp_path / "sweep" / SUMMARY_FILE).is_file() and (tmp_path / "sweep" / CURVES_FILE).is_file()
+
+
+def test_an_adapter_learns_only_from_its_own_rows(tiny_llama_dir, tmp_path):
+    """The second policy weighs the reward by 0 and has no KL: its rows' advantages and loss gradients are 0,
+    so AdamW leaves its adapter exactly as it started; the first policy's rows (in the same forward and
+    backward passes) train the first adapter. A gradient routed to the wrong adapter would move it."""
+    trainer = sweep(tiny_llama_dir, ["reward_weights=1,0"], tmp_path, kl_coef=0.0)
+    start = {
+        member.config.policy_adapter_name: [p.detach().clone() for p in trainer.model.policy_parameters(name)]
+        for member, name in zip(trainer.members, [t.policy for t in trainer.trainers], strict=True)
+    }
+    trainer.train()
+    learning, idle = (trainer.trainers[0].policy, trainer.trainers[1].policy)
+    assert any(
+        not torch.equal(before, after)
+        for before, after in zip(start[learning], trainer.model.policy_parameters(learning), strict=True)
+    )
+    for before, after in zip(start[idle], trainer.model.policy_parameters(idle), strict=True):
+        assert torch.equal(before, after)
+    idle_metrics = read_metrics(tmp_path / "reward_weights=0")
+    assert all(record["objective/scores"] == 0.0 for record in idle_metrics)
+    assert read_metrics(tmp_path / "reward_weights=1")[0]["objective/scores"] > 0
+
+
+def family_lora(family: str) -> LoraConfig:
+    exclude = list(FAMILY_SPECS[family].lora_exclude_modules) or None
+    return LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=exclude, task_type="CAUSAL_LM"
+    )
+
+
+def gradients(model: MultiAdapterModel, policies: list[str]) -> dict[str, list[torch.Tensor]]:
+    return {
+        name: [
+            p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+            for p in model.policy_parameters(name)
+        ]
+        for name in policies
+    }
+
+
+# Every family with its prompts packed (what differs between families), and the llama control unshared.
+JOINT_CASES = [(family, True) for family in FAMILIES] + [("llama", False)]
+
+
+@pytest.mark.parametrize(
+    ("family", "share_prompt_prefix"),
+    JOINT_CASES,
+    ids=[f"{family}-{'packed' if packed else 'unshared'}" for family, packed in JOINT_CASES],
+)
+def test_each_policys_loss_and_gradients_in_the_joint_pass_are_its_rows_alone(
+    family_dir, tmp_path, family, share_prompt_prefix
+):
+    """One micro-batch of two policies (different adapters, different settings: the KL folded into the reward
+    or in the loss, different clip ranges) in ONE forward and backward pass, against each policy's rows in a
+    pass of their own: equal losses and metrics, and each adapter's gradient equal (1e-5 of its largest
+    entry, fp32)."""
+    directory = family_dir(family)
+    config = tiny_config(
+        tmp_path,
+        model_name_or_path=str(directory),
+        num_ppo_epochs=1,
+        num_mini_batches=2,
+        gradient_accumulation_steps=1,
+        total_episodes=8,
+        share_prompt_prefix=share_prompt_prefix,
+    )
+    members = parse_sweep(["kl_placement=reward,loss", "cliprange=0.2,0.1"], config)[::3]  # 2 members
+    policies = [member.config.policy_adapter_name for member in members]
+    model = MultiAdapterModel.from_pretrained(
+        directory, policy_name=policies[0], policy_adapter=family_lora(family)
+    )
+    model.add_policy(policies[1], family_lora(family))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # policies that differ from the base and from each other
+        for parameter in model.policy_parameters(policies[0]) + model.policy_parameters(policies[1]):
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    trainer = SweepTrainer(members, model, tokenizer, prompt_dataset(PROMPTS[:4]), reward_funcs=count_e)
+    torch.manual_seed(0)
+    rollouts = trainer._rollouts()
+    assert [rollout.response_ids.shape[0] for rollout in rollouts] == [8, 8]
+
+    def parts() -> list[UpdatePart]:
+        made = []
+        for index, (member_trainer, rollout) in enumerate(zip(trainer.trainers, rollouts, strict=True)):
+            advantages = torch.randn(8, generator=torch.Generator().manual_seed(index + 1))
+            part = UpdatePart(member_trainer.policy_update, rollout, advantages)
+            part.prepare(update=1)
+            made.append(part)
+        return made
+
+    rows = [torch.tensor([0, 4, 1, 5]), torch.tensor([2, 6, 3, 7])]  # whole prompt groups (k-major rows)
+    model.train()
+    joint = parts()
+    _backward(joint, rows, [None, None])
+    joint_grads = gradients(model, policies)
+    alone = parts()
+    for part, own_rows, name in zip(alone, rows, policies, strict=True):
+        for parameter in model.policy_parameters(name):
+            parameter.grad = None
+        _backward([part], [own_rows], [None])
+    alone_grads = gradients(model, policies)
+    model.eval()
+    for together, by_itself in zip(joint, alone, strict=True):
+        for field in ("loss", "ratio", "approxkl", "entropy", "completions"):
+            torch.testing.assert_close(
+                torch.as_tensor(getattr(together.stats, field)).float(),
+                torch.as_tensor(getattr(by_itself.stats, field)).float(),
+                rtol=1e-5,
+                atol=1e-6,
+            )
+    for name in policies:
+        assert any(grad.abs().sum() > 0 for grad in alone_grads[name])
+        for together, by_itself in zip(joint_grads[name], alone_grads[name], strict=True):
+            scale = by_itself.abs().max().clamp(min=1e-12)
+            assert (together - by_itself).abs().max() / scale <= 1e-5
+
+
+def test_a_resumed_sweep_ends_with_the_uninterrupted_sweeps_adapters(tiny_llama_dir, tmp_path):
+    """Killed while checkpoint 4 was being written (the first policy's saved, the second's not) after update
+    4 of 6: ``resume_from_checkpoint=True`` resumes EVERY policy from update 2, the latest both have, and the
+    adapters and metrics end as in the uninterrupted sweep."""
+    specs = ["learning_rate=1e-2,3e-2"]
+    settings = dict(total_episodes=96, save_steps=2)
+    sweep(tiny_llama_dir, specs, tmp_path / "full", **settings).train()
+    sweep(tiny_llama_dir, specs, tmp_path / "killed", **settings).train()
+    first, second = (tmp_path / "killed" / name for name in ("learning_rate=1e-2", "learning_rate=3e-2"))
+    for folder in (first, second):
+        for name in (ADAPTER, "checkpoint-6"):
+            path = folder / name
+            if path.is_dir():
+                for file in path.iterdir():
+                    file.unlink()
+                path.rmdir()
+            else:
+                path.unlink()
+        records = (folder / "metrics.jsonl").read_text().splitlines()
+        (folder / "metrics.jsonl").write_text("\n".join(records[:4]) + "\n")
+    for file in (second / "checkpoint-4").iterdir():
+        file.unlink()
+    (second / "checkpoint-4").rmdir()
+
+    resumed = sweep(tiny_llama_dir, specs, tmp_path / "killed", **settings)
+    resumed.train(resume_from_checkpoint=True)
+    for name in ("learning_rate=1e-2", "learning_rate=3e-2"):
+        full, again = tmp_path / "full" / name, tmp_path / "killed" / name
+        assert load_file(again / ADAPTER).keys() == load_file(full / ADAPTER).keys()
+        assert (again / ADAPTER).read_bytes() == (full / ADAPTER).read_bytes()
+        assert read_metrics(again) == read_metrics(full)
+
+
+def write_command_files(tmp_path: Path) -> tuple[Path, Path]:
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(
+        "def count_e(prompts, completions, **kwargs):\n"
+        "    return [float(c.count('e')) for c in completions]\n"
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": prompt}) + "\n" for prompt in PROMPTS))
+    return rewards, prompts
+
+
+def test_the_command_trains_a_grid_and_refuses_what_cannot_differ(tiny_llama_dir, tmp_path, capsys):
+    rewards, prompts = write_command_files(tmp_path)
+    words = [
+        "--model_name_or_path", str(tiny_llama_dir), "--reward_fn", f"{rewards}:count_e",
+        "--dataset_name", str(prompts), "--output_dir", str(tmp_path / "grid"), "--rloo_k", "2",
+        "--per_device_train_batch_size", "4", "--response_length", "6", "--lora_r", "4",
+        "--total_episodes", "8", "--num_sample_generations", "0", "--save_steps", "0",
+    ]  # fmt: skip
+    with pytest.raises(ConfigError, match=r"--sweep temperature: cannot differ .*Set --temperature once"):
+        parse_train_rloo_args([*words, "--sweep", "temperature=0.7,1.0"])
+    with pytest.raises(ConfigError, match=r"--sweep kl_coef is given twice"):
+        parse_train_rloo_args([*words, "--sweep", "kl_coef=0.1,0.2", "--sweep", "kl_coef=0.3"])
+
+    train_rloo_main([*words, "--sweep", "learning_rate=1e-3,1e-2", "--sweep", "kl_coef=0.05,0.1"])
+    names = [f"learning_rate={lr},kl_coef={kl}" for lr in ("1e-3", "1e-2") for kl in ("0.05", "0.1")]
+    for name in names:
+        folder = tmp_path / "grid" / name
+        assert (folder / ADAPTER).is_file() and (folder / "adapter_config.json").is_file()
+        settings = json.loads((folder / "rloo_config.json").read_text())
+        assert (
+            settings["output_dir"] == str(folder)
+            and settings["model"]["policy"] == settings["policy_adapter_name"]
+        )
+        assert len(read_metrics(folder)) == 2
+    table = (tmp_path / "grid" / SUMMARY_FILE).read_text()
+    assert all(name in table for name in names) and "learning_rate" in table and "kl_coef" in table
+    assert (tmp_path / "grid" / CURVES_FILE).is_file()
+    out = capsys.readouterr().out
+    assert "sweep of 4 policies" in out
