@@ -246,3 +246,29 @@ def test_the_command_trains_a_grid_and_refuses_what_cannot_differ(tiny_llama_dir
     assert (tmp_path / "grid" / CURVES_FILE).is_file()
     out = capsys.readouterr().out
     assert "sweep of 4 policies" in out
+
+
+@pytest.mark.slow  # three runs of the real command, each in a new process
+def test_a_sweep_killed_while_one_policy_checkpoints_resumes_to_the_uninterrupted_sweep(tmp_path):
+    """SIGKILL while the second policy writes its third checkpoint (the first policy's is complete): the
+    documented command ``--resume_from_checkpoint latest`` resumes both from update 2 in a new process, and
+    every policy ends with the uninterrupted sweep's adapter bytes and metrics."""
+    from support.kill_resume import Kill, command, make_world, metrics_without_eps, run_cli
+
+    world = make_world(tmp_path / "world")
+    grid = ["--sweep", "learning_rate=3e-3,1e-2"]
+    names = ["learning_rate=3e-3", "learning_rate=1e-2"]
+    reference = run_cli(world, [*command(world, tmp_path / "reference"), *grid])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    words = [*command(world, tmp_path / "run"), *grid]
+    killed = run_cli(world, words, Kill(needle=f"{names[1]}/.checkpoint-3.tmp", count=2))
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    saved = [sorted(p.name for p in (tmp_path / "run" / name).glob("checkpoint-*")) for name in names]
+    assert saved == [["checkpoint-1", "checkpoint-2", "checkpoint-3"], ["checkpoint-1", "checkpoint-2"]]
+    resumed = run_cli(world, [*words, "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for name in names:
+        run, full = tmp_path / "run" / name, tmp_path / "reference" / name
+        assert (run / ADAPTER).read_bytes() == (full / ADAPTER).read_bytes()
+        assert metrics_without_eps(run) == metrics_without_eps(full)
+        assert not [path.name for path in run.iterdir() if path.name.startswith(".")]
