@@ -161,16 +161,15 @@ def build_sweep_model(configs: Sequence[RLOOConfig], **overrides: Any) -> MultiA
 
 class SweepTrainer:
     """Trains one policy per member at once on one :class:`marl.MultiAdapterModel` (see the module
-    docstring).
+    docstring). ``model``, ``tokenizer``, ``train_dataset``, ``eval_dataset``, ``reward_funcs``, ``judge``,
+    ``callbacks`` and ``dataset_source`` are what :class:`marl.RLOOTrainer` takes, for every policy
+    (callbacks are called after every policy's update, with that policy's state and metrics).
 
     Args:
         members: :class:`marl.sweep_settings.SweepMember` objects (from
             :func:`marl.sweep_settings.parse_sweep`) or one :class:`marl.RLOOConfig` per policy (named after
             its ``output_dir``'s last part); each with its own ``policy_adapter_name`` on ``model``
             (:func:`build_sweep_model`) and ``output_dir``.
-        model, tokenizer, train_dataset, eval_dataset, reward_funcs, judge, callbacks, dataset_source: as
-            :class:`marl.RLOOTrainer` takes them, for every policy (callbacks are called after every policy's
-            update, with that policy's state and metrics).
 
     Attributes:
         members: the members, in order. trainers: each member's :class:`marl.RLOOTrainer` (its state,
