@@ -194,3 +194,34 @@ def test_bad_policy_folders_are_one_line_before_any_model_loads(sweep, family_di
         assert line.startswith("marl evaluate: error: "), (name, line)
         assert re.search(expected, line), (name, line)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_folder_a_real_sweep_writes_is_ranked(tiny_llama_dir, tmp_path):
+    """``SweepTrainer``'s own output: its members' run folders are found beside its summary and curves, named
+    by their folders, and the swept setting is the one that differs."""
+    from transformers import AutoTokenizer
+
+    from marl.apps.cli import evaluate_main
+    from marl.sweep_settings import parse_sweep
+    from marl.train.sweep import SweepTrainer, build_sweep_model
+
+    from support.runs import count_e, prompt_dataset, tiny_config
+
+    config = tiny_config(tmp_path / "sweep", model_name_or_path=str(tiny_llama_dir), total_episodes=16)
+    members = parse_sweep(["learning_rate=1e-2,3e-2"], config)
+    model = build_sweep_model([member.config for member in members])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    SweepTrainer(members, model, tokenizer, prompt_dataset(), reward_funcs=count_e).train()
+    prompts = write_jsonl(tmp_path / "held-out.jsonl", [{"text": prompt} for prompt in PROMPTS])
+    words = ["--policy_adapter", str(tmp_path / "sweep"), "--reward_fn", "support.runs:count_e",
+             "--dataset_name", str(prompts), "--prompt_column", "text", "--batch_size", "3"]  # fmt: skip
+    summary = evaluate_main(words)
+    names = [member.name for member in members]
+    assert sorted(summary["policies"]) == sorted(names)
+    assert [entry["rank"] for entry in summary["ranking"]] == [1, 2]
+    for entry in summary["ranking"]:
+        assert set(entry["settings"]) == {"learning_rate"}
+        assert entry["settings"]["learning_rate"] == members[names.index(entry["name"])].config.learning_rate
+    results = json.loads((tmp_path / "sweep" / RESULTS_FILE).read_text())
+    assert results["settings"]["policy_adapter"] == [str(tmp_path / "sweep" / name) for name in names]
