@@ -10,7 +10,9 @@ phase is within the target when |predicted - measured| <= max(15% of measured, 2
 The configurations: the bundled SmolLM2-135M in fp32, 4-bit and 8-bit, with and without gradient
 checkpointing and prefix packing, k 2 to 8, prompts of 32 to 256 tokens and completions of 32 to 128; and
 the family table's tiny models (``tests/support/families.py``), whose tensors are a few MB, so that what they
-measure is mostly the runtime's own memory.
+measure is mostly the runtime's own memory; and sweeps of 2 and 4 policies trained at once on one base
+(``policies``: ``marl.train.sweep.SweepTrainer``, the members differing in their seed), planned with
+``plan_memory(..., policies=N)``.
 
     python examples/benchmarks/plan_vs_measured.py            # every configuration (about 15 min on 2 cores)
     python examples/benchmarks/plan_vs_measured.py --only smollm2-4bit
@@ -51,6 +53,7 @@ class Case:
     rows: int = 16  # per_device_train_batch_size = local_rollout_forward_batch_size
     gradient_checkpointing: bool = False
     share_prompt_prefix: bool = True
+    policies: int = 1  # > 1: a sweep of that many policies (seeds 0, 1, ...) trained at once on the one base
 
     def rloo_config(self, output_dir: str, model_path: str):
         return run_config(
@@ -100,6 +103,10 @@ CASES = (
     Case("smollm2-fp32-checkpointing-k8", rloo_k=8, gradient_checkpointing=True, rows=32),
     *(Case(f"tiny-{family}", model=family, rloo_k=4, prompt_tokens=64) for family in
       ("llama", "qwen2", "gemma2", "gpt2", "opt", "phi3")),
+    # sweeps (issue 44): every policy's rows in one decode chunk and one update micro-batch
+    Case("smollm2-4bit-sweep4", quantization="4bit", policies=4),
+    Case("smollm2-fp32-sweep2", policies=2),
+    Case("tiny-llama-sweep4", model="llama", rloo_k=4, prompt_tokens=64, policies=4),
 )  # fmt: skip
 
 
@@ -135,8 +142,10 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
     import torch  # noqa: F401  (the runtime is part of the baseline, the model is not)
     import transformers
 
+    import marl.train.sweep
     import marl.train.trainer
     from marl.model.build import load_tokenizer
+    from marl.sweep_settings import parse_sweep
 
     transformers.logging.set_verbosity_error()
     from measure import MemorySampler, label_calls
@@ -148,26 +157,28 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="plan-") as output_dir:
         config = case.rloo_config(output_dir, model_path)
-        model = MultiAdapterModel.from_config(config)
-        tokenizer = load_tokenizer(model.name_or_path)
         reward = None if case.model == SMOLLM2 else (lambda prompts, completions, **_: [1.0] * len(prompts))
-        trainer = RLOOTrainer(
-            config,
-            model,
-            tokenizer,
-            datasets.Dataset.from_dict({"prompt": _prompts(tokenizer, case.prompt_tokens)}),
-            reward_funcs=reward,
-        )
+        tokenizer = load_tokenizer(model_path)
+        prompts = datasets.Dataset.from_dict({"prompt": _prompts(tokenizer, case.prompt_tokens)})
+        if case.policies == 1:
+            model = MultiAdapterModel.from_config(config)
+            trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=reward)
+            first, rollout_owner, sample = trainer, marl.train.trainer, "sample"
+        else:  # a sweep: the members differ in their seed
+            members = parse_sweep([f"seed={','.join(map(str, range(case.policies)))}"], config)
+            model = marl.train.sweep.build_sweep_model([member.config for member in members])
+            trainer = marl.train.sweep.SweepTrainer(members, model, tokenizer, prompts, reward_funcs=reward)
+            first, rollout_owner, sample = trainer.trainers[0], marl.train.sweep, "sample_routed"
         sampler.mark("after load")
         sampler.set_base_phase("other")
-        widths = record_prompt_widths(trainer)
+        widths = record_prompt_widths(first)
         tensor_peaks: dict[str, float] = {}
         if tensors:  # the rollout's count includes its sampling
-            count_tensors(trainer.sampler, "sample", "sampling", tensor_peaks)
-            count_tensors(marl.train.trainer, "collect_rollout", "rollout", tensor_peaks)
+            count_tensors(first.sampler, sample, "sampling", tensor_peaks)
+            count_tensors(rollout_owner, "collect_rollout", "rollout", tensor_peaks)
             count_tensors(trainer, "_update", "update", tensor_peaks)
-        label_calls(sampler, marl.train.trainer, "collect_rollout", "scoring")
-        label_calls(sampler, trainer.sampler, "sample", "generation")
+        label_calls(sampler, rollout_owner, "collect_rollout", "scoring")
+        label_calls(sampler, first.sampler, sample, "generation")
         label_calls(sampler, trainer, "_update", "update")
         trainer.train()
     memory = sampler.stop()
@@ -205,7 +216,7 @@ def predict(case: Case, model_path: str, prompt_length: int) -> dict:
 
     config = case.rloo_config("unused", model_path)
     target = PlanTarget(device="cpu", prompt_length=prompt_length)
-    plan = plan_memory(config, load_model_config(model_path), target)
+    plan = plan_memory(config, load_model_config(model_path), target, policies=case.policies)
     return {
         "predicted_mib": {phase.name: phase.total / 2**20 for phase in plan.phases},
         "parts_mib": {phase.name: {k: v / 2**20 for k, v in phase.parts.items()} for phase in plan.phases},
