@@ -40,7 +40,6 @@ import dataclasses
 import os
 import sys
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -277,13 +276,7 @@ class SweepTrainer:
                 judged.append(index)
                 parts.append(UpdatePart(trainer.policy_update, rollout, own.advantages, self._label(index)))
                 continue
-            warnings.warn(
-                f"{self._label(index)}update {trainer.state.update + 1}: no reward source judged any of its "
-                "completions; its optimizer steps are skipped",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            trainer.state.skipped_optimizer_steps += trainer.policy_update.skip()
+            trainer.skip_unjudged_update(self._label(index))
         if parts:
             done = run_together(parts, update=self.state.update + 1)
             for index, (stats, skipped) in zip(judged, done, strict=True):

@@ -188,14 +188,19 @@ class RLOOTrainer:
         completions no reward source judged have advantage 0."""
         if self.parallelism.any_process(bool(shaped.judged.any())):
             return self._update(rollout, shaped.advantages)
+        self.skip_unjudged_update()
+        return None
+
+    def skip_unjudged_update(self, label: str = "") -> None:
+        """Warn that no reward source judged any completion of the next update (``label`` names the policy
+        in a sweep) and skip its optimizer steps; the schedule moves on."""
         warnings.warn(
-            f"update {self.state.update + 1}: no reward source judged any of its completions; its optimizer "
-            "steps are skipped",
+            f"{label}update {self.state.update + 1}: no reward source judged any of its completions; its "
+            "optimizer steps are skipped",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         self.state.skipped_optimizer_steps += self.policy_update.skip()
-        return None
 
     # ------------------------------------------------------------------ logging
 
