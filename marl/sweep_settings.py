@@ -1,8 +1,9 @@
 """``--sweep FIELD=V1,V2``: the grid of settings a sweep trains at once, and what may differ between policies.
 
 A sweep trains several policy LoRAs on ONE base in one process: every update samples all policies' rows in one
-batched decode, scores them in the same packed passes and runs one backward pass in which each row's gradient
-reaches only its own policy (:mod:`marl.model.routing`). So a setting may differ between policies only where
+batched decode and scores them in the same packed passes, each row routed through its own policy
+(:mod:`marl.model.routing`), then runs every policy's update in one loop, one micro-batch per policy at each
+micro-batch step (:mod:`marl.train.joint_update`). So a setting may differ between policies only where
 the shared passes do not read it: what a policy does with its own rows after they are sampled and scored
 (its advantages, its loss, its optimizer and schedule, its data order and initial weights). Everything that
 shapes the shared passes (the base, its dtype and quantization, the decode's temperature, lengths and stops,
@@ -82,7 +83,7 @@ SWEEPABLE_FIELDS: dict[str, str] = {
 
 _SHARED_BASE = "the policies share one base model"
 _DECODE = "every policy's rows are sampled in one batched decode"
-_LOOP = "every policy's rows go through the same update loop: one backward pass per micro-batch"
+_LOOP = "every policy's rows go through the same update loop: the same epochs, mini-batches and micro-batches"
 _PASSES = "every policy's rows are scored in the same packed passes"
 _RUN = "the sweep runs its policies as one run"
 

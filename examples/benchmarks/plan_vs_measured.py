@@ -103,7 +103,7 @@ CASES = (
     Case("smollm2-fp32-checkpointing-k8", rloo_k=8, gradient_checkpointing=True, rows=32),
     *(Case(f"tiny-{family}", model=family, rloo_k=4, prompt_tokens=64) for family in
       ("llama", "qwen2", "gemma2", "gpt2", "opt", "phi3")),
-    # sweeps (issue 44): every policy's rows in one decode chunk and one update micro-batch
+    # sweeps (issue 44): every policy's rows in one decode chunk; update micro-batches one policy at a time
     Case("smollm2-4bit-sweep4", quantization="4bit", policies=4),
     Case("smollm2-fp32-sweep2", policies=2),
     Case("tiny-llama-sweep4", model="llama", rloo_k=4, prompt_tokens=64, policies=4),

@@ -2,15 +2,16 @@
 the weights, the layers fsdp2 gathers, the rollout's records, and what a sweep of several policies on the one
 base multiplies.
 
-A sweep (issue 44: several policy LoRAs trained at once on one base, each row through its own policy) holds
-per policy: its LoRA, AdamW's two moments, its reference copy when that is its reference, its LoRA gradients
-(from the backward until its optimizer step) and its rollout records. As the sweep trainer runs the phases:
-the decode samples every policy's rows of a chunk in one batched pass (a chunk of
-``local_rollout_forward_batch_size`` rows per policy), and each micro-batch of the update is ONE forward and
-backward over every policy's micro-batch (``per_device_train_batch_size`` rows per policy): both working sets
-are those of ``policies`` times the rows. Scoring runs the same chunks of
-``local_rollout_forward_batch_size`` rows as a run (rows of several policies in one chunk, each through its
-own adapter): its working set does not grow with the number of policies.
+A sweep (issue 44: several policy LoRAs trained at once on one base) holds per policy: its LoRA, AdamW's two
+moments, its reference copy when that is its reference, its LoRA gradients (from its first backward of a
+mini-batch until its optimizer step: while one policy runs its micro-batch, the other policies' gradients
+wait) and its rollout records. As the sweep trainer runs the phases: the decode samples every policy's rows
+of a chunk in one batched pass, each row routed through its own policy (a chunk of
+``local_rollout_forward_batch_size`` rows per policy): its working set is that of ``policies`` times the
+rows. Scoring runs the same chunks of ``local_rollout_forward_batch_size`` rows as a run (rows of several
+policies in one chunk, each through its own adapter), and the update runs ONE policy's micro-batch at a time
+(``per_device_train_batch_size`` rows, in that policy's own view, :mod:`marl.train.joint_update`): neither
+working set grows with the number of policies.
 
 Example:
     >>> sweep = SweepShape(policies=4)
@@ -44,8 +45,7 @@ class SweepShape:
             raise ConfigError(f"policies={self.policies!r}: a sweep plans 1 or more policies")
 
     def rows(self, rows_per_policy: int) -> int:
-        """Rows of a pass that holds every policy's ``rows_per_policy`` rows at once (a decode chunk, an
-        update micro-batch)."""
+        """Rows of a pass that holds every policy's ``rows_per_policy`` rows at once (a decode chunk)."""
         return rows_per_policy * self.policies
 
     @property

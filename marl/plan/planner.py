@@ -258,9 +258,9 @@ def plan_memory(
         gradient_checkpointing=config.gradient_checkpointing,
         temperature=config.temperature,
     )
-    # a sweep decodes, and updates, every policy's rows at once; scoring keeps its chunks (marl.plan.parts)
+    # a sweep decodes every policy's rows at once; scoring keeps its chunks and the update runs one policy's
+    # micro-batch at a time, a run's (marl.plan.parts)
     sampling_shapes = dataclasses.replace(shapes, rows_per_pass=sweep.rows(shapes.rows_per_pass))
-    update_shapes = dataclasses.replace(shapes, micro_batch_rows=sweep.rows(shapes.micro_batch_rows))
     scoring_shapes = shapes
     if not layout.packs:  # generates the whole rollout at once, scores it micro-batch by micro-batch
         sampling_shapes = dataclasses.replace(shapes, rows_per_pass=local_batch_size(config))
@@ -272,13 +272,13 @@ def plan_memory(
         sampling = sampling_peak(peft_model, sampling_shapes, shared_prefill=layout.packs)
         scoring = scoring_peak(peft_model, head, scoring_shapes, 1, full_logits=layout.full_logits)
         update = update_peak(
-            peft_model, head, update_shapes, full_logits=layout.full_logits, value_pass=layout.value_model
+            peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
         )
     common = {"resident": sum(resident.values()), **gathered_layer_bytes(base, shards)}
     copies = autocast_weight_copies(policy_parameters * sweep.policies, autocast)
     runtime = {"runtime": target.runtime_bytes}
     records = {"rollout records": rollout_record_bytes(config, target, sweep)}
-    if sweep.other_policies:  # each policy's gradients stay from its backward to its optimizer step
+    if sweep.other_policies:  # the other policies' gradients wait for their optimizer steps
         gradients = 4 * policy_parameters * sweep.other_policies // shards
         update_parts = {"LoRA gradients of the other policies": gradients}
     else:

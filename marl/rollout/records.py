@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -147,36 +147,6 @@ class Samples:
             else:  # a pass the rollout skipped, a field this record lacks, or one of the whole rollout
                 values[field.name] = value
         return type(self)(**values)
-
-
-def concat_samples(parts: Sequence[Samples], pad_token_id: int) -> Samples:
-    """The rows of ``parts`` one after another as one :class:`Samples` (the rows of several policies in one
-    forward pass): prompts left-padded to the widest part's width, and each part's prompt groups kept apart
-    (``prompt_index`` offset past the groups before). Only the fields of :class:`Samples` are kept.
-
-    Example:
-        >>> one = Samples([], [], torch.tensor([[5]]), torch.tensor([[1]]), torch.tensor([[7]]),
-        ...     torch.tensor([[True]]), torch.tensor([True]), torch.tensor([True]), torch.tensor([0]), [None])
-        >>> two = concat_samples([one, one.select(torch.tensor([0]))], pad_token_id=0)
-        >>> two.prompt_index.tolist(), two.prompt_ids.tolist()
-        ([0, 1], [[5], [5]])
-    """
-    width = max(part.prompt_length for part in parts)
-    values: dict[str, Any] = {}
-    offsets = [0]
-    for part in parts[:-1]:
-        offsets.append(offsets[-1] + int(part.prompt_index.max()) + 1)
-    for field in dataclasses.fields(Samples):
-        pieces = [getattr(part, field.name) for part in parts]
-        if field.name in ("prompt_ids", "prompt_mask"):
-            pad = pad_token_id if field.name == "prompt_ids" else 0
-            pieces = [torch.nn.functional.pad(t, (width - t.shape[1], 0), value=pad) for t in pieces]
-        if field.name == "prompt_index":
-            pieces = [t + offset for t, offset in zip(pieces, offsets, strict=True)]
-        values[field.name] = (
-            torch.cat(pieces) if isinstance(pieces[0], torch.Tensor) else [v for p in pieces for v in p]
-        )
-    return Samples(**values)
 
 
 @dataclass

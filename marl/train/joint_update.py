@@ -1,16 +1,24 @@
-"""The loop of an update, for one policy or for several at once: every micro-batch is ONE forward and ONE
-backward pass over the rows of every policy, each row routed through its own policy's adapter.
+"""The loop of an update, for one policy or for several at once: every micro-batch step runs ONE micro-batch
+PER POLICY, one after another, each a forward and a backward pass in that policy's own view.
 
 A single run is the loop with one part (:meth:`marl.train.update.PolicyUpdate.run`); a sweep
 (:class:`marl.train.sweep.SweepTrainer`) passes one part per policy. Each part keeps its own rows, its own
 order of them (its own ``randperm`` draws, in the order of the parts), its own loss settings, its own
 finiteness check and its own optimizer step; the epochs, mini-batches and micro-batches are the same for every
-part (a sweep refuses batch settings that differ, :mod:`marl.sweep_settings`). The micro-batch's rows are the
-parts' micro-batches one after another (:func:`marl.rollout.records.concat_samples`), run in
-:meth:`marl.rollout.scoring.Scorer.rows_view`: one part runs in its policy's own view, exactly as a single
-run always has; several are routed per row (:mod:`marl.model.routing`). The loss is the sum of the parts'
-losses: a policy's adapter sees only its own rows, so its gradient is that of its own loss alone (and a part
-whose loss is not finite spoils no other part's gradient: rows never mix in the base's layers).
+part (a sweep refuses batch settings that differ, :mod:`marl.sweep_settings`). Within a mini-batch, each
+micro-batch step runs the parts' micro-batches one after another, each exactly as a single run runs its own:
+its rows alone, in its policy's view (:meth:`marl.MultiAdapterModel.policy`, which switches the active
+adapter and restores every parameter's ``requires_grad``, so that every policy stays trainable), its loss
+divided by the accumulation steps, its backward pass accumulating into its own adapter's gradients only (the
+other adapters are inactive in that view, and their gradients accumulated so far are left as they are).
+Every policy's optimizer steps after the mini-batch's last micro-batch.
+
+Why not one forward and backward pass over every policy's rows, routed per row (:mod:`marl.model.routing`,
+as the decode and scoring do)? Measured once (4 policies, cpu-long4 shapes:
+``benchmarks/results/2026-11-26-sweep-cpu-long4.md``), that joint micro-batch was slower than the four runs'
+separate updates and held every policy's activations at once (peak memory 1.83-1.93x a run's). One
+micro-batch per policy holds one run's activations and gives each policy exactly its solo loss and
+gradients, bit for bit in fp32 and in bf16 (tested in ``tests/train/test_sweep.py``).
 
 Example:
     >>> parts = [UpdatePart(trainer.policy_update, rollout, advantages) for trainer, rollout, advantages
@@ -23,14 +31,13 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from marl.algo.metrics import UpdateStats
 from marl.algo.passes import reuses_samples
 from marl.algo.selection import loss_mask, policy_loss, truncation_warning
-from marl.rollout.records import concat_samples
 
 if TYPE_CHECKING:
     from marl.rollout.records import Rollout
@@ -83,15 +90,7 @@ def run_together(parts: Sequence[UpdatePart], update: int) -> list[tuple[UpdateS
             orders = [part.step.shuffled_rows(part.rollout) for part in parts]
             for mini_start in range(0, sizes.local_batch_size, sizes.local_mini_batch_size):
                 minis = [order[mini_start : mini_start + sizes.local_mini_batch_size] for order in orders]
-                num_items = [
-                    part.step.tokens_per_micro_batch(part.mask[mini])
-                    for part, mini in zip(parts, minis, strict=True)
-                ]
-                finite = [True] * len(parts)
-                for micro_start in range(0, sizes.local_mini_batch_size, config.per_device_train_batch_size):
-                    end = micro_start + config.per_device_train_batch_size
-                    done = _backward(parts, [mini[micro_start:end] for mini in minis], num_items)
-                    finite = [before and now for before, now in zip(finite, done, strict=True)]
+                finite = accumulate(parts, minis)
                 for part, loss_finite in zip(parts, finite, strict=True):
                     if part.step.optimizer_step(loss_finite):
                         part.skipped += 1
@@ -105,71 +104,54 @@ def run_together(parts: Sequence[UpdatePart], update: int) -> list[tuple[UpdateS
     return [(part.stats, part.skipped) for part in parts]
 
 
-def _backward(
-    parts: Sequence[UpdatePart], rows: list[torch.Tensor], num_items: list[torch.Tensor | None]
-) -> list[bool]:
-    """One micro-batch of every part: one forward, each part's loss (its metrics added to its stats; where it
-    provides them, its detached log-probs written into its rollout), one backward pass of their sum; returns
-    whether each part's loss was finite.
-
-    Its own function so that the micro-batch's autograd graph dies when it returns, before the next
-    micro-batch's forward: a custom autograd function may keep its inputs as attributes of its context
-    (bitsandbytes' int8 matmul on CPU keeps each layer's input), which a backward pass does not free.
-    """
-    first = parts[0].step
-    batches = [part.rollout.select(part_rows) for part, part_rows in zip(parts, rows, strict=True)]
-    batch = batches[0] if len(parts) == 1 else concat_samples(batches, first.scorer.pad_token_id)
-    # whole prompt groups: each prompt is computed once, its k gradients flow into it
-    packed = first.scorer.pack(batch) if first.grouped_micro_batches else None
-    names = [
-        part.step.policy
-        for part, own in zip(parts, batches, strict=True)
-        for _ in range(own.response_ids.shape[0])
+def accumulate(parts: Sequence[UpdatePart], minis: Sequence[torch.Tensor]) -> list[bool]:
+    """The gradients of one mini-batch of every part (``minis``: each part's rows of it), accumulated into
+    each part's adapter: micro-batch step after micro-batch step, the parts' micro-batches one after another;
+    returns whether each part's losses were all finite. The model must be in train mode; the optimizers do not
+    step here."""
+    micro_rows = parts[0].step.config.per_device_train_batch_size
+    num_items = [
+        part.step.tokens_per_micro_batch(part.mask[mini]) for part, mini in zip(parts, minis, strict=True)
     ]
-    # The backward pass runs in the view too: under gradient checkpointing it computes each layer's forward
-    # again, which must see the same adapters (and, for several policies, the same routes).
-    with first.scorer.rows_view(names, batch.prompt_index, packed):
-        with first.parallelism.autocast():
-            new_logprobs, entropy = first.scorer.completion_logprobs(batch, packed, with_entropy=True)
-        losses, finite, terms = _losses(parts, batches, rows, num_items, new_logprobs, entropy)
-        total = losses[0]
-        for loss in losses[1:]:
-            total = total + loss
-        first.parallelism.backward(total)
-    with torch.no_grad():
-        for part, (policy, own_entropy, response_mask) in zip(parts, terms, strict=True):
-            part.stats.add(policy, own_entropy, response_mask)
+    finite = [True] * len(parts)
+    for micro_start in range(0, len(minis[0]), micro_rows):
+        for index, (part, mini, items) in enumerate(zip(parts, minis, num_items, strict=True)):
+            done = _backward(part, mini[micro_start : micro_start + micro_rows], items)
+            finite[index] = finite[index] and done
     return finite
 
 
-def _losses(
-    parts: Sequence[UpdatePart],
-    batches: list[Any],
-    rows: list[torch.Tensor],
-    num_items: list[torch.Tensor | None],
-    new_logprobs: torch.Tensor,
-    entropy: torch.Tensor,
-) -> tuple[list[torch.Tensor], list[bool], list[tuple[Any, torch.Tensor, torch.Tensor]]]:
-    """Each part's loss (divided by its accumulation steps) on its own rows of the micro-batch's log-probs,
-    whether it is finite, and what its metrics read."""
-    losses, finite, terms, start = [], [], [], 0
-    for part, own, part_rows, items in zip(parts, batches, rows, num_items, strict=True):
-        config, count = part.step.config, own.response_ids.shape[0]
-        new, own_entropy = new_logprobs, entropy
-        if len(parts) > 1:
-            new, own_entropy = new_logprobs[start : start + count], entropy[start : start + count]
-        start += count
+def _backward(part: UpdatePart, rows: torch.Tensor, num_items: torch.Tensor | None) -> bool:
+    """One micro-batch of one part, in its policy's view: one forward, its loss (its metrics added to its
+    stats; where it provides them, its detached log-probs written into its rollout), one backward pass;
+    returns whether the loss was finite.
+
+    Its own function so that the micro-batch's autograd graph dies when it returns, before the next
+    micro-batch's forward (the next policy's, in a sweep): a custom autograd function may keep its inputs as
+    attributes of its context (bitsandbytes' int8 matmul on CPU keeps each layer's input), which a backward
+    pass does not free.
+    """
+    step, config = part.step, part.step.config
+    batch = part.rollout.select(rows)
+    # whole prompt groups: each prompt is computed once, its k gradients flow into it
+    packed = step.scorer.pack(batch) if step.grouped_micro_batches else None
+    # The backward pass runs in the view too: under gradient checkpointing it computes each layer's forward
+    # again, which must see the same adapter.
+    with step.model.policy(step.policy):
+        with step.parallelism.autocast():
+            new_logprobs, entropy = step.scorer.completion_logprobs(batch, packed, with_entropy=True)
         # One epoch, one mini-batch: plain REINFORCE, the ratio is exactly 1 by construction (TRL 1.16:
         # old_per_token_logps = per_token_logps.detach()), whether or not the rollout scored the policy.
-        old = own.logprobs if reuses_samples(config) else new.detach()
+        old = batch.logprobs if reuses_samples(config) else new_logprobs.detach()
         if part.provide:
-            part.rollout.logprobs[part_rows] = old.float()
+            part.rollout.logprobs[rows] = old.float()
         policy, loss = policy_loss(
-            config, new, old, own.ref_logprobs, part.advantages[part_rows], part.mask[part_rows], items
+            config, new_logprobs, old, batch.ref_logprobs, part.advantages[rows], part.mask[rows], num_items
         )
         # Every process runs every backward pass (gradients are averaged inside it); the gradients of a step
         # with a non-finite loss are thrown away by the caller.
-        finite.append(bool(torch.isfinite(loss)))
-        losses.append(loss / config.gradient_accumulation_steps)
-        terms.append((policy, own_entropy, own.response_mask))
-    return losses, finite, terms
+        finite = bool(torch.isfinite(loss))
+        step.parallelism.backward(loss / config.gradient_accumulation_steps)
+    with torch.no_grad():
+        part.stats.add(policy, entropy, batch.response_mask)
+    return finite

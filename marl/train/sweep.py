@@ -11,9 +11,11 @@ Every update, in one process:
    (:func:`marl.rollout.collect.split_rollout`) and its own weighted reward
    (:func:`marl.rewards.weighted.weighted_total`);
 2. advantages per policy with its own settings (:meth:`marl.RLOOTrainer._shaped_rewards`);
-3. update (:func:`marl.train.joint_update.run_together`): one forward and ONE backward pass per micro-batch
-   over every policy's rows, each row's gradient reaching only its own adapter; each policy's own optimizer,
-   LR schedule, clipping and skipped steps;
+3. update (:func:`marl.train.joint_update.run_together`): one loop for every policy; at each micro-batch
+   step, one micro-batch PER POLICY, one after another, each in its policy's own view exactly as its own run
+   runs it (so each policy gets exactly its solo gradients, and the update holds one run's activations: the
+   joint micro-batch of every policy's rows routed per row, tried first, was measured slower and larger);
+   each policy's own optimizer, LR schedule, clipping and skipped steps;
 4. each policy's metrics, sample tables, checkpoints and output folder, as its own run writes them (each
    member is a :class:`marl.RLOOTrainer` whose loop the sweep runs: one owner per concern).
 

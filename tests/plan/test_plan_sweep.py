@@ -1,6 +1,7 @@
-"""The planner's sweep (issue 44): N policies trained at once on one base hold N LoRAs, N AdamW states and N
-policies' rollout records, decode and update N times the rows per pass (as the sweep trainer runs them) and
-keep scoring's chunks; one policy is the plan of a run."""
+"""The planner's sweep (issue 44): N policies trained at once on one base hold N LoRAs, N AdamW states, N
+policies' rollout records and the other policies' gradients through the update, decode N times the rows per
+pass, and keep scoring's chunks and the update's micro-batch (one policy's at a time), as the sweep trainer
+runs them; one policy is the plan of a run."""
 
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ def test_four_policies_hold_four_loras_and_optimizers_and_decode_four_times_the_
     tiny_llama_dir, tiny_reward_adapter, tmp_path
 ):
     """Against the model itself: the LoRA bytes of four policies really loaded on the base (memory card);
-    the decode and the update of one run whose chunks and micro-batches hold four times the rows (as the
-    sweep trainer runs them), the decode's growth at least the KV cache of the extra rows (from the model's
-    config)."""
+    the decode of one run whose chunks hold four times the rows (as the sweep trainer decodes), the decode's
+    growth at least the KV cache of the extra rows (from the model's config); the update's working set one
+    run's micro-batch (the sweep trainer runs one policy's micro-batch at a time), so that the update phase
+    grows by exactly the extra LoRAs, optimizer states, waiting gradients and records."""
     config = sweep_config(tmp_path, tiny_llama_dir, tiny_reward_adapter)
     model_config = load_model_config(str(tiny_llama_dir))
     one = plan_memory(config, model_config, TARGET)
@@ -63,13 +65,13 @@ def test_four_policies_hold_four_loras_and_optimizers_and_decode_four_times_the_
     for shared in ("base weights", "reward LoRAs + score heads"):
         assert four.resident[shared] == one.resident[shared]
     assert four.settings["policies (sweep)"] == 4
-    # the decode and the update: every policy's rows at once, as a run whose chunks and micro-batches hold 4x
-    # the rows
+    # the decode: every policy's rows at once, as a run whose chunks hold 4x the rows
     wider = with_changes(config, local_rollout_forward_batch_size=32, per_device_train_batch_size=32)
     wider = plan_memory(wider, model_config, TARGET)
     assert four.phase("sampling").parts[DECODE] == wider.phase("sampling").parts[DECODE]
-    assert four.phase("update").parts[UPDATE] == wider.phase("update").parts[UPDATE]
-    assert four.phase("update").parts[UPDATE] > one.phase("update").parts[UPDATE]
+    # the update: one policy's micro-batch at a time, a run's working set, not 4x the rows (which is larger)
+    assert four.phase("update").parts[UPDATE] == one.phase("update").parts[UPDATE]
+    assert wider.phase("update").parts[UPDATE] > one.phase("update").parts[UPDATE]
     text = model_config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_per_row = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * (24 + 6) * 4
@@ -80,7 +82,12 @@ def test_four_policies_hold_four_loras_and_optimizers_and_decode_four_times_the_
     assert four.phase("scoring").parts[SCORING] == one.phase("scoring").parts[SCORING]
     gradients = four.phase("update").parts["LoRA gradients of the other policies"]
     assert gradients == 3 * card.adapter_bytes["policy"]
-    assert four.phase("update").parts["rollout records"] == 4 * one.phase("update").parts["rollout records"]
+    records = one.phase("update").parts["rollout records"]
+    assert four.phase("update").parts["rollout records"] == 4 * records
+    extra_resident = sum(four.resident.values()) - sum(one.resident.values())
+    assert extra_resident == 3 * (1 + 2) * card.adapter_bytes["policy"]  # 3 more LoRAs, their AdamW moments
+    grown = four.phase("update").total - one.phase("update").total
+    assert grown == extra_resident + gradients + 3 * records
     assert four.peak > one.peak
 
 

@@ -1,10 +1,12 @@
 """Several policies trained at once on one base (``SweepTrainer``, ``marl train-rloo --sweep``): a sweep of
-one policy is its own run bit for bit; in a sweep each policy's loss and gradients are those of its rows
-alone; an adapter learns only from its own rows; a resumed sweep ends with the uninterrupted sweep's adapters;
-the command runs a grid and refuses what cannot differ."""
+one policy is its own run bit for bit; in a sweep's update each policy's loss and gradients are its solo
+run's, bit for bit (fp32 and bf16); an adapter learns only from its own rows; a resumed sweep ends with the
+uninterrupted sweep's adapters; the command runs a grid and refuses what cannot differ."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -16,12 +18,14 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel
+from marl.algo.metrics import UpdateStats
 from marl.apps.cli import parse_train_rloo_args, train_rloo_main
 from marl.errors import ConfigError
 from marl.sweep_settings import parse_sweep
-from marl.train.joint_update import UpdatePart, _backward
+from marl.train.joint_update import UpdatePart, accumulate
 from marl.train.sweep import SweepTrainer, build_sweep_model
 from marl.train.sweep_report import CURVES_FILE, SUMMARY_FILE
+from marl.train.trainer import RLOOTrainer
 
 from support.families import FAMILIES, FAMILY_SPECS
 from support.runs import PROMPTS, build, count_e, prompt_dataset, tiny_config
@@ -59,8 +63,8 @@ def test_a_sweep_of_one_policy_is_its_own_run_bit_for_bit(tiny_llama_dir, tmp_pa
 
 def test_an_adapter_learns_only_from_its_own_rows(tiny_llama_dir, tmp_path):
     """The second policy weighs the reward by 0 and has no KL: its rows' advantages and loss gradients are 0,
-    so AdamW leaves its adapter exactly as it started; the first policy's rows (in the same forward and
-    backward passes) train the first adapter. A gradient routed to the wrong adapter would move it."""
+    so AdamW leaves its adapter exactly as it started; the first policy's rows (in the same decode, scoring
+    passes and update loop) train the first adapter. A gradient routed to the wrong adapter would move it."""
     trainer = sweep(tiny_llama_dir, ["reward_weights=1,0"], tmp_path, kl_coef=0.0)
     start = {
         member.config.policy_adapter_name: [p.detach().clone() for p in trainer.model.policy_parameters(name)]
@@ -96,6 +100,96 @@ def gradients(model: MultiAdapterModel, policies: list[str]) -> dict[str, list[t
     }
 
 
+STAT_FIELDS = [field.name for field in dataclasses.fields(UpdateStats) if field.compare]
+
+
+def solo_model(
+    directory: Path, family: str, name: str, weights: list[torch.Tensor], dtype
+) -> MultiAdapterModel:
+    """A base holding policy ``name`` alone (a single run's model), with ``weights`` as its adapter."""
+    model = MultiAdapterModel.from_pretrained(
+        directory, policy_name=name, policy_adapter=family_lora(family), dtype=dtype
+    )
+    with torch.no_grad():
+        for parameter, weight in zip(model.policy_parameters(name), weights, strict=True):
+            parameter.copy_(weight)
+    return model
+
+
+def update_parts(trainers, rollouts, policies: list[int]) -> list[UpdatePart]:
+    """Each policy's share of the update: its own copy of its rollout, advantages drawn per policy."""
+    made = []
+    for index, trainer, rollout in zip(policies, trainers, rollouts, strict=True):
+        generator = torch.Generator().manual_seed(index)
+        advantages = torch.randn(rollout.response_ids.shape[0], generator=generator)
+        part = UpdatePart(trainer.policy_update, copy.deepcopy(rollout), advantages)
+        part.prepare(update=1)
+        made.append(part)
+    return made
+
+
+def accumulated(model: MultiAdapterModel, parts: list[UpdatePart], minis: list[torch.Tensor]):
+    model.train()
+    finite = accumulate(parts, minis)
+    model.eval()
+    assert all(finite)
+    return gradients(model, [part.step.policy for part in parts])
+
+
+def assert_sweep_update_is_each_policys_solo_update(directory: Path, tmp_path: Path, family: str, **settings):
+    """One mini-batch of two policies (different adapters, different settings: the KL folded into the reward
+    or in the loss, different clip ranges), two micro-batch steps of accumulation in the sweep's loop (policy
+    0's micro-batch, policy 1's, policy 0's, policy 1's), against each policy's mini-batch on a base that
+    holds that policy alone, as its own run: the same loss and metric sums and the same adapter gradients,
+    bit for bit. Policy 0's gradient of its first micro-batch survives policy 1's view and backward pass."""
+    dtype = torch.bfloat16 if settings.get("bf16") else None
+    config = tiny_config(
+        tmp_path,
+        model_name_or_path=str(directory),
+        num_ppo_epochs=1,
+        num_mini_batches=1,
+        gradient_accumulation_steps=2,
+        total_episodes=8,
+        **settings,
+    )
+    members = parse_sweep(["kl_placement=reward,loss", "cliprange=0.2,0.1"], config)[::3]  # 2 members
+    policies = [member.config.policy_adapter_name for member in members]
+    model = MultiAdapterModel.from_pretrained(
+        directory, policy_name=policies[0], policy_adapter=family_lora(family), dtype=dtype
+    )
+    model.add_policy(policies[1], family_lora(family))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # policies that differ from the base and from each other
+        for parameter in model.policy_parameters(policies[0]) + model.policy_parameters(policies[1]):
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    weights = {name: [p.detach().clone() for p in model.policy_parameters(name)] for name in policies}
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    prompts = prompt_dataset(PROMPTS[:4])
+    trainer = SweepTrainer(members, model, tokenizer, prompts, reward_funcs=count_e)
+    torch.manual_seed(0)
+    rollouts = trainer._rollouts()
+    assert [rollout.response_ids.shape[0] for rollout in rollouts] == [8, 8]
+    # whole prompt groups (k-major rows), in another order for each policy; two micro-batches of 4 rows
+    minis = [torch.tensor([0, 4, 1, 5, 2, 6, 3, 7]), torch.tensor([3, 7, 0, 4, 2, 6, 1, 5])]
+
+    swept = update_parts(trainer.trainers, rollouts, [0, 1])
+    sweep_grads = accumulated(model, swept, minis)
+    for index, (member, name) in enumerate(zip(members, policies, strict=True)):
+        alone = solo_model(directory, family, name, weights[name], dtype)
+        run = RLOOTrainer(member.config, alone, tokenizer, prompts, reward_funcs=count_e)
+        solo = update_parts([run], [rollouts[index]], [index])
+        assert solo[0].advantages.equal(swept[index].advantages)
+        solo_grads = accumulated(alone, solo, [minis[index]])
+        for field in STAT_FIELDS:
+            assert torch.equal(
+                torch.as_tensor(getattr(swept[index].stats, field)),
+                torch.as_tensor(getattr(solo[0].stats, field)),
+            ), field
+        assert any(grad.abs().sum() > 0 for grad in solo_grads[name])
+        for together, by_itself in zip(sweep_grads[name], solo_grads[name], strict=True):
+            assert together.dtype == by_itself.dtype and torch.equal(together, by_itself)
+
+
 # Every family with its prompts packed (what differs between families), and the llama control unshared.
 JOINT_CASES = [(family, True) for family in FAMILIES] + [("llama", False)]
 
@@ -105,73 +199,22 @@ JOINT_CASES = [(family, True) for family in FAMILIES] + [("llama", False)]
     JOINT_CASES,
     ids=[f"{family}-{'packed' if packed else 'unshared'}" for family, packed in JOINT_CASES],
 )
-def test_each_policys_loss_and_gradients_in_the_joint_pass_are_its_rows_alone(
+def test_each_policys_loss_and_gradients_in_the_sweep_update_are_its_solo_runs(
     family_dir, tmp_path, family, share_prompt_prefix
 ):
-    """One micro-batch of two policies (different adapters, different settings: the KL folded into the reward
-    or in the loss, different clip ranges) in ONE forward and backward pass, against each policy's rows in a
-    pass of their own: equal losses and metrics, and each adapter's gradient equal (1e-5 of its largest
-    entry, fp32)."""
-    directory = family_dir(family)
-    config = tiny_config(
-        tmp_path,
-        model_name_or_path=str(directory),
-        num_ppo_epochs=1,
-        num_mini_batches=2,
-        gradient_accumulation_steps=1,
-        total_episodes=8,
-        share_prompt_prefix=share_prompt_prefix,
+    """fp32, every family: see :func:`assert_sweep_update_is_each_policys_solo_update`."""
+    assert_sweep_update_is_each_policys_solo_update(
+        family_dir(family), tmp_path, family, share_prompt_prefix=share_prompt_prefix
     )
-    members = parse_sweep(["kl_placement=reward,loss", "cliprange=0.2,0.1"], config)[::3]  # 2 members
-    policies = [member.config.policy_adapter_name for member in members]
-    model = MultiAdapterModel.from_pretrained(
-        directory, policy_name=policies[0], policy_adapter=family_lora(family)
-    )
-    model.add_policy(policies[1], family_lora(family))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # policies that differ from the base and from each other
-        for parameter in model.policy_parameters(policies[0]) + model.policy_parameters(policies[1]):
-            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    trainer = SweepTrainer(members, model, tokenizer, prompt_dataset(PROMPTS[:4]), reward_funcs=count_e)
-    torch.manual_seed(0)
-    rollouts = trainer._rollouts()
-    assert [rollout.response_ids.shape[0] for rollout in rollouts] == [8, 8]
 
-    def parts() -> list[UpdatePart]:
-        made = []
-        for index, (member_trainer, rollout) in enumerate(zip(trainer.trainers, rollouts, strict=True)):
-            advantages = torch.randn(8, generator=torch.Generator().manual_seed(index + 1))
-            part = UpdatePart(member_trainer.policy_update, rollout, advantages)
-            part.prepare(update=1)
-            made.append(part)
-        return made
 
-    rows = [torch.tensor([0, 4, 1, 5]), torch.tensor([2, 6, 3, 7])]  # whole prompt groups (k-major rows)
-    model.train()
-    joint = parts()
-    _backward(joint, rows, [None, None])
-    joint_grads = gradients(model, policies)
-    alone = parts()
-    for part, own_rows, name in zip(alone, rows, policies, strict=True):
-        for parameter in model.policy_parameters(name):
-            parameter.grad = None
-        _backward([part], [own_rows], [None])
-    alone_grads = gradients(model, policies)
-    model.eval()
-    for together, by_itself in zip(joint, alone, strict=True):
-        for field in ("loss", "ratio", "approxkl", "entropy", "completions"):
-            torch.testing.assert_close(
-                torch.as_tensor(getattr(together.stats, field)).float(),
-                torch.as_tensor(getattr(by_itself.stats, field)).float(),
-                rtol=1e-5,
-                atol=1e-6,
-            )
-    for name in policies:
-        assert any(grad.abs().sum() > 0 for grad in alone_grads[name])
-        for together, by_itself in zip(joint_grads[name], alone_grads[name], strict=True):
-            scale = by_itself.abs().max().clamp(min=1e-12)
-            assert (together - by_itself).abs().max() / scale <= 1e-5
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_each_policys_bf16_loss_and_gradients_in_the_sweep_update_are_its_solo_runs(
+    family_dir, tmp_path, family
+):
+    """bf16 weights and bf16 autocast (``--bf16``), prompts packed: bit for bit as in fp32 (each policy's
+    micro-batch runs in its own view, as in its own run, whatever the dtype)."""
+    assert_sweep_update_is_each_policys_solo_update(family_dir(family), tmp_path, family, bf16=True)
 
 
 def test_a_resumed_sweep_ends_with_the_uninterrupted_sweeps_adapters(tiny_llama_dir, tmp_path):
