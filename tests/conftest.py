@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
 
 from support.tiny import save_reward_adapter, save_tiny_model, train_reward_adapter_with_trl
 
 # Tests share 2 cores with other processes; one intra-op thread keeps them predictable.
 torch.set_num_threads(int(os.environ.get("MARL_TEST_THREADS", "1")))
+# Property tests check values, not speed: on a loaded 2-core machine one example can take longer than
+# hypothesis's 200 ms deadline, and a deadline failure says nothing about the property.
+settings.register_profile("marl", deadline=None)
+settings.load_profile("marl")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
