@@ -4,7 +4,6 @@ folders as ``marl demo`` leaves them (a ``demo_summary.json`` each), with a poin
 from __future__ import annotations
 
 import doctest
-import importlib
 import json
 import subprocess
 import sys
@@ -12,18 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from support.benchmark_scripts import benchmark_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 _HERE = ROOT / "examples" / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def front():
-    sys.path.insert(0, str(_HERE))
-    try:
-        yield importlib.import_module("demo_front")
-    finally:
-        sys.path.remove(str(_HERE))
-        sys.modules.pop("demo_front", None)
+    with benchmark_modules("demo_front") as modules:
+        yield modules["demo_front"]
 
 
 def test_examples_of_the_front(front):

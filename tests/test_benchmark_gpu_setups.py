@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from support.benchmark_scripts import benchmark_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 _HERE = ROOT / "examples" / "benchmarks"
 _MODULES = ("built_models", "setups", "vs_trl")
@@ -43,13 +45,8 @@ sys.meta_path[:] = [
 
 @pytest.fixture(scope="module")
 def modules():
-    sys.path.insert(0, str(_HERE))
-    try:
-        yield {name: importlib.import_module(name) for name in _MODULES}
-    finally:
-        sys.path.remove(str(_HERE))
-        for name in (*_MODULES, "floors", "measure", "report_markdown"):
-            sys.modules.pop(name, None)
+    with benchmark_modules(*_MODULES) as imported:
+        yield imported
 
 
 def test_the_tokenizer_has_the_exact_vocabulary_and_prompts_the_exact_length(modules):

@@ -4,7 +4,6 @@ model that measures a run and sweeps of 1 and 2 policies, each phase labelled, i
 from __future__ import annotations
 
 import doctest
-import importlib
 import json
 import os
 import subprocess
@@ -13,19 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from support.benchmark_scripts import benchmark_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 _HERE = ROOT / "examples" / "benchmarks"
 
 
 @pytest.fixture(scope="module")
 def sweep_bench():
-    sys.path.insert(0, str(_HERE))
-    try:
-        yield importlib.import_module("sweep")
-    finally:
-        sys.path.remove(str(_HERE))
-        for name in ("sweep", "floors", "measure", "setups", "built_models"):
-            sys.modules.pop(name, None)
+    with benchmark_modules("sweep") as modules:
+        yield modules["sweep"]
 
 
 def test_examples_of_the_comparison_run(sweep_bench):

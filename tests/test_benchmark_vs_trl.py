@@ -5,28 +5,22 @@ learning comparison's job configs of both systems."""
 from __future__ import annotations
 
 import doctest
-import importlib
 import math
 import mmap
-import sys
 from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).resolve().parents[1] / "examples" / "benchmarks"
+from support.benchmark_scripts import benchmark_modules
+
 _MODULES = ("measure", "setups", "report_markdown", "vs_trl", "learning_report", "learning_vs_trl")
 
 
 @pytest.fixture(scope="module")
 def modules():
     """The benchmark's modules, imported from their folder as the script imports them."""
-    sys.path.insert(0, str(_HERE))
-    try:
-        yield {name: importlib.import_module(name) for name in _MODULES}
-    finally:
-        sys.path.remove(str(_HERE))
-        for name in _MODULES:
-            sys.modules.pop(name, None)
+    with benchmark_modules(*_MODULES) as imported:
+        yield imported
 
 
 @pytest.fixture(scope="module")
