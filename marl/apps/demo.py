@@ -32,8 +32,10 @@ from typing import Any
 from marl.apps import demo_policy
 from marl.apps.demo_rewards import (
     DEMO_KL_COEF,
+    DEMO_RLOO_K,
     KL_COEF_HELP,
     REWARD_CHOICES,
+    RLOO_K_HELP,
     SENTIMENT_ADAPTER_NAME,
     SHIPPED_ADAPTERS_DIR,
     TOPIC_ADAPTER_NAME,
@@ -113,7 +115,10 @@ class DemoArguments:
         },
     )
     total_episodes: int = field(default=1536, metadata={"help": "Completions to train on (RLOO episodes)."})
-    rloo_k: int = field(default=4, metadata={"help": "Completions per prompt."})
+    rloo_k: int | None = field(
+        default=None,
+        metadata={"help": f"Completions per prompt. Default: {RLOO_K_HELP} (chosen by measurement)."},
+    )
     per_device_train_batch_size: int = field(default=16, metadata={"help": "Completions per optimizer step."})
     num_mini_batches: int = field(
         default=4, metadata={"help": "Optimizer steps per pass over a rollout (batch = size × mini-batches)."}
@@ -158,6 +163,8 @@ class DemoArguments:
         rewards = parse_rewards(self.rewards)
         if self.kl_coef is None:
             self.kl_coef = DEMO_KL_COEF[len(rewards)]
+        if self.rloo_k is None:
+            self.rloo_k = DEMO_RLOO_K[len(rewards)]
         self.learning_rate = demo_policy.rl_learning_rate(self.warm_start_epochs, self.learning_rate)
         check_topic_weight(self.topic_weight)
         if self.num_eval_prompts < 1:

@@ -44,6 +44,11 @@ TOPIC_SPREAD_SHARE = 0.5
 # into a template that both rewards pay for (2026-11-25-two-reward-demo.md).
 DEMO_KL_COEF = {1: 0.15, 2: 0.3}
 KL_COEF_HELP = f"{DEMO_KL_COEF[1]} with one reward, {DEMO_KL_COEF[2]} with two"
+# Completions per prompt by the number of rewards, the episodes per update unchanged: with two rewards, 8 is
+# the setting of the measured front that keeps the film and the variety on all five seeds
+# (benchmarks/results/2026-11-26-demo-front.md); one reward keeps the 4 it was tuned with.
+DEMO_RLOO_K = {1: 4, 2: 8}
+RLOO_K_HELP = f"{DEMO_RLOO_K[1]} with one reward, {DEMO_RLOO_K[2]} with two"
 # Targets of the fixed-rule checks: the policy names the film at least as often as the base, and keeps at
 # least this share of the base's distinct bigrams.
 TARGET_DISTINCT_2_RATIO = 0.9

@@ -8,7 +8,7 @@ import pytest
 
 from marl.apps.demo import DemoArguments, demo_rloo_config, verdict_rows
 from marl.apps.demo_policy import DEMO_LEARNING_RATE
-from marl.apps.demo_rewards import DEMO_KL_COEF, reward_recipe_flags
+from marl.apps.demo_rewards import DEMO_KL_COEF, DEMO_RLOO_K, reward_recipe_flags
 from marl.train.plotting import PANELS, logged_panels, plot_training_curves, read_metrics
 
 
@@ -113,6 +113,16 @@ def test_the_kl_coefficient_defaults_by_the_number_of_rewards():
     assert DemoArguments().kl_coef == DEMO_KL_COEF[2] == 0.3
     assert DemoArguments(rewards="sentiment").kl_coef == DEMO_KL_COEF[1] == 0.15
     assert DemoArguments(rewards="sentiment", kl_coef=0.05).kl_coef == 0.05
+
+
+def test_the_group_size_defaults_by_the_number_of_rewards(tmp_path):
+    two, one = DemoArguments(), DemoArguments(rewards="sentiment")
+    assert two.rloo_k == DEMO_RLOO_K[2] == 8 and one.rloo_k == DEMO_RLOO_K[1] == 4
+    assert DemoArguments(rloo_k=2).rloo_k == 2
+    for arguments in (two, one):  # the episodes per update do not depend on k
+        config = demo_rloo_config(arguments, tmp_path / "policy", "adapters/reward")
+        assert config.rloo_k == arguments.rloo_k
+        assert config.batch_sizes(1, 1000).num_total_batches == arguments.total_episodes // 64
 
 
 def test_the_learning_rate_defaults_by_the_policy_start():
