@@ -122,7 +122,8 @@ def test_the_group_size_defaults_by_the_number_of_rewards(tmp_path):
     for arguments in (two, one):  # the episodes per update do not depend on k
         config = demo_rloo_config(arguments, tmp_path / "policy", "adapters/reward")
         assert config.rloo_k == arguments.rloo_k
-        assert config.batch_sizes(1, 1000).num_total_batches == arguments.total_episodes // 64
+        per_update = arguments.per_device_train_batch_size * arguments.num_mini_batches
+        assert config.batch_sizes(1, 1000).num_total_batches == arguments.total_episodes // per_update
 
 
 def test_the_learning_rate_defaults_by_the_policy_start():
