@@ -183,10 +183,16 @@ def load(
 
 
 def enable_gradient_checkpointing(causal_lm: nn.Module) -> None:
-    """Recompute activations in the backward pass (non-reentrant, so no input-gradient hook is needed for
-    quantized and plain bases alike); active in train mode."""
+    """Recompute activations in the backward pass; active in train mode.
+
+    Non-reentrant, so the LoRA weights inside a recomputed layer get their gradients without the input
+    embeddings' output requiring grad, on quantized and plain bases alike. transformers registers a hook that
+    makes it require grad anyway (for reentrant checkpointing); it is removed: its ``requires_grad_`` call in
+    every forward is a graph break that made the compiled decode step fall back to eager on CUDA (torch 2.11),
+    and it only adds input-gradient work to the backward pass."""
     if not causal_lm.is_activation_checkpointing:
         causal_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    causal_lm.disable_input_require_grads()
 
 
 def attach_policy(

@@ -245,8 +245,8 @@ class MultiAdapterModel(ForwardPasses):
         return check_packing(self)
 
     def enable_gradient_checkpointing(self) -> None:
-        """Recompute activations in the backward pass (non-reentrant, so no input-gradient hook is needed for
-        quantized and plain bases alike); active in train mode."""
+        """Recompute activations in the backward pass (non-reentrant, with no input-gradient hook:
+        :func:`marl.model.build.enable_gradient_checkpointing`); active in train mode."""
         build.enable_gradient_checkpointing(self.peft_model.get_base_model())
 
     def save_policy_adapter(self, directory: str | os.PathLike, name: str | None = None) -> None:

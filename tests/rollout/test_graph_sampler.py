@@ -125,13 +125,16 @@ def decode_step_inputs(model: MultiAdapterModel, rows: int = 4, width: int = 6, 
     ],
 )
 def test_the_compiled_decode_step_is_one_graph_with_the_policy_active(family, quantization, family_dir):
-    if quantization is None:
-        model = load(family_dir, family)
-    else:  # bitsandbytes on a CPU: bf16 compute, as a quantized base runs
-        model = load(family_dir, family, quantization=quantization, dtype=torch.bfloat16)
+    # With gradient checkpointing on, as training runs load the model. Traced with gradients enabled: the
+    # sampler traces under no_grad, where torch 2.13 lets a `requires_grad_` call through but torch 2.11
+    # breaks the graph on it (seen on CUDA: transformers' input-gradient hook made the decode fall back to
+    # eager); with gradients on, every torch version breaks on it, so this is the stricter check.
+    kwargs = {} if quantization is None else dict(quantization=quantization, dtype=torch.bfloat16)
+    model = load(family_dir, family, gradient_checkpointing=True, **kwargs)  # bitsandbytes: bf16 compute
     with model.policy(), model._inference():
         inputs = decode_step_inputs(model)
-        explained = torch._dynamo.explain(_forward_step(model.peft_model))(*inputs)
+        with torch.enable_grad():
+            explained = torch._dynamo.explain(_forward_step(model.peft_model))(*inputs)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     lora_weights = sum(
         "lora_B" in str(name) for graph in explained.graphs for name, _ in graph.named_parameters()
