@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 
 PACKAGES = ("marl", "torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets")
 
@@ -24,6 +25,27 @@ def package_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:
         except PackageNotFoundError:
             found[package] = "not installed"
     return found
+
+
+def unmet_requirements(requirements: Sequence[str]) -> list[str]:
+    """The requirements (PEP 508 strings such as ``"torch>=2.13.0"``) that the installed packages do not meet,
+    each with what is installed: for a run of marl from a checkout, which pip never checked.
+
+    Example:
+        >>> unmet_requirements(["no-such-package>=1.0"])
+        ['no-such-package>=1.0 (not installed)']
+        >>> unmet_requirements(["packaging>=0.1"])
+        []
+    """
+    from packaging.requirements import Requirement
+
+    unmet = []
+    for text in requirements:
+        requirement = Requirement(text)
+        installed = package_versions((requirement.name,))[requirement.name]
+        if installed == "not installed" or not requirement.specifier.contains(installed, prereleases=True):
+            unmet.append(f"{text} ({installed})")
+    return unmet
 
 
 def machine_description() -> dict[str, str]:
