@@ -7,7 +7,7 @@
 # 2. the benchmark's GPU setups against TRL (examples/benchmarks/vs_trl.py --setup gpu: Qwen2.5-0.5B- and
 #    1.5B-shaped bases built from a config with a tokenizer the benchmark trains, bf16 and 4-bit; it needs
 #    marl's requirements and this repository). About an hour on an H200 (a run takes about a minute).
-# --quick fits a short GPU session (about 10 minutes): the graph sampler's capture tests in bf16, and one run
+# --quick fits a short GPU session (about 10 minutes, estimated): the graph sampler's capture tests in bf16, and one run
 # each of marl's graph and eager decodes and TRL's RLOOTrainer at both shapes in bf16.
 # Without CUDA it says so and exits 0 without running anything: the CPU suite (README, "Development") covers the rest.
 set -uo pipefail
@@ -31,7 +31,7 @@ unmet="$("$PYTHON" -c "import tomllib; from marl.environment import unmet_requir
 print('; '.join(unmet(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'])))")" || exit 1
 if [ -n "$unmet" ] && [ "${MARL_ALLOW_UNMET:-0}" != 1 ]; then
     echo "gpu-check: requirements of marl (pyproject.toml) not met here: $unmet."
-    echo "  Install those versions (e.g. pip install 'transformers>=5.23.0'), or run with MARL_ALLOW_UNMET=1."
+    echo "  Install them (each is a pip requirement: pip install '<requirement>'), or run with MARL_ALLOW_UNMET=1."
     exit 1
 fi
 log="$(mktemp)"
