@@ -37,6 +37,7 @@ from marl.model.families import (
     check_train_matches_eval,
     disable_dropout,
 )
+from marl.model.forward import enable_gradient_checkpointing
 from marl.model.quantization import bitsandbytes_config, default_compute_dtype, prepare_quantized_base
 from marl.model.records import (
     LoadedModel,
@@ -180,19 +181,6 @@ def load(
     check_logit_head(base, backbone(base), logit_head)
     check_train_matches_eval(base)
     return LoadedModel(peft_model, path, quantization, compute_dtype, logit_head, policies, rewards)
-
-
-def enable_gradient_checkpointing(causal_lm: nn.Module) -> None:
-    """Recompute activations in the backward pass; active in train mode.
-
-    Non-reentrant, so the LoRA weights inside a recomputed layer get their gradients without the input
-    embeddings' output requiring grad, on quantized and plain bases alike. transformers registers a hook that
-    makes it require grad anyway (for reentrant checkpointing); it is removed: its ``requires_grad_`` call in
-    every forward is a graph break that made the compiled decode step fall back to eager on CUDA (torch 2.11),
-    and it only adds input-gradient work to the backward pass."""
-    if not causal_lm.is_activation_checkpointing:
-        causal_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    causal_lm.disable_input_require_grads()
 
 
 def attach_policy(

@@ -33,7 +33,13 @@ import torch
 from peft import LoraConfig
 
 from marl.model import adapters, build, records
-from marl.model.forward import ForwardPasses, position_ids_from_mask, reward_read_positions, without_autocast
+from marl.model.forward import (
+    ForwardPasses,
+    enable_gradient_checkpointing,
+    position_ids_from_mask,
+    reward_read_positions,
+    without_autocast,
+)
 from marl.model.memory import MemoryReport, build_memory_report
 from marl.model.packing import check_packing
 from marl.model.records import LoadedModel, PolicyAdapter, RewardAdapter
@@ -246,8 +252,8 @@ class MultiAdapterModel(ForwardPasses):
 
     def enable_gradient_checkpointing(self) -> None:
         """Recompute activations in the backward pass (non-reentrant, with no input-gradient hook:
-        :func:`marl.model.build.enable_gradient_checkpointing`); active in train mode."""
-        build.enable_gradient_checkpointing(self.peft_model.get_base_model())
+        :func:`marl.model.forward.enable_gradient_checkpointing`); active in train mode."""
+        enable_gradient_checkpointing(self.peft_model.get_base_model())
 
     def save_policy_adapter(self, directory: str | os.PathLike, name: str | None = None) -> None:
         """Write policy ``name`` (default: the first) alone as a standard PEFT folder

@@ -195,8 +195,9 @@ def plan_memory(
     from peft import LoraConfig
 
     from marl.batch_sizes import local_batch_size
-    from marl.model.build import enable_gradient_checkpointing, wrap_with_peft
+    from marl.model.build import wrap_with_peft
     from marl.model.families import disable_dropout
+    from marl.model.forward import enable_gradient_checkpointing
     from marl.plan.systems import SYSTEMS, check_plannable
 
     layout = SYSTEMS[system]
