@@ -19,6 +19,7 @@ from marl.errors import ConfigError
 from marl.model.generation import SamplingSettings
 from marl.model.multi_adapter import MultiAdapterModel, position_ids_from_mask, reward_read_positions
 
+from support.families import FAMILIES, FAMILY_SPECS
 from support.tiny import TINY_ARCHITECTURES, build_tiny_tokenizer, train_reward_adapter_with_trl
 
 QUANTIZATIONS = (None, "8bit", "4bit")
@@ -554,16 +555,21 @@ def test_memory_report_counts_the_reward_head(llama_model):
 # ---------------------------------------------------------------------- options
 
 
-@pytest.mark.parametrize("quantization", [None, "4bit"])
-def test_gradient_checkpointing_gives_the_same_gradients(quantization, tiny_llama_dir):
+@pytest.mark.parametrize(
+    ("family", "quantization"), [*((name, None) for name in FAMILIES), ("llama", "4bit")]
+)
+def test_gradient_checkpointing_gives_the_same_gradients(family, quantization, family_dir):
     ids, mask = padded_batch("left")
     gradients = []
+    exclude = list(FAMILY_SPECS[family].lora_exclude_modules) or None
     for checkpointing in (False, True):
         model = MultiAdapterModel.from_pretrained(
-            tiny_llama_dir,
+            family_dir(family),
             quantization=quantization,
             gradient_checkpointing=checkpointing,
-            policy_adapter=LoraConfig(r=4, init_lora_weights=False),
+            policy_adapter=LoraConfig(
+                r=4, init_lora_weights=False, target_modules="all-linear", exclude_modules=exclude
+            ),
             reference="base",
         )
         assert model.peft_model.get_base_model().is_activation_checkpointing == checkpointing
