@@ -22,7 +22,6 @@ Prompts for RL, prompts for evaluation and the reward pairs come from three disj
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,14 +41,18 @@ from marl.apps.demo_rewards import (
     TOPIC_SPREAD_SHARE,
     WEIGHT_PROBE_PROMPTS,
     check_topic_weight,
-    chosen_rewards,
     parse_rewards,
-    rebuild_sentiment_adapter,
-    reward_adapter_entries,
     reward_means_by_name,
     topicality_summary,
-    weigh_rewards,
 )
+from marl.apps.demo_start import (
+    DEMO_SUMMARY_FILE,
+    demo_rewards,
+    demo_rloo_config,
+    duration_line,
+    start_demo,
+)
+from marl.apps.demo_sweep import check_demo_sweep, run_demo_sweep
 from marl.apps.demo_verdict import (
     TARGET_EVAL_PROMPTS,
     verdict_rows,
@@ -57,20 +60,10 @@ from marl.apps.demo_verdict import (
 )
 from marl.apps.intervals import verdict_intervals
 from marl.cpu_threads import threads_field
-from marl.errors import ConfigError, MissingPathError
+from marl.errors import ConfigError
 from marl.validation import check_fields
 
 REWARD_ADAPTER_NAME = SENTIMENT_ADAPTER_NAME
-DEMO_SUMMARY_FILE = "demo_summary.json"
-
-# Sample tables during training, each scoring held-out prompts with the reward adapter and VADER (the curves).
-DEMO_SAMPLE_GENERATIONS = 8
-# Measured with the defaults on a 2-core x86-64 CPU (docs/guides/demo.md), by free cores: 2 = the
-# demo alone (seed 0), 1 = another process holding the other core (seeds 1 and 2). Loading (with the one-off
-# model conversion), seconds per training completion (sample tables included), and the final evaluation.
-MEASURED_LOAD_SECONDS = 25.0
-MEASURED_SECONDS_PER_COMPLETION = {1: 0.80, 2: 0.49}
-MEASURED_EVAL_SECONDS = {1: 150.0, 2: 100.0}
 
 
 @dataclass
@@ -157,6 +150,15 @@ class DemoArguments:
     )
     seed: int = field(default=0, metadata={"help": "Seed of data order, sampling and initialisation."})
     threads: int = threads_field()
+    sweep: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Train several policies at once on the one base, as marl train-rloo --sweep does: "
+            "FIELD=V1,V2,... (repeat the flag for a grid, e.g. --sweep learning_rate=5e-4,1e-3 --sweep "
+            "kl_coef=0.15,0.3). Each policy writes to <output_dir>/<its name>; the held-out evaluation "
+            "ranks them (marl.apps.demo_sweep)."
+        },
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -174,162 +176,46 @@ class DemoArguments:
         # The RLOO settings are checked where they are checked for train-rloo.
         config = demo_rloo_config(self, Path("."), self.reward_adapter)
         reward_normalization(config)  # a registered choice, defined for the demo's estimator
-
-
-def demo_rloo_config(
-    arguments: DemoArguments,
-    output_dir: Path,
-    reward_adapter: str | list[str],
-    reward_weights: list[float] | None = None,
-    algorithm: str = "rloo",
-):
-    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token
-    (``stop_token="none"``: fixed-length completions); the
-    demo's k, batch, learning rate, KL coefficient and epochs under the ``algorithm`` preset's other settings
-    (:mod:`marl.algorithms`)."""
-    from marl.config import RLOOConfig
-    from marl.data.assets import EMBEDDED_MODEL_ID
-
-    return RLOOConfig(
-        output_dir=str(output_dir),
-        algorithm=algorithm,
-        seed=arguments.seed,
-        threads=arguments.threads,
-        model_name_or_path=EMBEDDED_MODEL_ID,
-        quantization="4bit",
-        reward_adapter=reward_adapter,
-        reward_weights=reward_weights,
-        rloo_k=arguments.rloo_k,
-        per_device_train_batch_size=arguments.per_device_train_batch_size,
-        num_mini_batches=arguments.num_mini_batches,
-        num_ppo_epochs=arguments.num_ppo_epochs,
-        total_episodes=arguments.total_episodes,
-        learning_rate=arguments.learning_rate,
-        kl_coef=arguments.kl_coef,
-        reward_normalization=arguments.reward_normalization,
-        # per_reward: each reward by its group std too (centring alone, the leave-one-out removes anyway)
-        scale_rewards="group" if arguments.reward_normalization == "per_reward" else None,
-        response_length=arguments.response_length,
-        temperature=arguments.temperature,
-        # No stop token: every completion runs to response_length, so that stopping early is not a way to
-        # keep a positive prompt's score; the policy has to write something positive.
-        stop_token="none",
-        # One generate call per rollout: on CPU a 4-bit decode step costs about the same for 16 or 64 rows.
-        local_rollout_forward_batch_size=arguments.per_device_train_batch_size * arguments.num_mini_batches,
-        num_sample_generations=DEMO_SAMPLE_GENERATIONS,
-        save_steps=0,
-    )
-
-
-def expected_seconds(arguments: DemoArguments, threads: int) -> float:
-    """The demo's expected duration with ``threads`` free cores, scaled from the measured run by the number
-    of completions trained on and evaluated (a rebuilt reward adapter not counted).
-
-    Example:
-        >>> round(expected_seconds(DemoArguments(), threads=2) / 60)
-        15
-    """
-    cores = min(max(threads, 1), 2)
-    length = arguments.response_length / 20
-    per_completion = MEASURED_SECONDS_PER_COMPLETION[cores]
-    evaluation = MEASURED_EVAL_SECONDS[cores] * length * arguments.num_eval_prompts / TARGET_EVAL_PROMPTS
-    if arguments.warm_start_epochs > 0:  # the warm start, and its completions measured with the others'
-        evaluation *= 1.5
-        evaluation += demo_policy.WARM_START_SECONDS_PER_EPOCH[cores] * arguments.warm_start_epochs
-    return MEASURED_LOAD_SECONDS + per_completion * length * arguments.total_episodes + evaluation
-
-
-def _default_output_dir() -> Path:
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("marl-demo") / f"run-{stamp}"
+        if self.sweep:
+            check_demo_sweep(self, config)
 
 
 def run_demo(arguments: DemoArguments) -> dict[str, Any]:
-    """Train a policy adapter with RLOO against the reward adapter, evaluate it, plot it and print a verdict.
+    """Train a policy adapter with RLOO against the reward adapter, evaluate it, plot it and print a verdict
+    (with ``--sweep``, several policies at once: :func:`marl.apps.demo_sweep.run_demo_sweep`).
 
     Example:
         >>> run_demo(DemoArguments(output_dir="marl-demo/first"))  # doctest: +SKIP
     """
+    if arguments.sweep:
+        return run_demo_sweep(arguments)
     import numpy as np
-    import torch
     from rich.console import Console
 
     from marl.apps.eval_report import results_table, write_results
     from marl.apps.eval_scores import generate_and_score, summarize
     from marl.apps.train_rloo import memory_card_with_plan
-    from marl.data.gold_judge import check_gold_judge
-    from marl.data.prompts import rotten_tomatoes_prompts
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rewards import RewardParts, RewardSetting, load_judge, plan_rewards
-    from marl.train.plotting import plot_training_curves, pyplot
-    from marl.train.run_dir import CURVES_FILE, METRICS_FILE, plan_start
+    from marl.rewards import load_judge
+    from marl.train.plotting import plot_training_curves
+    from marl.train.run_dir import CURVES_FILE, METRICS_FILE
     from marl.train.trainer import RLOOTrainer
 
-    start = time.perf_counter()
+    start_time = time.perf_counter()
     console = Console()
-    output_dir = Path(arguments.output_dir) if arguments.output_dir else _default_output_dir()
-    plan_start(output_dir / "policy")
-    # The demo's judge and curves come from its extra: without it, stop now rather than after training.
-    check_gold_judge()
-    pyplot()
-    if not arguments.train_reward and not (Path(arguments.reward_adapter) / "adapter_config.json").is_file():
-        raise MissingPathError(
-            f"no reward adapter in {arguments.reward_adapter}. Run `marl demo --train_reward` to build one, "
-            "or pass --reward_adapter DIR"
-        )
-    reward_names = chosen_rewards(arguments.rewards, arguments.topic_reward_adapter)
-    adapters = "a reward adapter" if len(reward_names) == 1 else f"{len(reward_names)} reward adapters"
-    console.rule(f"[bold]marl demo[/bold]: RLOO on SmolLM2-135M-Instruct (4-bit) with {adapters}, offline")
-
-    if arguments.train_reward:
-        console.print(
-            "[bold]1/4[/bold] rebuilding the reward adapter (Rotten Tomatoes fresh vs rotten pairs)"
-        )
-        reward_adapter = rebuild_sentiment_adapter(output_dir)
-    else:
-        reward_adapter = arguments.reward_adapter
-        console.print(f"[bold]1/4[/bold] reward adapter: {reward_adapter}")
-
-    train_prompts = rotten_tomatoes_prompts("train", seed=arguments.seed)
-    eval_prompts = rotten_tomatoes_prompts("test", seed=arguments.seed)["prompt"][
-        : arguments.num_eval_prompts
-    ]
-    folders = {"sentiment": reward_adapter, "topic": arguments.topic_reward_adapter}
-    adapter_entries = reward_adapter_entries(reward_names, folders)
-    config = demo_rloo_config(
-        arguments, output_dir / "policy", adapter_entries if len(adapter_entries) > 1 else reward_adapter
-    )
-    if arguments.warm_start_epochs > 0:
-        config.policy_adapter = demo_policy.warm_start_demo_policy(
-            output_dir, config, arguments.warm_start_epochs, console.print
-        )
+    start = start_demo(arguments, console)
+    config, train_prompts, eval_prompts = start.config, start.train_prompts, start.eval_prompts
     console.print("[bold]2/4[/bold] loading the base in 4-bit with the policy and reward adapters")
     model = MultiAdapterModel.from_config(config)
     tokenizer = load_tokenizer(model.name_or_path)
-    weighing = None
-    if "topic" in reward_names:
-        weighing = weigh_rewards(
-            model,
-            tokenizer,
-            train_prompts["prompt"][:WEIGHT_PROBE_PROMPTS],
-            arguments.topic_weight,
-            console.print,
-            response_length=config.response_length,
-            temperature=config.temperature,
-            seed=arguments.seed,
-        )
-        config.reward_weights = weighing["weights"]
+    weighing, reward = demo_rewards(start, [config], model, tokenizer, arguments, console.print)
 
     sizes = config.batch_sizes(1, len(train_prompts))
     console.print(
         f"[bold]3/4[/bold] RLOO: {sizes.num_total_batches} updates × {sizes.batch_size} completions "
         f"({sizes.prompts_per_update} prompts × k={config.rloo_k}) from {len(train_prompts)} training prompts"
     )
-    # The reward adapter scores every completion as it was trained, text + EOS: read at the last word of a
-    # completion cut off by the length limit, it rewards stopping early over what the text says.
-    rewards = plan_rewards(RewardSetting("eos_adapter", name) for name in config.reward_adapter_folders())
-    reward = rewards.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size))
     trainer = RLOOTrainer(
         config,
         model,
@@ -340,16 +226,9 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         judge=load_judge(None),
     )
     console.print(memory_card_with_plan(trainer))  # with the predicted peak of each phase of this run
-    threads = torch.get_num_threads()
-    how = "--threads" if arguments.threads else "the free cores, measured again after every update"
-    console.print(
-        f"{threads} torch thread(s) ({how}); expected duration about "
-        f"{expected_seconds(arguments, threads) / 60:.0f} min (measured: "
-        f"{expected_seconds(arguments, 2) / 60:.0f} min on 2 free cores, "
-        f"{expected_seconds(arguments, 1) / 60:.0f} min on 1)"
-    )
+    console.print(duration_line(arguments))
     trainer.train()
-    train_seconds = time.perf_counter() - start
+    train_seconds = time.perf_counter() - start_time
 
     console.print(f"[bold]4/4[/bold] evaluating base and policy on {len(eval_prompts)} held-out prompts")
     samples = generate_and_score(
@@ -362,7 +241,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         batch_size=100,
         seed=arguments.seed,
         stop_at_eos=False,
-        reward_names=list(config.reward_adapter_folders()) if len(reward_names) > 1 else None,
+        reward_names=list(config.reward_adapter_folders()) if len(start.reward_names) > 1 else None,
     )
     summary = summarize(samples)
     texts = {name: record.completions for name, record in samples.items()}
@@ -386,11 +265,11 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
         Path(config.output_dir) / CURVES_FILE,
         title="marl demo: RLOO on SmolLM2-135M-Instruct (4-bit), Rotten Tomatoes",
     )
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start_time
     settings = {
         **asdict(arguments),
-        "reward_adapter": reward_adapter,
-        "reward_adapters": adapter_entries,
+        "reward_adapter": start.reward_adapter,
+        "reward_adapters": start.adapter_entries,
         "num_prompts": len(eval_prompts),
         "judge": "vader",
         "train_seconds": round(train_seconds, 1),
