@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from marl.apps.boundary import argv_words, command_line, error_boundary, resume_words
-from marl.apps.flags import merge_repeated_list_flags, parse_flags
+from marl.apps.flags import parse_flags
 from marl.apps.train_rloo import (
     ScriptArguments,
     build_rloo_trainer,
@@ -105,7 +105,6 @@ def evaluate_main(argv: Sequence[str] | None = None, prog: str = "marl evaluate"
     with error_boundary(prog, words, interrupted):
         from marl.apps.evaluate import EvaluateArguments, run_evaluation
 
-        words = merge_repeated_list_flags(words, [EvaluateArguments])
         (arguments,) = parse_flags([EvaluateArguments], prog, words)
         return run_evaluation(arguments)
 
@@ -159,7 +158,6 @@ def plan_main(argv: Sequence[str] | None = None, prog: str = "marl plan") -> Any
         from marl.config import RLOOConfig
         from marl.train.build import check_components
 
-        words = merge_repeated_list_flags(words, [PlanArguments, RLOOConfig])  # --sweep, as train-rloo's
         arguments, config = parse_flags([PlanArguments, RLOOConfig], prog, words)
         check_components(config)
         return run_plan(arguments, config)

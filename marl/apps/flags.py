@@ -152,7 +152,8 @@ def parse_flags(dataclass_types: list[type], prog: str, words: Sequence[str]) ->
     parser.allow_abbrev = False
     _describe_negative_flags(parser)
     _check_config_file(words, parser)
-    *parsed, _common, unknown = parser.parse_args_and_config(list(words), return_remaining_strings=True)
+    words = merge_repeated_list_flags(list(words), list(dataclass_types))  # every command's list flags
+    *parsed, _common, unknown = parser.parse_args_and_config(words, return_remaining_strings=True)
     if unknown:
         known = [action.dest for action in parser._actions]
         hints = flag_hints([word for word in unknown if word.startswith("--")], known)

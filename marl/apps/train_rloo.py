@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from marl.apps.boundary import argv_words
-from marl.apps.flags import merge_repeated_list_flags, parse_flags
+from marl.apps.flags import parse_flags
 from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError
 from marl.validation import check_fields
@@ -95,8 +95,7 @@ def parse_train_rloo_args(
     """
     from marl.config import RLOOConfig
 
-    words = merge_repeated_list_flags(argv_words(argv), [ScriptArguments, RLOOConfig])
-    script, config = parse_flags([ScriptArguments, RLOOConfig], prog, words)
+    script, config = parse_flags([ScriptArguments, RLOOConfig], prog, argv_words(argv))
     if not script.reward_fn and not config.reward_adapter and not script.reward:
         raise ConfigError(
             "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "

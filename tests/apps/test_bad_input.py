@@ -553,6 +553,12 @@ CASES += [
     Case(DEMO, ["--seed", "-1"], r"--seed=-1 is out of range"),
     Case(DEMO, ["--threads", "-1"], r"--threads=-1 must be >= 0"),
     Case(DEMO, ["--train_reward", "please"], r"--train_reward.*got please"),
+    Case(DEMO, ["--sweep", "rloo_k=4,8"], r"--sweep rloo_k: cannot differ between the policies"),
+    Case(DEMO, ["--sweep", "reward_weights=1:0.5,1:1"], r"--sweep reward_weights is not supported"),
+    Case(DEMO, ["--warm_start_epochs", "1", "--sweep", "seed=1,2"], r"--sweep with --warm_start_epochs"),
+    Case(DEMO, ["--sweep", "seed=1", "--sweep", "seed=2"], r"--sweep seed is given twice"),
+    Case(DEMO, ["--output_dir", "{run}", "--sweep", "seed=1,2"], r"seed=2 already holds a run",
+         prepare=lambda run: shutil.copytree(run, run / "seed=2", ignore=shutil.ignore_patterns("seed=2"))),
 ]  # fmt: skip
 
 PLAN = "plan"
