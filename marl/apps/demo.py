@@ -16,6 +16,8 @@
 4. A PNG of the training curves next to the policy adapter, and a verdict table against the targets, with
    two checks no reward sees: the share of completions naming the film, and distinct-2.
 
+With ``--sweep``, several policies at once on the one base, ranked at the end (:mod:`marl.apps.demo_sweep`).
+
 Prompts for RL, prompts for evaluation and the reward pairs come from three disjoint sets of movies
 (:func:`marl.data.assets.split_rotten_tomatoes`).
 """
