@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from marl.algorithms import algorithm_field, check_algorithm_settings, resolve_algorithm
 from marl.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
+from marl.cpu_allocator import cpu_allocator_field
 from marl.cpu_threads import check_threads, threads_field
 from marl.errors import ConfigError
 from marl.model_settings import (
@@ -70,6 +71,7 @@ class RLOOConfig:
     )
     seed: int = field(default=42, metadata={"help": "Seed of the data order, sampling and initialisation."})
     threads: int = threads_field()
+    cpu_allocator: str = cpu_allocator_field()
 
     # --- model: one base, adapters as views (read by MultiAdapterModel.from_config) ---
     model_name_or_path: str = field(
@@ -223,10 +225,9 @@ class RLOOConfig:
         default="static",
         metadata={
             "help": "What draws the completions: 'static' (a decode loop over a static KV cache, the same "
-            "tokens as 'transformers' for the same seed), 'graph' (the same decode in fixed row buckets, "
-            "compiled and captured in CUDA graphs on a GPU; the same tokens too), 'transformers' (generate "
-            "on the training model) or "
-            "a name registered with marl.rollout.samplers.register_sampler."
+            "tokens as 'transformers' for one seed), 'graph' (that decode in fixed row buckets, compiled and "
+            "captured in CUDA graphs on a GPU; the same tokens too), 'transformers' (generate on the "
+            "training model) or a name registered with marl.rollout.samplers.register_sampler."
         },
     )
     response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
@@ -402,8 +403,7 @@ class RLOOConfig:
         return reward_adapter_folders(self.reward_adapter or [])
 
     def load_model(self, **overrides: Any) -> MultiAdapterModel:
-        """Deprecated: use ``MultiAdapterModel.from_config(config, **overrides)``, which builds the same
-        model.
+        """Deprecated: use ``MultiAdapterModel.from_config(config, **overrides)`` (the same model).
 
         Example:
             >>> model = RLOOConfig(model_name_or_path="path/to/base").load_model()  # doctest: +SKIP

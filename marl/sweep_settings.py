@@ -92,6 +92,7 @@ SHARED_FIELDS: dict[str, str] = {
     "output_dir": "each policy writes to OUTPUT_DIR/<its name>, set by the sweep",
     "policy_adapter_name": "each policy's adapter is named after its member, set by the sweep",
     "threads": "one process computes every policy's rows",
+    "cpu_allocator": "one process holds every policy's tensors in its C heap",
     "model_name_or_path": _SHARED_BASE,
     "quantization": _SHARED_BASE,
     "bf16": _SHARED_BASE + " in one compute dtype",

@@ -28,7 +28,8 @@ from marl.errors import ConfigError
 
 
 def check_fields(settings: Any) -> None:
-    """Refuse a field whose value is not of its annotated type, and every NaN or infinite float."""
+    """Refuse a field whose value is not of its annotated type or not one of its ``choices`` (metadata, which
+    ``HfArgumentParser`` also gives argparse), and every NaN or infinite float."""
     hints = typing.get_type_hints(type(settings))
     for item in dataclasses.fields(settings):
         value, hint = getattr(settings, item.name), hints[item.name]
@@ -38,6 +39,9 @@ def check_fields(settings: Any) -> None:
                 f"{flag}={value!r} is a {type(value).__name__}, not {_describe(hint)}. Fix the value on the "
                 "command line or in the --config file"
             )
+        choices = item.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{flag}={value!r} is not a choice. Use one of {tuple(choices)}")
         for number in value if isinstance(value, list) else [value]:
             if isinstance(number, float) and not math.isfinite(number):
                 example = "" if item.default is dataclasses.MISSING else f", e.g. {flag} {item.default}"

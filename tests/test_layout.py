@@ -12,7 +12,14 @@ PACKAGE = Path(__file__).resolve().parents[1] / "marl"
 
 # Lowest first. A module may import from its own layer and the layers before it.
 LAYERS = [
-    ("marl.errors", "marl.validation", "marl.environment", "marl.cpu_threads", "marl.registry"),
+    (
+        "marl.errors",
+        "marl.validation",
+        "marl.environment",
+        "marl.cpu_threads",
+        "marl.cpu_allocator",
+        "marl.registry",
+    ),
     (
         "marl.config",
         "marl.batch_sizes",

@@ -15,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import ctypes
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,63 +40,6 @@ def format_bytes(num_bytes: float) -> str:
             value = num_bytes / scale
             return f"{value:.2f} {unit}" if unit == "GB" else f"{value:.1f} {unit}"
     return f"{int(num_bytes)} B"
-
-
-@functools.cache
-def _glibc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018  (only glibc has it)
-        libc.malloc_trim  # noqa: B018
-        libc.mallopt  # noqa: B018
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-def release_freed_memory() -> bool:
-    """Give the memory that freed CPU tensors left in the C heap back to the operating system; returns
-    whether it could (glibc only).
-
-    glibc serves tensors up to 32 MiB from its heap once a larger one was freed, and keeps what they free:
-    after a training step on CPU, most of the process's anonymous memory can be free heap that no tensor uses
-    (measured: 1.4 GB of 1.9 GB after an update of SmolLM2-135M on 1,400 tokens). ``malloc_trim`` returns it;
-    it takes milliseconds.
-
-    Example:
-        >>> release_freed_memory() in (True, False)
-        True
-    """
-    libc = _glibc()
-    if libc is None:
-        return False
-    libc.malloc_trim(0)
-    return True
-
-
-# glibc's mallopt parameter number of M_MMAP_THRESHOLD (malloc.h), and the value marl sets on CPU.
-_M_MMAP_THRESHOLD = -3
-CPU_MMAP_THRESHOLD_BYTES = 2**20
-
-
-def return_large_blocks_to_os() -> bool:
-    """Make every C allocation of 1 MiB or more its own memory map, given back to the operating system when
-    freed; returns whether it could (glibc only). Process-wide, from the next allocation on.
-
-    glibc raises its map threshold to the size of each large block freed (up to 32 MiB), so after the first
-    update nearly every activation of a CPU training step comes from the heap, and a heap that held the
-    update's peak once keeps it fragmented: measured on SmolLM2-135M, an update whose tensors peak at
-    1.9 GiB held 3.8 GiB of anonymous memory, 2.3 GiB with a fixed 1 MiB threshold, at the same speed
-    (``benchmarks/results/*-memory-plan.md``). A fixed threshold also switches the adjustment off.
-
-    Example:
-        >>> return_large_blocks_to_os() in (True, False)
-        True
-    """
-    libc = _glibc()
-    if libc is None:
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, CPU_MMAP_THRESHOLD_BYTES))
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ def prepare_quantized_base(
     model.requires_grad_(False)
     if quantization is None:
         return model
-    from marl.model.memory import release_freed_memory
+    from marl.cpu_allocator import release_freed_memory
 
     if quantization == "4bit":
         keep_4bit_layers_differentiable_on_cpu(model)

@@ -53,8 +53,8 @@ from marl.algo.metrics import UpdateStats
 from marl.algo.passes import ScoringPasses, scoring_passes
 from marl.algo.shaping import ShapedRewards
 from marl.config import RLOOConfig
+from marl.cpu_allocator import release_freed_memory
 from marl.errors import CheckpointError, ConfigError
-from marl.model.memory import release_freed_memory
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.model.routing import routing_problem
 from marl.rewards.weighted import weighted_total

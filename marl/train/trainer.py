@@ -47,8 +47,8 @@ from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, update
 from marl.algo.selection import shape_rollout
 from marl.algo.shaping import ShapedRewards
 from marl.config import RLOOConfig
+from marl.cpu_allocator import release_freed_memory, use_cpu_allocator
 from marl.data.prompts import prompt_text
-from marl.model.memory import release_freed_memory, return_large_blocks_to_os
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
 from marl.rollout.prompts import prompts_for_update
@@ -147,7 +147,7 @@ class RLOOTrainer:
         self.log_history: list[dict[str, float]] = []
         self.output_dir = Path(config.output_dir)
         if self.parallelism.device.type == "cpu":
-            return_large_blocks_to_os()
+            use_cpu_allocator(config.cpu_allocator)
 
     # ------------------------------------------------------------------ derived counters
 

@@ -18,7 +18,6 @@ from marl.model.memory import (
     logical_parameter_count,
     lora_parameter_count,
     quantized_weight_bytes,
-    release_freed_memory,
     stored_bytes,
 )
 from marl.model.multi_adapter import MultiAdapterModel
@@ -209,24 +208,3 @@ def test_releasing_the_checkpoint_map_keeps_tied_weights_tied():
     assert release_checkpoint_mapping(model) == 1
     assert head.weight is embedding.weight and embedding.weight.data_ptr() != pointer
     assert torch.equal(embedding.weight, before)
-
-
-def _anonymous_mib() -> float:
-    status = Path("/proc/self/status").read_text().splitlines()
-    return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")) / 1024
-
-
-@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc (Linux)")
-def test_freed_heap_memory_goes_back_to_the_system():
-    if not release_freed_memory():
-        pytest.skip("not glibc")
-    # 64 KiB blocks come from the heap (below glibc's mmap threshold); the last one pins the heap's top.
-    blocks = [bytearray(64 * 1024) for _ in range(400)]
-    pin = bytearray(64 * 1024)
-    held = _anonymous_mib()
-    del blocks[:]
-    freed = _anonymous_mib()
-    release_freed_memory()
-    assert freed > held - 5  # freed blocks below the top stay resident
-    assert _anonymous_mib() < freed - 15
-    del pin

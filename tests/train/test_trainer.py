@@ -128,6 +128,16 @@ def test_the_c_heap_is_trimmed_between_sampling_and_scoring(tiny_llama_dir, tmp_
     assert calls == ["sample", "trim", "score", "trim"]  # and once more after scoring, before the update
 
 
+@pytest.mark.parametrize("setting", ["heap", "maps"])
+def test_a_cpu_trainer_applies_its_cpu_allocator_setting(tiny_llama_dir, tmp_path, monkeypatch, setting):
+    import marl.train.trainer
+
+    applied: list[str] = []
+    monkeypatch.setattr(marl.train.trainer, "use_cpu_allocator", applied.append)
+    build(tiny_llama_dir, tiny_config(tmp_path / "run", cpu_allocator=setting))
+    assert applied == [setting]
+
+
 def test_a_micro_batchs_graph_is_gone_before_the_next_forward(tiny_llama_dir, tmp_path):
     """bitsandbytes' int8 matmul on CPU keeps each layer's input on its autograd context, which the backward
     pass does not free: while anything references a micro-batch's graph (its log-probs, its loss), every
