@@ -111,20 +111,25 @@ def logprobs_from_hidden(
         tensor([-0.7437], grad_fn=<CatBackward0>)
     """
     step = chunk_size or DEFAULT_CHUNK_SIZE
+    logprob_pieces: list[torch.Tensor] = []
+    entropy_pieces: list[torch.Tensor] = []
 
-    def chunk_logprobs(hidden_chunk: torch.Tensor, target_chunk: torch.Tensor) -> torch.Tensor:
-        return selective_log_softmax(head(hidden_chunk), target_chunk, temperature, chunk_size=step)
+    def chunk_logprobs(hidden_chunk: torch.Tensor, target_chunk: torch.Tensor, index: int) -> torch.Tensor:
+        logits = head(hidden_chunk)
+        # The entropy comes from the same logits (no second LM head product), on the chunk's first run only:
+        # with ``recompute`` the backward pass runs it again.
+        if with_entropy and len(entropy_pieces) == index:
+            with torch.no_grad():
+                entropy_pieces.append(entropy_from_logits(logits.detach(), temperature, chunk_size=step))
+        return selective_log_softmax(logits, target_chunk, temperature, chunk_size=step)
 
-    logprob_pieces, entropy_pieces = [], []
-    for start in range(0, hidden.shape[0], step):
+    for index, start in enumerate(range(0, hidden.shape[0], step)):
         hidden_chunk, target_chunk = hidden[start : start + step], targets[start : start + step]
         if recompute and torch.is_grad_enabled():
-            logprob_pieces.append(checkpoint(chunk_logprobs, hidden_chunk, target_chunk, use_reentrant=False))
+            piece = checkpoint(chunk_logprobs, hidden_chunk, target_chunk, index, use_reentrant=False)
         else:
-            logprob_pieces.append(chunk_logprobs(hidden_chunk, target_chunk))
-        if with_entropy:
-            with torch.no_grad():
-                entropy_pieces.append(entropy_from_logits(head(hidden_chunk), temperature, chunk_size=step))
+            piece = chunk_logprobs(hidden_chunk, target_chunk, index)
+        logprob_pieces.append(piece)
     logprobs = torch.cat(logprob_pieces) if logprob_pieces else hidden.new_zeros(0, dtype=torch.float32)
     if with_entropy:
         return logprobs, torch.cat(entropy_pieces) if entropy_pieces else logprobs.detach().clone()

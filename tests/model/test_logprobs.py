@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marl.model.logprobs import entropy_from_logits, selective_log_softmax
+from marl.model.logprobs import entropy_from_logits, logprobs_from_hidden, selective_log_softmax
 
 
 def _reference(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
@@ -77,3 +77,29 @@ def test_token_logprobs_entropy_is_detached_while_logprobs_keep_their_graph(tiny
     assert logprobs.requires_grad
     assert not entropy.requires_grad
     assert torch.isfinite(entropy).all() and (entropy > 0).all()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_the_entropy_comes_from_the_log_probs_own_head_products(recompute):
+    """One LM head product per chunk in the forward (the entropy reads the same logits), one more per chunk in
+    the backward pass with ``recompute``; the log-probs, entropies and gradients are those of the full
+    softmax either way."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50, bias=False)
+    hidden = torch.randn(10, 8, requires_grad=True)
+    targets = torch.randint(0, 50, (10,))
+    products = []
+    head.register_forward_hook(lambda module, args, output: products.append(args[0].shape[0]))
+    logprobs, entropy = logprobs_from_hidden(
+        hidden, targets, head, 0.7, chunk_size=4, with_entropy=True, recompute=recompute
+    )
+    assert products == [4, 4, 2]
+    logprobs.sum().backward()
+    assert sorted(products) == sorted([4, 4, 2] * (2 if recompute else 1))  # the backward pass: any order
+    reference_hidden = hidden.detach().clone().requires_grad_(True)
+    full = torch.log_softmax(head(reference_hidden) / 0.7, dim=-1)
+    full.gather(-1, targets[:, None]).sum().backward()
+    torch.testing.assert_close(logprobs, full.gather(-1, targets[:, None]).squeeze(-1).detach())
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach())
+    torch.testing.assert_close(hidden.grad, reference_hidden.grad)
+    assert not entropy.requires_grad
