@@ -341,6 +341,11 @@ CASES = [
     Case(RLOO, ["--seed", "-1"], r"--seed=-1 is out of range"),
     Case(RLOO, ["--seed", "5000000000"], r"--seed=5000000000 is out of range"),
     Case(RLOO, ["--threads", "-1"], r"--threads=-1 must be >= 0 \(0: follow the free cores"),
+    Case(
+        RLOO,
+        ["--cpu_allocator", "fast"],
+        r"--cpu_allocator.*invalid choice: 'fast' \(choose from 'heap', 'maps'\)",
+    ),
     Case(RLOO, ["--num_train_epochs", "inf"], r"--num_train_epochs=inf is not a finite number"),
     Case(RLOO, ["--not_a_flag", "3"], r"unknown flags \['--not_a_flag', '3'\].*marl train-rloo --help"),
     # --- train-rloo: TRL's names get a hint with marl's flag (they are not aliases)
