@@ -85,10 +85,12 @@ def rloo_config(config: BenchConfig, job: dict, output_dir: str):
         lora_alpha=config.lora_alpha,
         lora_target_modules=[config.lora_target_modules],
         gradient_checkpointing=config.gradient_checkpointing,
+        bf16=config.dtype == "bfloat16",
         logging_steps=1,
         num_sample_generations=0,
         save_steps=0,
         report_to=["none"],
+        **({"sampler": job["sampler"]} if job.get("sampler") else {}),
     )
 
 
@@ -107,6 +109,8 @@ def run_job(job: dict, sampler: MemorySampler) -> dict:
     transformers.logging.set_verbosity_error()
     if config.threads:
         torch.set_num_threads(config.threads)
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"setup {config.setup!r} needs a CUDA GPU and none is visible")
     prompts = datasets.Dataset.from_dict({"prompt": job["prompts"]})
     with tempfile.TemporaryDirectory(prefix="sweep-bench-") as output_dir:
         base = rloo_config(config, job, output_dir)
@@ -141,6 +145,8 @@ def run_job(job: dict, sampler: MemorySampler) -> dict:
     )
     result.update(phases_labelled=all(labelled), policies=policies)
     result["memory"] = sampler.stop()
+    if config.device == "cuda":
+        result["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
     return result
 
 
@@ -175,11 +181,20 @@ def run_in_subprocess(job: dict, work_dir: Path, label: str) -> dict:
 # The comparison
 
 
-def compare(summary: dict, counts: Sequence[int], episodes: int, updates: int) -> list[dict[str, float]]:
+# The peak memory each device's comparison reads: on a CPU the process's (PSS above the imports), on a GPU the
+# card's (the peak the caching allocator handed out).
+MEMORY_METRICS = {"cpu": ("pss_above_baseline", "peak PSS above imports"),
+                  "cuda": ("cuda_max_allocated_mib", "peak CUDA memory allocated")}  # fmt: skip
+
+
+def compare(
+    summary: dict, counts: Sequence[int], episodes: int, updates: int, device: str = "cpu"
+) -> list[dict[str, float]]:
     """Per N, the sweep against N runs one after another, from the medians of ``summary``
     (:func:`measure.summarize`) of runs of ``episodes`` episodes per policy in ``updates`` updates:
     episodes/s of each (the training loop, then with the loads: N runs load the base N times) and their
-    ratio, the generation seconds per update of each and their ratio, and the peak PSS above the imports.
+    ratio, the generation seconds per update of each and their ratio, and the peak memory of ``device``
+    (:data:`MEMORY_METRICS`).
 
     Example:
         >>> run = {"eps": {"median": 2.0}, "generation_seconds": {"median": 6.0},
@@ -199,6 +214,7 @@ def compare(summary: dict, counts: Sequence[int], episodes: int, updates: int) -
         loads = (policies if system == "run" else 1) * median(system, "load_seconds")
         return ratio(total, loads + total / median(system, "eps"))
 
+    memory = MEMORY_METRICS[device][0]
     rows = []
     for count in counts:
         sweep = f"sweep-{count}"
@@ -212,9 +228,9 @@ def compare(summary: dict, counts: Sequence[int], episodes: int, updates: int) -
             "sweep generation s/update": generation[sweep] / updates,
             "runs generation s/update": count * generation["run"] / updates,
             "decode speed-up": ratio(count * generation["run"], generation[sweep]),
-            "sweep peak PSS MiB": median(sweep, "pss_above_baseline"),
-            "run peak PSS MiB": median("run", "pss_above_baseline"),
-            "memory ratio": ratio(median(sweep, "pss_above_baseline"), median("run", "pss_above_baseline")),
+            "sweep peak MiB": median(sweep, memory),
+            "run peak MiB": median("run", memory),
+            "memory ratio": ratio(median(sweep, memory), median("run", memory)),
         })  # fmt: skip
     return rows
 
@@ -226,6 +242,7 @@ def render(report: dict) -> str:
     lines += [f"Versions: {report['versions']}", ""]
     for setup, entry in report["setups"].items():
         config = entry["config"]
+        memory = MEMORY_METRICS[config["device"]][1]
         lines += [f"## {setup}", ""]
         shape = (
             f"{config['prompts_per_update']} prompts x k = {config['rloo_k']} per update and policy, "
@@ -236,15 +253,15 @@ def render(report: dict) -> str:
         for quantization, block in entry["blocks"].items():
             lines += [f"### {quantization}", ""]
             lines += ["| N | sweep episodes/s | N runs episodes/s | speed-up | speed-up with the loads | "
-                      "generation s/update sweep / runs | decode speed-up | peak PSS above imports MiB "
+                      f"generation s/update sweep / runs | decode speed-up | {memory} MiB "
                       "sweep / run | memory ratio |", "|" + "---|" * 9]  # fmt: skip
             for row in block["comparison"]:
                 lines.append(
                     f"| {row['policies']} | {row['sweep episodes/s']:.2f} | {row['runs episodes/s']:.2f} | "
                     f"{row['speed-up']:.2f}x | {row['speed-up with loads']:.2f}x | "
                     f"{row['sweep generation s/update']:.1f} / {row['runs generation s/update']:.1f} | "
-                    f"{row['decode speed-up']:.2f}x | {row['sweep peak PSS MiB']:.0f} / "
-                    f"{row['run peak PSS MiB']:.0f} | {row['memory ratio']:.2f} |"
+                    f"{row['decode speed-up']:.2f}x | {row['sweep peak MiB']:.0f} / "
+                    f"{row['run peak MiB']:.0f} | {row['memory ratio']:.2f} |"
                 )
             lines += ["", "Each phase against its floor (seconds per update, median run):", ""]
             lines += ["| system | phase | seconds | floor | GFLOP/s | GB/s |", "|---|---|---|---|---|---|"]
@@ -285,6 +302,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quantization", choices=[*QUANTIZATIONS, "both"], default="both")
     parser.add_argument("--policies", default=None, help=f"comma list of N (default {POLICY_COUNTS})")
     parser.add_argument("--runs", type=int, default=3, help="measured runs of each system")
+    parser.add_argument("--updates", type=int, default=None, help="override the setup's updates (2 or more)")
+    parser.add_argument(
+        "--sampler", default=None,
+        help="--sampler of every run and sweep (default marl's); a sweep samples through the sampler's "
+        "sample_routed (graph's is the eager static decode: its captured step has one adapter active)",
+    )  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="models, logs and raw results (default: temp)")
     parser.add_argument("--output", default=None, help="results markdown (default benchmarks/results/…)")
     parser.add_argument("--dry-run", action="store_true", help="a tiny model, N = 1 and 2, one run of each")
@@ -317,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     counts = policy_counts(args)
     config = BenchConfig(**dict(SETUPS[args.setup], setup=args.setup, **(DRY_RUN if args.dry_run else {})))
+    if args.updates is not None:
+        config = dataclasses.replace(config, updates=args.updates)
     runs = 1 if args.dry_run else args.runs
     if runs < 1:
         raise SystemExit("--runs must be at least 1 (3 or more for a median worth quoting)")
@@ -347,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for quantization in quantizations:
         block = report["setups"][args.setup]["blocks"][quantization] = {"runs": [], "failures": []}
         common = dict(config=dataclasses.asdict(config), quantization=quantization, model_path=model_path,
-                      reward_adapter=reward_adapter, prompts=prompts)  # fmt: skip
+                      reward_adapter=reward_adapter, prompts=prompts, sampler=args.sampler)  # fmt: skip
         for index in range(runs):
             for system in systems if index % 2 == 0 else systems[::-1]:
                 label = f"{args.setup}-{quantization}-{system}-{index}"
@@ -364,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"  {label}: {result['eps']:.2f} episodes/s", flush=True)
         block["summary"] = summarize(block["runs"])
         block["comparison"] = compare(
-            block["summary"], counts, config.batch_size * config.updates, config.updates
+            block["summary"], counts, config.batch_size * config.updates, config.updates, config.device
         )
         block["machine_floors"] = probe_in_subprocess(config.threads, config.device)
         floor = compute_floor(config, quantization, model_path, reward_adapter, prompts)
