@@ -12,7 +12,10 @@ but every tensor the decode step reads has a FIXED shape and address:
   bucket is a view of their first rows, so compaction is a copy and no buffer moves;
 - the step's inputs (token, attention mask, position) live in preallocated buffers that are written in place;
 - the prompt width is padded on the left to a power of two (:func:`width_bucket`), so a new batch of prompts
-  mostly reuses the cache length, hence the compiled steps, of the batches before it.
+  mostly reuses the cache length, hence the compiled steps, of the batches before it;
+- rows of several policies (a sweep) keep each slot's adapter position in a buffer that moves with the rows
+  (:meth:`marl.model.routing.RowRoutes.follow`): the stacked LoRA layers of a GPU read it in place, so one
+  compiled step per bucket serves every policy.
 
 The decode step (the model call) can be compiled (``compile_step``): once per bucket, with the adapter view
 active when it is traced; the adapter weights are read where they live, so a policy updated in place by the
@@ -38,6 +41,8 @@ import torch
 from torch import nn
 
 from marl.model.generation import SamplingSettings
+from marl.model.records import BASE_VIEW
+from marl.model.routing import RowRoutes
 from marl.model.static_decode import _forward_step
 
 # Layers whose fill is a Python int (sliding windows) are read as a constant by a compiled step: it would be
@@ -88,7 +93,11 @@ class _Buffers:
         self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.mask = torch.ones(rows, length, dtype=torch.long, device=device)
+        self.routes = torch.full((rows,), -1, dtype=torch.long, device=device)  # each slot's adapter position
         self.caches = {bucket: self._view(config, bucket) for bucket in row_buckets(rows)}
+        self.route_views = {bucket: self.routes[:bucket] for bucket in row_buckets(rows)}
+        for view in self.route_views.values():
+            torch._dynamo.mark_static_address(view)
 
     def _view(self, config: Any, bucket: int) -> Any:
         from transformers import StaticCache
@@ -130,7 +139,7 @@ class _Buffers:
         for layer in self.full.layers:
             layer.keys[:kept].copy_(layer.keys.index_select(0, slots))
             layer.values[:kept].copy_(layer.values.index_select(0, slots))
-        for buffer in (self.ids, self.positions, self.mask):
+        for buffer in (self.ids, self.positions, self.mask, self.routes):
             buffer[:kept].copy_(buffer.index_select(0, slots))
 
 
@@ -193,10 +202,13 @@ class BucketedDecoder:
         copies: int = 1,
         compiled: bool = True,
         scores: list[torch.Tensor] | None = None,
+        routes: RowRoutes | None = None,
     ) -> torch.Tensor:
         """``copies`` completions of each left-padded prompt, prompt-major, as
         :func:`marl.model.static_decode.sample_static` returns them (``scores`` likewise); ``compiled=False``
-        runs the eager step even where a compiled one exists (another adapter view)."""
+        runs the eager step even where a compiled one exists (another adapter view). ``routes``: the
+        adapter of each prompt, read by the routing the caller installed (:meth:`MultiAdapterModel.routed`);
+        the decode then names each slot after its prompt."""
         from transformers import StaticCache
 
         prompts, width = input_ids.shape
@@ -216,6 +228,12 @@ class BucketedDecoder:
         del prefilled
 
         bucket = next(size for size in reversed(self.buckets) if size >= rows)
+        row_names: list[str] = []
+        if routes is not None:  # each slot after its prompt; the slots past the rows decode the base
+            row_names = [routes.names[row // copies] for row in range(rows)]
+            buffers.routes.fill_(-1)
+            buffers.routes[:rows].copy_(routes.index(device).repeat_interleave(copies))
+            routes.follow(row_names + [BASE_VIEW] * (bucket - rows), buffers.route_views[bucket])
         buffers.ids.fill_(settings.pad_token_id)
         buffers.mask.fill_(1)
         buffers.mask[:rows, :padded].copy_(attention_mask.repeat_interleave(copies, dim=0))
@@ -253,6 +271,11 @@ class BucketedDecoder:
                     buffers.sync_counters(buffers.caches[bucket])
                     self.compactions.append((bucket, smaller))
                     bucket = smaller
+                    if routes is not None:
+                        slot_names = [row_names[row] for row in live_rows.tolist()]
+                        buffers.routes[live_rows.numel() : smaller].fill_(-1)
+                        padding = [BASE_VIEW] * (smaller - len(slot_names))
+                        routes.follow(slot_names + padding, buffers.route_views[bucket])
             cache = buffers.caches[bucket]
             ids, mask, positions_now = buffers.inputs(bucket)
             out = step(ids, mask, positions_now, cache)

@@ -208,13 +208,16 @@ class AdapterViews:
         return self._view(self.get_policy(name).name)
 
     @contextlib.contextmanager
-    def routed(self, row_adapters: Sequence[str] | RowRoutes) -> Iterator[Self]:
+    def routed(
+        self, row_adapters: Sequence[str] | RowRoutes, stacked: bool | None = None
+    ) -> Iterator[Self]:
         """Context manager: row ``i`` of every forward in the body runs through ``row_adapters[i]``, an
         adapter on the base (a policy, a reference copy, a reward adapter) or ``BASE_VIEW`` for the base
         alone, in train or eval mode, with gradients (:mod:`marl.model.routing`). Run the backward pass
         inside. A :class:`marl.model.routing.RowRoutes` is read at every forward (its first names are
         checked), so that the body may name other rows between passes. Restores what every view restores;
-        which parameters train is not changed.
+        which parameters train is not changed. ``stacked``: how the LoRA layers route
+        (:func:`marl.model.routing.route_rows`; default: stacked on a GPU).
 
         Example:
             >>> reference = model.get_policy("negative").reference_adapter or BASE_VIEW  # doctest: +SKIP
@@ -228,7 +231,7 @@ class AdapterViews:
             raise ConfigError(f"rows of several adapters cannot share a pass on this model: {problem}")
         # Any adapter active enables the adapter layers; the rows' names then decide what each row gets.
         active = next((name for name in names if name != BASE_VIEW), self.default_policy)
-        with self._view(active), route_rows(self.peft_model, routes or names):
+        with self._view(active), route_rows(self.peft_model, routes or names, stacked):
             yield self
 
     @contextlib.contextmanager

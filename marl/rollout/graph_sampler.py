@@ -21,9 +21,13 @@ Which path it takes, logged once when it first samples (:attr:`GraphSampler.path
   compiled step is traced with the policy adapter active);
 - ``generate``: a model whose cache holds states other than attention keys and values (as ``static``);
 - ``static``: a base sharded over processes (``--parallelism fsdp2``), whose processes must keep running
-  forward passes together until every one's rows have stopped; and the rows of several policies sampled
-  together (:meth:`~marl.rollout.transformers_sampler.TransformersSampler.sample_routed`, a sweep): the
-  compiled step is traced with one adapter active, which per-row routing cannot follow (logged once).
+  forward passes together until every one's rows have stopped.
+
+The rows of several policies sampled together
+(:meth:`~marl.rollout.transformers_sampler.TransformersSampler.sample_routed`, a sweep) go through the
+compiled step too: its LoRA layers are stacked (:mod:`marl.model.routing`) and read each slot's adapter
+from a buffer of the decode, so every policy shares one graph per bucket. Without a compiled step they
+decode with the static decode (logged once).
 
 Example:
     >>> sampler = GraphSampler(model, tokenizer, SamplerSettings(0.7, 16))  # doctest: +SKIP
@@ -124,6 +128,26 @@ class GraphSampler(StaticSampler):
         self.decoder = BucketedDecoder(
             model.peft_model, max(1, settings.rows_per_pass), compile_step, on_fallback=self._compile_failed
         )
+        # a compiled step reads each row's adapter from a device buffer: only the stacked LoRA layers can
+        self.stacked_routing = compile_step is not None or None
+
+    def _generate_routed(self, prompts: PromptBatch, k: int, view: str, policies: list[str]) -> torch.Tensor:
+        """Rows of several policies (a sweep): the compiled step, its LoRA layers stacked so that each slot
+        reads its adapter from the decode's buffer; without a compiled step, the static decode."""
+        decoder = self.decoder
+        if decoder is None or decoder.compiled_step is None:
+            return StaticSampler._generate(self, prompts, k, view, policies)
+        if not self._logged_routing:
+            self._logged_routing = True
+            logger.info("--sampler graph decodes the rows of several policies %s, stacked", self.path)
+
+        def sample_chunk(ids: torch.Tensor, mask: torch.Tensor, copies: int, routes: Any) -> torch.Tensor:
+            with self.model._inference():
+                return decoder.sample(
+                    ids, mask, self.sampling, copies, compiled=routes is not None, routes=routes
+                )
+
+        return self._in_chunks(prompts, k, view, sample_chunk, policies)
 
     def _compile_failed(self, error: BaseException) -> None:
         self.path, self.path_reason = (
@@ -135,15 +159,8 @@ class GraphSampler(StaticSampler):
     def _generate(
         self, prompts: PromptBatch, k: int, view: str, policies: list[str] | None = None
     ) -> torch.Tensor:
-        if policies is not None:  # rows of several policies: the captured step is traced for one adapter
-            if not self._logged_routing:
-                self._logged_routing = True
-                logger.info(
-                    "--sampler graph decodes the rows of several policies with the static decode: its "
-                    "compiled step is traced with one policy adapter active, which routing per row cannot "
-                    "follow"
-                )
-            return StaticSampler._generate(self, prompts, k, view, policies)
+        if policies is not None:
+            return self._generate_routed(prompts, k, view, policies)
         if not self._logged:
             self._logged = True
             logger.info("--sampler graph decodes %s: %s", self.path, self.path_reason)

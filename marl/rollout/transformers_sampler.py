@@ -44,7 +44,11 @@ class TransformersSampler:
         sampling: what :meth:`marl.MultiAdapterModel.sample` reads: the temperature, the length limit, every
             id that ends a completion and the pad id.
         eos_token_ids: every end-of-sequence id of the model (``contains_eos``).
+        stacked_routing: how rows of several policies are routed (``stacked`` of
+            :meth:`marl.MultiAdapterModel.routed`; ``None``: the device's default).
     """
+
+    stacked_routing: bool | None = None
 
     def __init__(self, model: MultiAdapterModel, tokenizer: Any, settings: SamplerSettings) -> None:
         self.model = model
@@ -146,7 +150,7 @@ class TransformersSampler:
             names = None if policies is None else policies[start : start + prompts_per_chunk]
             routes = None if names is None or len(set(names)) == 1 else RowRoutes(names)
             if routes is not None:
-                chosen = self.model.routed(routes)
+                chosen = self.model.routed(routes, stacked=self.stacked_routing)
             else:
                 chosen = self._view(view) if names is None else self.model.policy(names[0])
             with chosen, self.settings.autocast():

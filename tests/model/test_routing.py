@@ -60,12 +60,16 @@ def loss_of(logprobs: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return (logprobs.float().sum(dim=1) * weights).sum()
 
 
-def routed_pass(model: MultiAdapterModel, ids, mask) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+def routed_pass(
+    model: MultiAdapterModel, ids, mask, stacked: bool = False
+) -> tuple[torch.Tensor, dict[str, list[torch.Tensor]]]:
+    """The rows in one routed pass: PEFT's mixed batch, or (``stacked``) the GPU's stacked LoRA."""
     model.train()
     for policy in ("first", "second"):
         for parameter in model.policy_parameters(policy):
             parameter.grad = None
-    with model.routed(ROW_ADAPTERS):
+    with model.routed(ROW_ADAPTERS, stacked=stacked):
+        assert stacked == any(hasattr(layer, "_marl_stack") for layer in model.peft_model.modules())
         logprobs = model.token_logprobs(ids, mask, response_start=RESPONSE_START)
         loss_of(logprobs, [0, 1, 2, 3]).backward()
     return logprobs.detach(), gradients(model)
@@ -108,11 +112,12 @@ def assert_close(routed, solo, tolerance: float) -> None:
             assert (routed_grad.float() - solo_grad.float()).abs().max() / scale <= tolerance
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["peft", "stacked"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_routed_rows_equal_each_view_alone(family_dir, family):
+def test_routed_rows_equal_each_view_alone(family_dir, family, stacked):
     model = two_policies(family_dir(family), family)
     ids, mask = left_padded(ROW_TOKENS)
-    routed = routed_pass(model, ids, mask)
+    routed = routed_pass(model, ids, mask, stacked)
     solo = solo_pass(model, ids, mask)
     assert_close(routed, solo, tolerance=1e-5)
     # The rows of the base and of each policy really differ: the routing is not a no-op.
@@ -120,17 +125,19 @@ def test_routed_rows_equal_each_view_alone(family_dir, family):
     assert all(grad.abs().sum() > 0 for grad in routed[1]["first"] + routed[1]["second"] if grad.numel())
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["peft", "stacked"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-def test_routed_rows_with_gradient_checkpointing(family_dir, family):
+def test_routed_rows_with_gradient_checkpointing(family_dir, family, stacked):
     """The backward pass of a checkpointed layer computes its forward again: still routed."""
     model = two_policies(family_dir(family), family)
     model.enable_gradient_checkpointing()
     ids, mask = left_padded(ROW_TOKENS)
-    assert_close(routed_pass(model, ids, mask), solo_pass(model, ids, mask), tolerance=1e-5)
+    assert_close(routed_pass(model, ids, mask, stacked), solo_pass(model, ids, mask), tolerance=1e-5)
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["peft", "stacked"])
 @pytest.mark.parametrize("dtype", [dtype for dtype in DTYPES if dtype != torch.float32])
-def test_routed_rows_in_low_precision(family_dir, dtype):
+def test_routed_rows_in_low_precision(family_dir, dtype, stacked):
     """In bf16 the base's products round where they are stored, and the routed pass adds each LoRA delta into
     the batch's rounded output where the solo pass adds it into its own: the two differ by rounding. Log-probs
     stay within the family table's 4 eps; each gradient, measured against the float32 model's, is no further
@@ -138,7 +145,7 @@ def test_routed_rows_in_low_precision(family_dir, dtype):
     ids, mask = left_padded(ROW_TOKENS)
     exact = solo_pass(two_policies(family_dir("llama"), "llama"), ids, mask)
     model = two_policies(family_dir("llama"), "llama", dtype=dtype)
-    routed, solo = routed_pass(model, ids, mask), solo_pass(model, ids, mask)
+    routed, solo = routed_pass(model, ids, mask, stacked), solo_pass(model, ids, mask)
     torch.testing.assert_close(routed[0], solo[0], atol=logprob_tolerance(dtype), rtol=0)
     eps = torch.finfo(dtype).eps
     for policy in ("first", "second"):

@@ -116,3 +116,43 @@ def test_the_static_decode_draws_the_tokens_of_the_routed_generate(family, famil
     assert 0 < int(old.contains_stop.sum()) < old.contains_stop.numel()
     assert torch.equal(new.response_ids, old.response_ids)
     assert new.completions == old.completions
+
+
+def test_a_compiled_sweep_decode_draws_the_static_tokens_and_compiles_once_per_bucket(family_dir):
+    """The graph sampler's rows of several policies: one compiled step per row bucket for every policy (the
+    stacked LoRA layers read each slot's adapter from the decode's buffer, which moves with the rows as they
+    finish), never again when the LoRA weights change in place, drawing the routed static decode's tokens."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from marl.rollout.graph_sampler import GraphSampler
+
+    model = two_policies(family_dir, "llama")
+    tokenizer = AutoTokenizer.from_pretrained(family_dir("llama"))
+    prompts = [Prompt(tuple(row), "p") for row in PROMPT_ROWS]
+    free = get_sampler("static")(model, tokenizer, SamplerSettings(TEMPERATURE, 8, rows_per_pass=4))
+    torch.manual_seed(0)
+    stop = int(free.sample_routed(free.batch(prompts), 2, POLICIES).response_ids.flatten().mode().values)
+    settings = SamplerSettings(TEMPERATURE, 8, stop_token_id=stop, rows_per_pass=4)
+    counter = CompileCounterWithBackend("aot_eager")  # dynamo's graph through AOTAutograd, as inductor does
+    compile_step = lambda step: torch.compile(step, backend=counter, fullgraph=True, dynamic=False)  # noqa: E731
+    compiled = GraphSampler(model, tokenizer, settings, compile_step=compile_step)
+    static = get_sampler("static")(model, tokenizer, settings)
+    batch = compiled.batch(prompts)
+    parameters = model.policy_parameters("first") + model.policy_parameters("second")
+    optimizer = torch.optim.AdamW(parameters, lr=0.05)
+    drawn, compilations, buckets = [], [], []
+    for update in range(2):
+        torch.manual_seed(update)
+        samples = compiled.sample_routed(batch, 2, POLICIES)
+        torch.manual_seed(update)
+        assert torch.equal(samples.response_ids, static.sample_routed(batch, 2, POLICIES).response_ids)
+        drawn.append(samples.response_ids)
+        compilations.append(counter.frame_count)
+        buckets.append(len(compiled.decoder.steps_per_bucket))
+        for parameter in parameters:  # an optimizer step: the LoRA weights change in place
+            parameter.grad = torch.randn_like(parameter)
+        optimizer.step()
+    assert compiled.path == "compiled" and compiled.decoder.compactions  # rows finished and moved
+    assert 0 < int(samples.contains_stop.sum()) < samples.contains_stop.numel()
+    assert buckets[-1] > 1 and compilations == buckets, (compilations, compiled.decoder.steps_per_bucket)
+    assert not torch.equal(drawn[0], drawn[1])
