@@ -23,8 +23,8 @@ capture it. On a GPU
 each row keeping only its own adapter's columns (``torch.where`` on the row's adapter position, a device
 tensor made once per set of names), then one product with the concatenated B matrices, scaled per row. Its
 shapes depend only on the batch, so a compiled decode step captures it. It computes every adapter's LoRA
-for every row (r / hidden of the base's FLOPs per adapter): on a 2-core CPU a routed pass of 4
-policies on SmolLM2-135M took about 8 % longer so, and a CPU, bound by FLOPs, keeps PEFT's path. Both give
+for every row (r / hidden of the base's FLOPs per adapter): on a 2-core CPU, bound by FLOPs, a routed pass
+of 4 policies on SmolLM2-135M took up to about 10 % longer so, and a CPU keeps PEFT's path. Both give
 each row what its own view gives (within rounding), and each adapter's gradient comes from its own rows
 only: the columns a row does not keep are zero.
 
