@@ -247,6 +247,8 @@ def _stacked_forward(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any
     """A routed LoRA layer's forward on a GPU: the base, plus each row's own LoRA term."""
     routes: RowRoutes = self._marl_routes
     result = self.base_layer(x, *args, **kwargs)
+    if self.disable_adapters:  # as PEFT's forward: the base for every row
+        return result
     rows = routes.index(x.device)
     if x.shape[0] != rows.shape[0] and (x.dim() != 2 or x.shape[0] % rows.shape[0]):
         raise ConfigError(f"a routed layer got {x.shape[0]} rows for {rows.shape[0]} adapter names")

@@ -32,9 +32,9 @@ def policy_lora(family: str) -> LoraConfig:
     )
 
 
-def two_policies(directory, family: str, dtype: torch.dtype = torch.float32) -> MultiAdapterModel:
+def two_policies(directory, family: str, dtype: torch.dtype = torch.float32, **options) -> MultiAdapterModel:
     model = MultiAdapterModel.from_pretrained(
-        directory, policy_name="first", policy_adapter=policy_lora(family), dtype=dtype
+        directory, policy_name="first", policy_adapter=policy_lora(family), dtype=dtype, **options
     )
     model.add_policy("second", policy_lora(family))
     generator = torch.Generator().manual_seed(0)
@@ -156,6 +156,16 @@ def test_routed_rows_in_low_precision(family_dir, dtype, stacked):
             routed_error = (routed_grad.float() - exact_grad).abs().max() / scale
             solo_error = (solo_grad.float() - exact_grad).abs().max() / scale
             assert routed_error <= max(2 * solo_error, 8 * eps)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["peft", "stacked"])
+def test_routed_rows_on_a_4bit_base(family_dir, stacked):
+    """A 4-bit base (float32 compute, so that only the routing can differ): the routed LoRA layers wrap
+    bitsandbytes' layers, and each row still gets its own view's log-probs and gradients."""
+    model = two_policies(family_dir("llama"), "llama", quantization="4bit")
+    assert any(type(layer).__name__ == "Linear4bit" for layer in model.peft_model.modules())
+    ids, mask = left_padded(ROW_TOKENS)
+    assert_close(routed_pass(model, ids, mask, stacked), solo_pass(model, ids, mask), tolerance=1e-5)
 
 
 def test_routing_restores_the_view_and_the_trainable_flags(family_dir):
