@@ -306,7 +306,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sampler", default=None,
         help="--sampler of every run and sweep (default marl's); a sweep samples through the sampler's "
-        "sample_routed (graph's is the eager static decode: its captured step has one adapter active)",
+        "sample_routed (graph's: its compiled step on a GPU, the static decode on a CPU)",
     )  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="models, logs and raw results (default: temp)")
     parser.add_argument("--output", default=None, help="results markdown (default benchmarks/results/…)")
