@@ -14,7 +14,8 @@ the speed and the peak:
   costs about 3 µs; on bare metal a fault is cheaper, so the gap should be smaller there.
 
 With either setting the trainer gives the heap back between phases (:func:`release_freed_memory`), so the
-memory held between updates is the same. The memory planner's CPU figures are validated with ``maps``
+memory held between updates is the same; a sweep's update also gives it back after each policy's micro-batch
+(:func:`marl.train.joint_update.accumulate`). The memory planner's CPU figures are validated with ``maps``
 (``examples/benchmarks/plan_vs_measured.py``); with ``heap`` a phase can hold more than planned.
 
 Example:

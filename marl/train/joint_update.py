@@ -38,6 +38,7 @@ import torch
 from marl.algo.metrics import UpdateStats
 from marl.algo.passes import reuses_samples
 from marl.algo.selection import loss_mask, policy_loss, truncation_warning
+from marl.cpu_allocator import release_freed_memory
 
 if TYPE_CHECKING:
     from marl.rollout.records import Rollout
@@ -114,10 +115,17 @@ def accumulate(parts: Sequence[UpdatePart], minis: Sequence[torch.Tensor]) -> li
         part.step.tokens_per_micro_batch(part.mask[mini]) for part, mini in zip(parts, minis, strict=True)
     ]
     finite = [True] * len(parts)
+    # Each policy's micro-batch has its own shapes (its rows' lengths), so the blocks the C heap kept from one
+    # policy's activations seldom fit the next policy's, and the heap grew by about a micro-batch per policy
+    # (4 policies, cpu-long4 in 4-bit: the update's peak PSS 4456 MiB, 2.2x a run's; with the heap given back
+    # after each policy's micro-batch 2675 MiB, 1.3x, and no slower). A single run keeps its heap for reuse.
+    release_between_parts = len(parts) > 1 and parts[0].rollout.response_ids.device.type == "cpu"
     for micro_start in range(0, len(minis[0]), micro_rows):
         for index, (part, mini, items) in enumerate(zip(parts, minis, num_items, strict=True)):
             done = _backward(part, mini[micro_start : micro_start + micro_rows], items)
             finite[index] = finite[index] and done
+            if release_between_parts:
+                release_freed_memory()
     return finite
 
 

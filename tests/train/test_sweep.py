@@ -217,6 +217,17 @@ def test_each_policys_bf16_loss_and_gradients_in_the_sweep_update_are_its_solo_r
     assert_sweep_update_is_each_policys_solo_update(family_dir(family), tmp_path, family, bf16=True)
 
 
+def test_the_sweep_update_gives_the_heap_back_after_each_policys_micro_batch(
+    family_dir, tmp_path, monkeypatch
+):
+    """On CPU, after each policy's micro-batch of a sweep (2 policies x 2 micro-batch steps: 4 times), and
+    never in a single run's update; the gradients stay each policy's solo ones."""
+    released = []
+    monkeypatch.setattr("marl.train.joint_update.release_freed_memory", lambda: released.append(True))
+    assert_sweep_update_is_each_policys_solo_update(family_dir("llama"), tmp_path, "llama")
+    assert len(released) == 4  # the two solo updates of the check above released nothing
+
+
 def test_a_resumed_sweep_ends_with_the_uninterrupted_sweeps_adapters(tiny_llama_dir, tmp_path):
     """Killed while checkpoint 4 was being written (the first policy's saved, the second's not) after update
     4 of 6: ``resume_from_checkpoint=True`` resumes EVERY policy from update 2, the latest both have, and the
