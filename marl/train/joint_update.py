@@ -115,10 +115,10 @@ def accumulate(parts: Sequence[UpdatePart], minis: Sequence[torch.Tensor]) -> li
         part.step.tokens_per_micro_batch(part.mask[mini]) for part, mini in zip(parts, minis, strict=True)
     ]
     finite = [True] * len(parts)
-    # Each policy's micro-batch has its own shapes (its rows' lengths), so the blocks the C heap kept from one
-    # policy's activations seldom fit the next policy's, and the heap grew by about a micro-batch per policy
-    # (4 policies, cpu-long4 in 4-bit: the update's peak PSS 4456 MiB, 2.2x a run's; with the heap given back
-    # after each policy's micro-batch 2675 MiB, 1.3x, and no slower). A single run keeps its heap for reuse.
+    # With several policies the C heap kept the blocks each policy's micro-batch freed, beside the live
+    # tensors, and grew with the policies (4 policies, cpu-long4 in 4-bit: the update's peak PSS 4456 MiB,
+    # 2.2x a run's, while the tensors in use peaked at 1.25x a run's); given back after each policy's
+    # micro-batch: 2675 MiB, 1.3x, and no slower. A single run keeps its heap for reuse.
     release_between_parts = len(parts) > 1 and parts[0].rollout.response_ids.device.type == "cpu"
     for micro_start in range(0, len(minis[0]), micro_rows):
         for index, (part, mini, items) in enumerate(zip(parts, minis, num_items, strict=True)):
