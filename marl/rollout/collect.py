@@ -59,9 +59,21 @@ def collect_rollout(
     # 4-bit: scoring's peak 900 MiB with it, 790 without; a trim takes milliseconds).
     release_freed_memory()
     row_policies = None if policies is None else [policies[i] for i in samples.prompt_index.tolist()]
-    logprobs, ref_logprobs = scorer.logprobs(samples, passes, row_policies)
+    passes = scorer.passes if passes is None else passes
+    # Where every policy drew the same prompts (a grid on one seed), the passes that are the same for every
+    # policy (the reward, and the reference where it is the base) compute each prompt once for all of them.
+    # (Only where the longer packed sequences are packed too: not past a sliding attention window.)
+    index = None if policies is None else shared_prompt_index(samples, len(dict.fromkeys(policies)))
+    shared = None if index is None else dataclasses.replace(samples, prompt_index=index)
+    if shared is not None and not scorer.can_pack(shared.prompt_mask, shared.response_ids, index):
+        shared = None
+    if shared is not None and passes.reference and scorer.reference_is_base(row_policies):
+        logprobs = scorer.logprobs(samples, dataclasses.replace(passes, reference=False), row_policies)[0]
+        ref_logprobs = scorer.logprobs(shared, dataclasses.replace(passes, policy=False), row_policies)[1]
+    else:
+        logprobs, ref_logprobs = scorer.logprobs(samples, passes, row_policies)
     with torch.no_grad(), scorer.autocast():
-        batch = scorer.scoring_batch(samples, trainer_state)
+        batch = scorer.scoring_batch(samples if shared is None else shared, trainer_state)
         scores = reward.score(batch)
     values = {field.name: getattr(samples, field.name) for field in dataclasses.fields(Samples)}
     release_freed_memory()  # what scoring freed goes back before the update
@@ -73,6 +85,37 @@ def collect_rollout(
         source_scores=scores.per_source,
         reward_log=batch.reward_log,
     )
+
+
+def shared_prompt_index(samples: Samples, members: int) -> torch.Tensor | None:
+    """For rows of ``members`` policies' prompts (member after member, as :func:`collect_rollout` gets them
+    with ``policies``), one prompt group per prompt for every policy's rows where every policy drew the same
+    prompts in the same order (the same tokens, text and messages); else ``None``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> rows = dict(prompt_index=torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]), prompt_mask=torch.ones(8, 1),
+        ...     prompt_messages=[None] * 8, prompt_texts=["a", "b"] * 4)
+        >>> shared_prompt_index(SimpleNamespace(prompt_ids=torch.tensor([[5], [6]] * 4), **rows), 2).tolist()
+        [0, 1, 0, 1, 0, 1, 0, 1]
+        >>> shared_prompt_index(SimpleNamespace(prompt_ids=torch.tensor([[5], [6], [5], [7]] * 2), **rows), 2)
+    """
+    if members < 2:
+        return None
+    index = samples.prompt_index
+    groups = int(index.max()) + 1
+    per_member = groups // members
+    first_row = {group: row for row, group in reversed(list(enumerate(index.tolist())))}
+    for group in range(per_member, groups):
+        row, same_as = first_row[group], first_row[group % per_member]
+        if not (
+            torch.equal(samples.prompt_ids[row], samples.prompt_ids[same_as])
+            and torch.equal(samples.prompt_mask[row], samples.prompt_mask[same_as])
+            and samples.prompt_messages[row] == samples.prompt_messages[same_as]
+            and samples.prompt_texts[row] == samples.prompt_texts[same_as]
+        ):
+            return None
+    return index % per_member
 
 
 def split_rollout(rollout: Rollout, members: int) -> list[Rollout]:

@@ -157,6 +157,12 @@ class Scorer:
                         ref_logprobs[rows] = self.completion_logprobs(chunk, packed).float()
         return logprobs, ref_logprobs
 
+    def reference_is_base(self, policies: Sequence[str] | None) -> bool:
+        """Whether the reference of every policy of ``policies`` (default :attr:`policy`) is the base with
+        adapters disabled, one view for all their rows (not a frozen copy of a policy's starting adapter)."""
+        names = [self.policy] if policies is None else dict.fromkeys(policies)
+        return all(self.model.get_policy(name).reference_adapter is None for name in names)
+
     def rows_view(
         self,
         policies: Sequence[str],

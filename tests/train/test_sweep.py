@@ -21,6 +21,7 @@ from marl import MultiAdapterModel
 from marl.algo.metrics import UpdateStats
 from marl.apps.cli import parse_train_rloo_args, train_rloo_main
 from marl.errors import ConfigError
+from marl.rollout.scoring import Scorer
 from marl.sweep_settings import parse_sweep
 from marl.train.joint_update import UpdatePart, accumulate
 from marl.train.sweep import SweepTrainer, build_sweep_model
@@ -226,6 +227,77 @@ def test_the_sweep_update_gives_the_heap_back_after_each_policys_micro_batch(
     monkeypatch.setattr("marl.train.joint_update.release_freed_memory", lambda: released.append(True))
     assert_sweep_update_is_each_policys_solo_update(family_dir("llama"), tmp_path, "llama")
     assert len(released) == 4  # the two solo updates of the check above released nothing
+
+
+# Every family with a reward function, and the tiny llama with a reward adapter (its LoRA and score head).
+SHARED_PROMPT_CASES = [(family, False) for family in FAMILIES] + [("llama", True)]
+
+
+@pytest.mark.parametrize(
+    ("family", "reward_adapter"),
+    SHARED_PROMPT_CASES,
+    ids=[family + ("-reward-adapter" if adapter else "") for family, adapter in SHARED_PROMPT_CASES],
+)
+def test_policies_on_the_same_prompts_compute_each_prompt_once_in_the_reference_and_reward_passes(
+    family_dir, tiny_llama_dir, tiny_reward_adapter, tmp_path, monkeypatch, family, reward_adapter
+):
+    """A grid on one seed: every policy draws the same prompts, so the reference pass (the base) and the
+    reward rows group each prompt's rows of EVERY policy (one prompt computed for all of them, where prompts
+    are packed at all); the policy pass keeps its groups per policy. Against the same rollout scored policy
+    by policy: the same completions and policy log-probs bit for bit, reference log-probs and scores to float
+    rounding."""
+    directory = tiny_llama_dir if reward_adapter else family_dir(family)
+    settings = dict(reward_adapter=str(tiny_reward_adapter)) if reward_adapter else {}
+    config = tiny_config(tmp_path, model_name_or_path=str(directory), **settings)
+    members = parse_sweep(["learning_rate=1e-2,3e-2"], config)
+    if reward_adapter:
+        model = build_sweep_model([member.config for member in members])
+    else:  # the family's own LoRA targets
+        policies = [member.config.policy_adapter_name for member in members]
+        model = MultiAdapterModel.from_pretrained(
+            directory, policy_name=policies[0], policy_adapter=family_lora(family)
+        )
+        model.add_policy(policies[1], family_lora(family))
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    reward_funcs = None if reward_adapter else count_e
+    trainer = SweepTrainer(members, model, tokenizer, prompt_dataset(), reward_funcs=reward_funcs)
+    groups_seen = []  # (what was scored, prompt groups)
+    logprobs, scoring_batch = Scorer.logprobs, Scorer.scoring_batch
+
+    def spied_logprobs(scorer, samples, passes=None, row_policies=None):
+        name = "reference" if passes is not None and not passes.policy else "policy"
+        groups_seen.append((name, int(samples.prompt_index.max()) + 1))
+        return logprobs(scorer, samples, passes, row_policies)
+
+    def spied_scoring_batch(scorer, samples, trainer_state=None):
+        groups_seen.append(("reward", int(samples.prompt_index.max()) + 1))
+        return scoring_batch(scorer, samples, trainer_state)
+
+    monkeypatch.setattr(Scorer, "logprobs", spied_logprobs)
+    monkeypatch.setattr(Scorer, "scoring_batch", spied_scoring_batch)
+    torch.manual_seed(0)
+    shared = trainer._rollouts()
+    prompts_per_policy = int(shared[0].prompt_index.max()) + 1
+    # both policies' rows of a prompt in one packed sequence: not where that passes a sliding window
+    merged = [torch.cat([getattr(part, name) for part in shared]) for name in ("prompt_mask", "response_ids")]
+    if trainer.trainers[0].scorer.can_pack(*merged, torch.cat([part.prompt_index for part in shared])):
+        assert sorted(groups_seen) == sorted(
+            [
+                ("policy", 2 * prompts_per_policy),
+                ("reference", prompts_per_policy),
+                ("reward", prompts_per_policy),
+            ]
+        )
+    else:  # not packed together: nothing shared
+        assert sorted(groups_seen) == [("policy", 2 * prompts_per_policy), ("reward", 2 * prompts_per_policy)]
+    monkeypatch.setattr("marl.rollout.collect.shared_prompt_index", lambda samples, members: None)
+    torch.manual_seed(0)
+    alone = trainer._rollouts()
+    for together, apart in zip(shared, alone, strict=True):
+        assert torch.equal(together.response_ids, apart.response_ids)
+        assert torch.equal(together.logprobs, apart.logprobs)
+        torch.testing.assert_close(together.ref_logprobs, apart.ref_logprobs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(together.source_scores, apart.source_scores, rtol=1e-5, atol=1e-5)
 
 
 def test_a_resumed_sweep_ends_with_the_uninterrupted_sweeps_adapters(tiny_llama_dir, tmp_path):
