@@ -46,7 +46,15 @@ def test_n_runs_one_after_another_are_n_times_one_run(sweep_bench):
 @pytest.mark.slow
 def test_a_dry_run_measures_a_run_and_sweeps_of_one_and_two_policies(tmp_path):
     environment = dict(os.environ, PYTHONPATH=str(ROOT))
-    command = [sys.executable, str(_HERE / "sweep.py"), "--dry-run", "--quantization", "none"]
+    command = [
+        sys.executable,
+        str(_HERE / "sweep.py"),
+        "--dry-run",
+        "--quantization",
+        "none",
+        "--swept",
+        "learning_rate",
+    ]
     command += ["--work-dir", str(tmp_path / "work")]
     completed = subprocess.run(command, env=environment, capture_output=True, text=True, cwd=tmp_path)
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]

@@ -2,8 +2,10 @@
 decode phase and peak memory, for N = 1, 2, 4 and 8 (issue 44).
 
 - ``sweep-N``: ONE process trains N policies at once (``marl.train.sweep.SweepTrainer``; the members differ in
-  their seed, ``--sweep seed=0,1,...``): every update samples all policies' rows in one batched decode, scores
-  them in the same passes and runs one backward pass per micro-batch over every policy's rows.
+  their seed, ``--sweep seed=0,1,...``, or with ``--swept learning_rate`` in their learning rate on one seed,
+  so that they draw the same prompts and the reward and reference passes compute each prompt once for all of
+  them): every update samples all policies' rows in one batched decode, scores them in the same passes and
+  runs each policy's micro-batches in one loop.
 - ``run``: one process trains one policy (``marl.RLOOTrainer``). N runs one after another are N such
   processes: their episodes/s is one run's (each trains the same shapes), their time N runs' (each loads
   the base again: shown with the loads too), their peak memory one run's.
@@ -35,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the helpers next to this script
 from floors import efficiency_rows, phase_work, probe_in_subprocess
@@ -53,6 +56,7 @@ from setups import (
 )
 
 POLICY_COUNTS = (1, 2, 4, 8)
+SWEPT_SETTINGS = ("seed", "learning_rate")
 DRY_RUN_POLICY_COUNTS = (1, 2)
 
 
@@ -120,8 +124,7 @@ def run_job(job: dict, sampler: MemorySampler) -> dict:
             trainer = RLOOTrainer(base, model, tokenizer, prompts)
             first, rollout_owner, sample = trainer, marl.train.trainer, "sample"
         else:
-            seeds = ",".join(str(config.seed + index) for index in range(job["policies"]))
-            members = parse_sweep([f"seed={seeds}"], base)
+            members = parse_sweep([member_spec(job.get("swept", "seed"), base, job["policies"])], base)
             model = marl.train.sweep.build_sweep_model([member.config for member in members])
             tokenizer = transformers.AutoTokenizer.from_pretrained(model.name_or_path)
             trainer = marl.train.sweep.SweepTrainer(members, model, tokenizer, prompts)
@@ -235,6 +238,13 @@ def compare(
     return rows
 
 
+_SWEPT_LINES = {
+    "seed": "The sweep's members differ in their seed: each draws its own prompts.",
+    "learning_rate": "The sweep's members differ in their learning rate, on one seed: they draw the same "
+    "prompts, and the reward and reference passes compute each prompt once for all of them.",
+}
+
+
 def render(report: dict) -> str:
     """The results file: per setup and quantization, the comparison table and each phase against its floor."""
     lines = [f"# A sweep of N policies on one base against N runs one after another ({report['date']})", ""]
@@ -249,7 +259,7 @@ def render(report: dict) -> str:
             f"{config['response_length']}-token completions, prompts of {entry['prompt_tokens']} tokens, "
             f"{config['updates']} updates (the first is warm-up), {config['threads'] or 'all'} threads."
         )
-        lines += [shape, ""]
+        lines += [shape, "", _SWEPT_LINES[report.get("swept", "seed")], ""]
         for quantization, block in entry["blocks"].items():
             lines += [f"### {quantization}", ""]
             lines += ["| N | sweep episodes/s | N runs episodes/s | speed-up | speed-up with the loads | "
@@ -308,12 +318,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="--sampler of every run and sweep (default marl's); a sweep samples through the sampler's "
         "sample_routed (graph's: its compiled step on a GPU, the static decode on a CPU)",
     )  # fmt: skip
+    parser.add_argument(
+        "--swept", choices=SWEPT_SETTINGS, default="seed",
+        help="what the members differ in: seed (each draws its own prompts) or learning_rate (one seed: the "
+        "same prompts, each computed once for all policies in the reward and reference passes)",
+    )  # fmt: skip
     parser.add_argument("--work-dir", default=None, help="models, logs and raw results (default: temp)")
     parser.add_argument("--output", default=None, help="results markdown (default benchmarks/results/…)")
     parser.add_argument("--dry-run", action="store_true", help="a tiny model, N = 1 and 2, one run of each")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def member_spec(swept: str, base: Any, policies: int) -> str:
+    """The ``--sweep`` spec of a sweep of ``policies`` members: ``seed``, the base's seed and the next ones;
+    ``learning_rate``, the base's rate times 1, 2, ... on the base's seed (the members draw the same prompts).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> base = SimpleNamespace(seed=0, learning_rate=1e-5)
+        >>> member_spec("seed", base, 3), member_spec("learning_rate", base, 3)
+        ('seed=0,1,2', 'learning_rate=1e-05,2e-05,3e-05')
+    """
+    if swept == "seed":
+        return "seed=" + ",".join(str(base.seed + index) for index in range(policies))
+    return "learning_rate=" + ",".join(f"{base.learning_rate * (index + 1):g}" for index in range(policies))
 
 
 def policy_counts(args: argparse.Namespace) -> list[int]:
@@ -366,13 +396,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "command": "python " + " ".join([os.path.relpath(__file__, REPO_ROOT), *sys.argv[1:]]),
         "machine": machine_description(),
         "versions": package_versions(),
+        "swept": args.swept,
         "setups": {args.setup: {"config": dataclasses.asdict(config), "prompt_tokens": tokens, "blocks": {}}},
     }
     systems = ["run", *(f"sweep-{count}" for count in counts)]
     for quantization in quantizations:
         block = report["setups"][args.setup]["blocks"][quantization] = {"runs": [], "failures": []}
         common = dict(config=dataclasses.asdict(config), quantization=quantization, model_path=model_path,
-                      reward_adapter=reward_adapter, prompts=prompts, sampler=args.sampler)  # fmt: skip
+                      reward_adapter=reward_adapter, prompts=prompts, sampler=args.sampler,
+                      swept=args.swept)  # fmt: skip
         for index in range(runs):
             for system in systems if index % 2 == 0 else systems[::-1]:
                 label = f"{args.setup}-{quantization}-{system}-{index}"
