@@ -6,7 +6,8 @@ Every update, in one process:
    seed's order, as its own run would draw them), ALL rows sampled in one batched decode routed per row
    (``sampler.sample_routed``: the static decode names the rows still decoding before each step), scored in
    the same passes (each policy's log-probs routed per row; the reference pass is the base with adapters
-   disabled for every row; the reward passes score every row once). A pass runs when any policy reads it
+   disabled for every row; the reward passes score every row once; where every policy drew the same
+   prompts, these two compute each prompt once for all of them). A pass runs when any policy reads it
    (:mod:`marl.algo.passes`); each policy then sees only the passes its own run would have, its rows
    (:func:`marl.rollout.collect.split_rollout`) and its own weighted reward
    (:func:`marl.rewards.weighted.weighted_total`);
