@@ -28,7 +28,7 @@ from marl.train.sweep import SweepTrainer, build_sweep_model
 from marl.train.sweep_report import CURVES_FILE, SUMMARY_FILE
 from marl.train.trainer import RLOOTrainer
 
-from support.families import FAMILIES, FAMILY_SPECS
+from support.families import FAMILIES, FAMILY_SPECS, logprob_tolerance
 from support.runs import PROMPTS, build, count_e, prompt_dataset, tiny_config
 
 ADAPTER = "adapter_model.safetensors"
@@ -229,25 +229,35 @@ def test_the_sweep_update_gives_the_heap_back_after_each_policys_micro_batch(
     assert len(released) == 4  # the two solo updates of the check above released nothing
 
 
-# Every family with a reward function, and the tiny llama with a reward adapter (its LoRA and score head).
-SHARED_PROMPT_CASES = [(family, False) for family in FAMILIES] + [("llama", True)]
+# Every family in fp32 with a reward function, three in bf16 (weights and autocast), and the tiny llama with a
+# reward adapter (its LoRA and score head).
+SHARED_PROMPT_CASES = (
+    [(family, False, torch.float32) for family in FAMILIES]
+    + [(family, False, torch.bfloat16) for family in ("llama", "qwen2", "gpt2")]
+    + [("llama", True, torch.float32)]
+)
 
 
 @pytest.mark.parametrize(
-    ("family", "reward_adapter"),
+    ("family", "reward_adapter", "dtype"),
     SHARED_PROMPT_CASES,
-    ids=[family + ("-reward-adapter" if adapter else "") for family, adapter in SHARED_PROMPT_CASES],
+    ids=[
+        family + ("-reward-adapter" if adapter else "") + ("-bf16" if dtype == torch.bfloat16 else "")
+        for family, adapter, dtype in SHARED_PROMPT_CASES
+    ],
 )
 def test_policies_on_the_same_prompts_compute_each_prompt_once_in_the_reference_and_reward_passes(
-    family_dir, tiny_llama_dir, tiny_reward_adapter, tmp_path, monkeypatch, family, reward_adapter
+    family_dir, tiny_llama_dir, tiny_reward_adapter, tmp_path, monkeypatch, family, reward_adapter, dtype
 ):
     """A grid on one seed: every policy draws the same prompts, so the reference pass (the base) and the
     reward rows group each prompt's rows of EVERY policy (one prompt computed for all of them, where prompts
     are packed at all); the policy pass keeps its groups per policy. Against the same rollout scored policy
     by policy: the same completions and policy log-probs bit for bit, reference log-probs and scores to float
-    rounding."""
+    rounding (bf16: the family table's log-prob tolerance)."""
     directory = tiny_llama_dir if reward_adapter else family_dir(family)
     settings = dict(reward_adapter=str(tiny_reward_adapter)) if reward_adapter else {}
+    if dtype == torch.bfloat16:
+        settings["bf16"] = True
     config = tiny_config(tmp_path, model_name_or_path=str(directory), **settings)
     members = parse_sweep(["learning_rate=1e-2,3e-2"], config)
     if reward_adapter:
@@ -255,7 +265,7 @@ def test_policies_on_the_same_prompts_compute_each_prompt_once_in_the_reference_
     else:  # the family's own LoRA targets
         policies = [member.config.policy_adapter_name for member in members]
         model = MultiAdapterModel.from_pretrained(
-            directory, policy_name=policies[0], policy_adapter=family_lora(family)
+            directory, policy_name=policies[0], policy_adapter=family_lora(family), dtype=dtype
         )
         model.add_policy(policies[1], family_lora(family))
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -296,7 +306,11 @@ def test_policies_on_the_same_prompts_compute_each_prompt_once_in_the_reference_
     for together, apart in zip(shared, alone, strict=True):
         assert torch.equal(together.response_ids, apart.response_ids)
         assert torch.equal(together.logprobs, apart.logprobs)
-        torch.testing.assert_close(together.ref_logprobs, apart.ref_logprobs, rtol=1e-5, atol=1e-5)
+        if dtype == torch.bfloat16:
+            tolerance = logprob_tolerance(dtype)
+            torch.testing.assert_close(together.ref_logprobs, apart.ref_logprobs, rtol=0, atol=tolerance)
+        else:
+            torch.testing.assert_close(together.ref_logprobs, apart.ref_logprobs, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(together.source_scores, apart.source_scores, rtol=1e-5, atol=1e-5)
 
 
