@@ -184,9 +184,9 @@ class Scorer:
                 first_rows[group] = row if first_rows[group] is None else first_rows[group]
             policies = [policies[row] for row in first_rows.values()]
         if reference:
-            policies = [self.model.get_policy(name).reference_adapter or BASE_VIEW for name in policies]
-            if set(policies) == {BASE_VIEW}:  # the base serves every row: no routing needed
+            if self.reference_is_base(policies):  # the base serves every row: no routing needed
                 return self.model.base()
+            policies = [self.model.get_policy(name).reference_adapter or BASE_VIEW for name in policies]
         return self.model.routed(policies)
 
     # ------------------------------------------------------------------ reward rows
