@@ -11,14 +11,14 @@ __version__ = "0.1.0"
 # transformers load only when a model or trainer is actually used.
 _PUBLIC = {
     "MultiAdapterModel": "marl.model.multi_adapter",
-    "RLOOConfig": "marl.config",
+    "RLOOConfig": "marl.config.rloo_config",
     "RLOOTrainer": "marl.train.trainer",
     "RewardAdapterFunction": "marl.rewards.interop",
     "SweepTrainer": "marl.train.sweep",
 }
 
 if TYPE_CHECKING:
-    from marl.config import RLOOConfig
+    from marl.config.rloo_config import RLOOConfig
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards.interop import RewardAdapterFunction
     from marl.train.sweep import SweepTrainer

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from marl.config import RLOOConfig
-from marl.cpu_allocator import release_freed_memory, use_cpu_allocator
+from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
 from marl.errors import ConfigError
 
 # A fresh interpreter: in a process that has trained, a block can come from a free chunk inside the heap
@@ -19,7 +19,7 @@ from marl.errors import ConfigError
 _PROBE = """
 import ctypes, sys
 import torch
-from marl.cpu_allocator import release_freed_memory, use_cpu_allocator
+from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from marl import cpu_threads
-from marl.cpu_threads import IDLE_SHARE, CpuSample, FreeCoreThreads, sample_cpu, threads_for_free_cores
+from marl.cpu import threads as cpu_threads
+from marl.cpu.threads import IDLE_SHARE, CpuSample, FreeCoreThreads, sample_cpu, threads_for_free_cores
 
 
 @given(st.integers(1, 64), st.floats(0, 128), st.floats(0, 128))

@@ -12,22 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "marl"
 
 # Lowest first. A module may import from its own layer and the layers before it.
 LAYERS = [
-    (
-        "marl.errors",
-        "marl.validation",
-        "marl.environment",
-        "marl.cpu_threads",
-        "marl.cpu_allocator",
-        "marl.registry",
-    ),
-    (
-        "marl.config",
-        "marl.batch_sizes",
-        "marl.model_settings",
-        "marl.algorithms",
-        "marl.stop_settings",
-        "marl.sweep_settings",
-    ),
+    ("marl.errors", "marl.environment", "marl.registry", "marl.cpu"),
+    ("marl.config",),
     ("marl.data",),
     ("marl.model",),
     ("marl.algo",),
@@ -37,9 +23,9 @@ LAYERS = [
     ("marl.plan",),
     ("marl.apps", "marl.__main__"),
 ]
-# The deprecated `RLOOConfig.load_model` keeps old scripts working: the one import that points up, inside that
-# method only.
-ALLOWED_UPWARD_IN_FUNCTIONS = {("marl.config", "marl.model")}
+# The root of the package holds its face (`__init__`, `__main__`) and the few modules every layer shares;
+# every concern is a sub-package.
+MAX_ROOT_MODULES = 5
 MAX_LINES = 420
 
 
@@ -65,40 +51,32 @@ def _is_type_checking(node: ast.AST) -> bool:
 
 
 def marl_imports(path: Path, module: str) -> list[tuple[str, bool]]:
-    """``(imported marl module, at module level)`` for every import outside ``if TYPE_CHECKING:``."""
+    """``(imported marl module, only for a type checker)`` for every import, inside functions and under ``if
+    TYPE_CHECKING:`` included."""
     tree = ast.parse(path.read_text())
     found: list[tuple[str, bool]] = []
 
-    def visit(node: ast.AST, top_level: bool) -> None:
-        if _is_type_checking(node):
-            return
+    def visit(node: ast.AST, type_only: bool) -> None:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("marl"):
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
-                found.append((candidate if candidate in MODULES else node.module, top_level))
+                found.append((candidate if candidate in MODULES else node.module, type_only))
         elif isinstance(node, ast.Import):
-            found.extend((alias.name, top_level) for alias in node.names if alias.name.startswith("marl"))
-        inside_function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            found.extend((alias.name, type_only) for alias in node.names if alias.name.startswith("marl"))
         for child in ast.iter_child_nodes(node):
-            visit(child, top_level and not inside_function)
+            visit(child, type_only or _is_type_checking(node))
 
-    visit(tree, True)
-    return [(name, top) for name, top in found if name != module]
+    visit(tree, False)
+    return [(name, type_only) for name, type_only in found if name != module]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_point_down(module: str) -> None:
     upward = [
         name
-        for name, top_level in marl_imports(MODULES[module], module)
-        if name != "marl"
-        and layer_of(name) > layer_of(module)
-        and not (
-            not top_level
-            and any(
-                module.startswith(low) and name.startswith(high) for low, high in ALLOWED_UPWARD_IN_FUNCTIONS
-            )
-        )
+        for name, type_only in marl_imports(MODULES[module], module)
+        # an annotation may name a record of a higher layer; the cycle check still counts that import
+        if name != "marl" and not type_only and layer_of(name) > layer_of(module)
     ]
     assert not upward, f"{module} imports from a higher layer: {upward}"
 
@@ -127,6 +105,12 @@ def test_no_import_cycles() -> None:
 
     for module in sorted(graph):
         walk(module)
+
+
+def test_the_root_holds_few_modules() -> None:
+    face = {"__init__.py", "__main__.py"}
+    root = sorted(path.name for path in PACKAGE.glob("*.py") if path.name not in face)
+    assert len(root) <= MAX_ROOT_MODULES, f"marl/ holds {root} at its root: move a concern into a sub-package"
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))

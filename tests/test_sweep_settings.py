@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marl.config import RLOOConfig
+from marl.config.sweep import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember, parse_sweep
 from marl.errors import ConfigError
-from marl.sweep_settings import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember, parse_sweep
 
 FIELDS = {field.name for field in dataclasses.fields(RLOOConfig)}
 

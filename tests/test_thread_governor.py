@@ -1,7 +1,7 @@
 """Every command, and ``RLOOTrainer`` on CPU, follows the free cores by default; ``--threads N`` turns it off.
 
 Each command runs for real on a tiny model in this process, with torch at 2 threads so that the governor has
-something to govern. A spy on :class:`marl.cpu_threads.FreeCoreThreads` (the real class, wrapped) records
+something to govern. A spy on :class:`marl.cpu.threads.FreeCoreThreads` (the real class, wrapped) records
 each governor made and the thread count each of its calls set; a reward function records the thread count it
 runs with.
 """
@@ -17,8 +17,9 @@ import time
 import pytest
 import torch
 
+from marl import MultiAdapterModel
 from marl.apps.cli import main, train_reward_main
-from marl.cpu_threads import IDLE_SHARE, FreeCoreThreads, sample_cpu
+from marl.cpu.threads import IDLE_SHARE, FreeCoreThreads, sample_cpu
 
 from support.runs import build, tiny_config
 from support.tiny import build_tiny_tokenizer, write_jsonl
@@ -129,7 +130,7 @@ def test_the_library_trainer_follows_the_free_cores_on_cpu_unless_threads_is_set
             per_device_train_batch_size=4,
             response_length=4,
         )
-        model = config.load_model()
+        model = MultiAdapterModel.from_config(config)
         prompts = [{"prompt": prompt} for prompt in PROMPTS]
         trainer = RLOOTrainer(
             config,

@@ -57,7 +57,7 @@ def main() -> None:
     from marl.config import RLOOConfig
     from marl.model.memory import format_bytes
     from marl.plan import PlanTarget, plan_memory
-    from marl.plan.planner import CUDA_RUNTIME_BYTES
+    from marl.plan.records import CUDA_RUNTIME_BYTES
 
     transformers.logging.set_verbosity_error()
     target = PlanTarget(device="cuda", prompt_length=PROMPT_LENGTH)

@@ -89,7 +89,7 @@ def run_config(case, output_dir: str, model_path: str, **settings):
         save_steps=0,
         report_to=["none"],
         # The planner's CPU figures are for blocks given back when freed; the default heap keeps them within a
-        # phase (marl.cpu_allocator), above what the tensors hold.
+        # phase (marl.cpu.allocator), above what the tensors hold.
         cpu_allocator="maps",
         **settings,
     )
@@ -147,8 +147,8 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
 
     import marl.train.sweep
     import marl.train.trainer
+    from marl.config.sweep import parse_sweep
     from marl.model.build import load_tokenizer
-    from marl.sweep_settings import parse_sweep
 
     transformers.logging.set_verbosity_error()
     from measure import MemorySampler, label_calls

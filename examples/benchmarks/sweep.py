@@ -107,7 +107,7 @@ def run_job(job: dict, sampler: MemorySampler) -> dict:
     import marl.train.sweep
     import marl.train.trainer
     from marl import MultiAdapterModel, RLOOTrainer
-    from marl.sweep_settings import parse_sweep
+    from marl.config.sweep import parse_sweep
 
     config = BenchConfig(**job["config"])
     transformers.logging.set_verbosity_error()

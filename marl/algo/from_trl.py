@@ -35,7 +35,7 @@ import warnings
 from typing import Any
 
 from marl.algo.trl_fields import CONVERTED, IRRELEVANT, field_table
-from marl.config import RLOOConfig
+from marl.config.rloo_config import RLOOConfig
 from marl.errors import ConfigError
 
 # TRL field -> marl field, for the converted fields of the same meaning.

@@ -10,7 +10,7 @@
   the loss. Without it there is no KL to report: ``objective/kl`` is not logged (TRL logs no ``kl`` at
   ``beta=0`` either).
 
-What each preset (:mod:`marl.algorithms`) runs with its defaults:
+What each preset (:mod:`marl.config.algorithms`) runs with its defaults:
 
 ==============  ======  =========  ===================================================================
 preset          policy  reference  why

@@ -40,7 +40,7 @@ from marl.algo.token_losses import (
 from marl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from marl.config import RLOOConfig
+    from marl.config.rloo_config import RLOOConfig
     from marl.rollout.records import Rollout
 
 

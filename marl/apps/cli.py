@@ -155,7 +155,7 @@ def plan_main(argv: Sequence[str] | None = None, prog: str = "marl plan") -> Any
     words = argv_words(argv)
     with error_boundary(prog, words):
         from marl.apps.plan import PlanArguments, run_plan
-        from marl.config import RLOOConfig
+        from marl.config.rloo_config import RLOOConfig
         from marl.train.build import check_components
 
         arguments, config = parse_flags([PlanArguments, RLOOConfig], prog, words)

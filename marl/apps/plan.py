@@ -13,12 +13,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from marl.config.checks import check_fields
 from marl.errors import ConfigError
-from marl.validation import check_fields
 
 if TYPE_CHECKING:
-    from marl.config import RLOOConfig
-    from marl.plan.planner import MemoryPlan
+    from marl.config.rloo_config import RLOOConfig
+    from marl.plan.records import MemoryPlan
 
 
 @dataclass
@@ -54,7 +54,7 @@ class PlanArguments:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        from marl.plan.planner import DEVICES
+        from marl.plan.records import DEVICES
 
         if self.device not in DEVICES:
             raise ConfigError(
@@ -76,8 +76,8 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
     from marl.plan.report import advice_text
 
     policies = 1
-    if arguments.sweep:  # the members' settings differ only where memory does not (marl.sweep_settings)
-        from marl.sweep_settings import parse_sweep
+    if arguments.sweep:  # the members' settings differ only where memory does not (marl.config.sweep)
+        from marl.config.sweep import parse_sweep
 
         policies = len(parse_sweep(arguments.sweep, config))
         if policies > 1 and arguments.num_processes > 1:

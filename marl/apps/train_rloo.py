@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from marl.apps.boundary import argv_words
 from marl.apps.flags import parse_flags
+from marl.config.checks import check_fields
 from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError
-from marl.validation import check_fields
 
 if TYPE_CHECKING:
-    from marl.config import RLOOConfig
+    from marl.config.rloo_config import RLOOConfig
     from marl.rewards.kinds import RewardSetting
 
 
@@ -65,7 +65,7 @@ class ScriptArguments:
         metadata={
             "help": "Train several policies at once on the one base: FIELD=V1,V2,... (repeat the flag for a "
             "grid: the members are the product of the lists). Each policy writes to OUTPUT_DIR/<its "
-            "name>; what may differ: marl.sweep_settings.SWEEPABLE_FIELDS (learning_rate, seed, kl_coef, "
+            "name>; what may differ: marl.config.sweep.SWEEPABLE_FIELDS (learning_rate, seed, kl_coef, "
             "reward_weights, ...)."
         },
     )
@@ -93,7 +93,7 @@ def parse_train_rloo_args(
         >>> config.reward_adapter, config.rloo_k
         (['rm'], 4)
     """
-    from marl.config import RLOOConfig
+    from marl.config.rloo_config import RLOOConfig
 
     script, config = parse_flags([ScriptArguments, RLOOConfig], prog, argv_words(argv))
     if not script.reward_fn and not config.reward_adapter and not script.reward:
@@ -120,14 +120,14 @@ def parse_train_rloo_args(
 
 
 def sweep_members(script: ScriptArguments, config: RLOOConfig) -> list[Any]:
-    """The members of ``--sweep`` over ``config`` (:func:`marl.sweep_settings.parse_sweep`).
+    """The members of ``--sweep`` over ``config`` (:func:`marl.config.sweep.parse_sweep`).
 
     Example:
         >>> script, config = parse_train_rloo_args(["--reward_adapter", "rm", "--sweep", "seed=1,2"])
         >>> [member.name for member in sweep_members(script, config)]
         ['seed=1', 'seed=2']
     """
-    from marl.sweep_settings import parse_sweep
+    from marl.config.sweep import parse_sweep
 
     return parse_sweep(script.sweep or [], config)
 

@@ -121,7 +121,7 @@ def describe_preference_data(
             f"`marl.data.assets.split_rotten_tomatoes(seed={seed})`"
         )
     if dataset == ROTTEN_TOMATOES_FULL:
-        from marl.config import RLOOConfig
+        from marl.config.rloo_config import RLOOConfig
 
         drift = ""
         if drifted_policy is not None:
@@ -140,7 +140,9 @@ def describe_preference_data(
             f"full_reward_snippets`), held-out pairs from its `eval` movies{drift}"
         )
     if dataset in (TOPIC_DATASET, FILM_DATASET, PRAISE_DATASET):
-        from marl.config import RLOOConfig  # the base model's text is sampled at the rollouts' temperature
+        from marl.config.rloo_config import (
+            RLOOConfig,  # the base model's text is sampled at the rollouts' temperature
+        )
 
         if dataset == PRAISE_DATASET:
             return describe_praise_pairs(seed, RLOOConfig.temperature)

@@ -27,6 +27,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from marl.config.model import check_reference_mode, parse_quantization, policy_lora_config
 from marl.errors import AdapterError, ModelError
 from marl.model import adapters
 from marl.model.families import (
@@ -46,7 +47,6 @@ from marl.model.records import (
     check_adapter_name,
     reference_adapter_name,
 )
-from marl.model_settings import check_reference_mode, parse_quantization, policy_lora_config
 
 PolicySpec = LoraConfig | str | os.PathLike | None
 

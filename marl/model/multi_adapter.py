@@ -45,7 +45,7 @@ from marl.model.packing import check_packing
 from marl.model.records import LoadedModel, PolicyAdapter, RewardAdapter
 
 if TYPE_CHECKING:
-    from marl.config import RLOOConfig
+    from marl.config.rloo_config import RLOOConfig
 
 __all__ = ["MultiAdapterModel", "position_ids_from_mask", "reward_read_positions", "without_autocast"]
 
@@ -106,7 +106,7 @@ class MultiAdapterModel(ForwardPasses):
                 the reward adapter ``"reward"``. Optional: rewards may come from functions instead.
             reward_adapters: several reward adapters by name, ``{"sentiment": DIR1, "fluency": DIR2}``
                 (instead of ``reward_adapter``).
-            policy_adapter: ``None`` (fresh LoRA, see :func:`marl.model_settings.policy_lora_config`), a
+            policy_adapter: ``None`` (fresh LoRA, see :func:`marl.config.model.policy_lora_config`), a
                 ``LoraConfig``, or a PEFT adapter folder to continue training (loaded trainable). A fresh LoRA
                 draws its initial weights from torch's generator: seed it first (``transformers.set_seed``;
                 :meth:`from_config` does) for a run that can be repeated.

@@ -1,7 +1,7 @@
 """Quantized bases through bitsandbytes: the load settings and the CPU details.
 
 Every base is loaded by :mod:`marl.model.build`, which takes its quantization from here, so ``"4bit"`` means
-the same NF4 setting everywhere. The choices and their parsing are settings (:mod:`marl.model_settings`).
+the same NF4 setting everywhere. The choices and their parsing are settings (:mod:`marl.config.model`).
 
 Example:
     >>> bitsandbytes_config("none", None) is None
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from marl.model_settings import parse_quantization
+from marl.config.model import parse_quantization
 
 if TYPE_CHECKING:
     import torch
@@ -87,7 +87,7 @@ def prepare_quantized_base(
     model.requires_grad_(False)
     if quantization is None:
         return model
-    from marl.cpu_allocator import release_freed_memory
+    from marl.cpu.allocator import release_freed_memory
 
     if quantization == "4bit":
         keep_4bit_layers_differentiable_on_cpu(model)

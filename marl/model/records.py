@@ -4,7 +4,7 @@
 Adapter names: policies and reward adapters share one namespace on the base. ``reference`` names the view of
 a policy's reference, and the frozen copy of policy ``P``'s starting weights (when it is its reference) is the
 adapter ``P-reference``; neither can be used as a name. Unnamed reward adapters are named by
-:func:`marl.model_settings.name_reward_adapters`.
+:func:`marl.config.model.name_reward_adapters`.
 
 Example:
     >>> check_adapter_name("policy-reference", [], "policy")
@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from marl.config.model import DEFAULT_POLICY, name_reward_adapters
 from marl.errors import ConfigError
 from marl.model import adapters
-from marl.model_settings import DEFAULT_POLICY, name_reward_adapters
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +125,7 @@ def named_reward_adapters(
     reward_adapter: str | os.PathLike | None, reward_adapters: Mapping[str, str | os.PathLike] | None
 ) -> dict[str, str | os.PathLike]:
     """``reward_adapter=DIR`` is one unnamed reward adapter (named by
-    :func:`marl.model_settings.name_reward_adapters`); giving both is an error."""
+    :func:`marl.config.model.name_reward_adapters`); giving both is an error."""
     if reward_adapter is not None and reward_adapters:
         raise ConfigError("pass either reward_adapter=DIR or reward_adapters={name: DIR, ...}, not both")
     if reward_adapter is not None:

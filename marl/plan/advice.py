@@ -32,33 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-from marl.plan.planner import MemoryPlan, PlanTarget, plan_memory, with_changes
+from marl.plan.planner import plan_memory, with_changes
+from marl.plan.records import Advice, Change, MemoryPlan, PlanTarget
 
 GPU_COUNTS = (2, 4, 8)
 FITS_AS_IT_IS = "(none: it fits as it is)"
 AS_GIVEN = "(the run as given)"
-
-
-@dataclass(frozen=True)
-class Change:
-    """One change of settings, what it costs, and the run's plan with it."""
-
-    flags: str
-    why: str
-    plan: MemoryPlan
-
-
-@dataclass(frozen=True)
-class Advice:
-    """The changes that fit, cheapest first (the first is "no change" when the run fits as it is; empty when
-    nothing tried fits) and, when no change on the run's own number of processes fits, the one of those
-    (the run as given included) with the smallest predicted peak."""
-
-    fitting: list[Change] = field(default_factory=list)
-    closest: Change | None = None
 
 
 def _candidates(config: Any, target: PlanTarget) -> Iterator[tuple[str, str, dict, PlanTarget]]:

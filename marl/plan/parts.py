@@ -10,7 +10,7 @@ of a chunk in one batched pass, each row routed through its own policy (a chunk 
 ``local_rollout_forward_batch_size`` rows per policy): its working set is that of ``policies`` times the
 rows. Scoring runs the same chunks of ``local_rollout_forward_batch_size`` rows as a run (rows of several
 policies in one chunk, each through its own adapter), and the update runs ONE policy's micro-batch at a time
-(``per_device_train_batch_size`` rows, in that policy's own view, :mod:`marl.train.joint_update`): neither
+(``per_device_train_batch_size`` rows, in that policy's own view, :mod:`marl.train.update`): neither
 working set grows with the number of policies.
 
 Example:
@@ -31,7 +31,7 @@ from marl.model.memory import NF4_DOUBLE_QUANT_BITS_PER_PARAMETER
 from marl.plan.phases import QuantizedLinearStandIn
 
 if TYPE_CHECKING:
-    from marl.plan.planner import PlanTarget
+    from marl.plan.records import PlanTarget
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def gathered_layer_bytes(base: torch.nn.Module, shards: int) -> dict[str, int]:
 def rollout_record_bytes(config: Any, target: PlanTarget, sweep: SweepShape = SweepShape()) -> int:
     """The rollout's tensors kept through scoring and the update: ids, masks and positions (int64) of every
     row and its float32 log-probs, reference log-probs, scores and advantages; of every policy of a sweep."""
-    from marl.batch_sizes import local_batch_size
+    from marl.config.batch_sizes import local_batch_size
 
     rows = local_batch_size(config) * sweep.policies
     width = target.prompt_length + config.response_length

@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,96 +63,12 @@ from marl.plan.phases import (
     untied_head_bytes,
     update_peak,
 )
+from marl.plan.records import (
+    MemoryPlan,
+    PhasePlan,
+    PlanTarget,
+)
 from marl.plan.trace import meta_causal_lm
-
-MiB = 2**20
-# CUDA context, library handles and loaded kernels of a PyTorch process once it has trained: what a process
-# held on the card outside the caching allocator at the end of a run, measured on an H100 with torch 2.11 and
-# CUDA 13 (771-837 MiB, the most with 8-bit kernels: benchmarks/results/*-memory-plan-cuda.md). Other cards
-# and CUDA versions were not measured.
-CUDA_RUNTIME_BYTES = 800 * MiB
-# CPU: what a training process holds beyond its tensors once it has run a model (library pages and buffers of
-# the kernels it used, the allocator's own): the median, over the tiny-model runs of
-# examples/benchmarks/plan_vs_measured.py (whose tensors are a few MB), of their peak PSS above the imports
-# less the tensors planned. Larger models hold more of it (the same runs of SmolLM2-135M: 100-300 MiB more).
-CPU_RUNTIME_BYTES = 112 * MiB
-# The caching allocator keeps freed blocks and splits them: what a process reserves is above what its
-# tensors hold at the peak. The planner's "fits" keeps this share of the card free.
-ALLOCATOR_MARGIN = 0.10
-DEVICES = ("cuda", "cpu")
-
-
-@dataclass(frozen=True)
-class PlanTarget:
-    """Where and on what the run is planned: the device, its memory, the prompts' length, the processes."""
-
-    device: str = "cuda"
-    memory_gb: float | None = None  # the card's (or machine's) memory, decimal GB
-    prompt_length: int = 512  # tokens of the longest prompt of a batch
-    num_processes: int = 1
-    compute_dtype: torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU (marl's default)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        if self.compute_dtype is not None:
-            return self.compute_dtype
-        return torch.bfloat16 if self.device == "cuda" else torch.float32
-
-    @property
-    def runtime_bytes(self) -> int:
-        return CUDA_RUNTIME_BYTES if self.device == "cuda" else CPU_RUNTIME_BYTES
-
-
-@dataclass(frozen=True)
-class PhasePlan:
-    """One phase's predicted peak, as the parts that make it up (bytes, display order)."""
-
-    name: str
-    parts: dict[str, int]
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """The predicted peak of every phase of a run on one process, and what went into it."""
-
-    system: str
-    model: str
-    settings: dict[str, Any]
-    resident: dict[str, int]
-    phases: list[PhasePlan]
-    target: PlanTarget
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def peak(self) -> int:
-        return max(phase.total for phase in self.phases)
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=lambda phase: phase.total).name
-
-    def phase(self, name: str) -> PhasePlan:
-        return next(phase for phase in self.phases if phase.name == name)
-
-    @property
-    def budget_bytes(self) -> int | None:
-        """What the run may use of ``memory_gb``: the card less the allocator margin."""
-        if self.target.memory_gb is None:
-            return None
-        return int(self.target.memory_gb * 1e9 * (1 - ALLOCATOR_MARGIN))
-
-    @property
-    def fits(self) -> bool | None:
-        return None if self.budget_bytes is None else self.peak <= self.budget_bytes
-
-    def __str__(self) -> str:
-        from marl.plan.report import plan_text
-
-        return plan_text(self)
 
 
 def meta_base(model_config: Any, quantization: str | None, dtype: torch.dtype) -> torch.nn.Module:
@@ -194,7 +109,7 @@ def plan_memory(
     (:mod:`marl.plan.parts`; marl only)."""
     from peft import LoraConfig
 
-    from marl.batch_sizes import local_batch_size
+    from marl.config.batch_sizes import local_batch_size
     from marl.model.build import wrap_with_peft
     from marl.model.families import disable_dropout
     from marl.model.forward import enable_gradient_checkpointing
@@ -317,7 +232,7 @@ def plan_memory(
     if target.device == "cpu" and config.cpu_allocator == "heap":
         notes.append(
             "planned for --cpu_allocator maps; with heap (the default) a CPU phase also holds the freed "
-            "blocks the C heap keeps for reuse (marl.cpu_allocator: SmolLM2-135M's update: 1.45x)"
+            "blocks the C heap keeps for reuse (marl.cpu.allocator: SmolLM2-135M's update: 1.45x)"
         )
     return MemoryPlan(layout.label, config.model_name_or_path, settings, resident, phases, target, notes)
 

@@ -1,11 +1,10 @@
-"""How a memory plan reads: the phases with their parts, the peak against the card, the changes that fit, and
-how far the closest setting is when none does.
+"""How advice on a memory plan reads: the changes that fit, and how far the closest setting is when none does
+(the plan itself reads as :func:`marl.plan.records.plan_text`).
 
 Example:
-    >>> from marl.plan.planner import MemoryPlan, PhasePlan, PlanTarget
-    >>> plan = MemoryPlan("marl", "m", {}, {}, [PhasePlan("update", {"resident": 10**9})], PlanTarget())
-    >>> print(plan_text(plan).splitlines()[-1])
-    predicted peak: 1.00 GB (update)
+    >>> from marl.plan.records import Advice
+    >>> print(advice_text(Advice()))
+    no single change or combination tried brings the run under the budget
 """
 
 from __future__ import annotations
@@ -16,39 +15,7 @@ from typing import TYPE_CHECKING
 from marl.model.memory import format_bytes
 
 if TYPE_CHECKING:
-    from marl.plan.advice import Advice, Change
-    from marl.plan.planner import MemoryPlan
-
-
-def plan_text(plan: MemoryPlan) -> str:
-    """The plan as lines: settings, what stays resident, each phase's parts and total, the peak."""
-    target = plan.target
-    lines = [
-        f"memory plan ({plan.system}) for {plan.model} on {target.device}"
-        + (f" with {target.memory_gb:g} GB" if target.memory_gb is not None else ""),
-    ]
-    if plan.settings:
-        lines.append("  " + ", ".join(f"{name} {value}" for name, value in plan.settings.items()))
-    resident = {name: size for name, size in plan.resident.items() if size}
-    if resident:
-        lines.append(
-            "  resident: " + ", ".join(f"{name} {format_bytes(size)}" for name, size in resident.items())
-        )
-    width = max(len(phase.name) for phase in plan.phases)
-    for phase in plan.phases:
-        parts = " + ".join(f"{name} {format_bytes(size)}" for name, size in phase.parts.items() if size)
-        lines.append(f"  {phase.name.ljust(width)}  {format_bytes(phase.total):>9}  = {parts}")
-    lines += [f"  note: {note}" for note in plan.notes]
-    verdict = f"predicted peak: {format_bytes(plan.peak)} ({plan.peak_phase})"
-    if plan.fits is not None:
-        budget = format_bytes(plan.budget_bytes)
-        verdict += (
-            f"; fits in {target.memory_gb:g} GB (usable {budget} after the allocator margin)"
-            if plan.fits
-            else f"; does NOT fit in {target.memory_gb:g} GB (usable {budget} after the allocator margin)"
-        )
-    lines.append(verdict)
-    return "\n".join(lines)
+    from marl.plan.records import Advice, Change
 
 
 def changes_text(changes: Sequence[Change]) -> str:
@@ -75,8 +42,7 @@ def closest_text(change: Change) -> str:
     weights alone take more than half the usable memory, their share.
 
     Example:
-        >>> from marl.plan.advice import Change
-        >>> from marl.plan.planner import MemoryPlan, PhasePlan, PlanTarget
+        >>> from marl.plan.records import Change, MemoryPlan, PhasePlan, PlanTarget
         >>> plan = MemoryPlan("marl", "m", {"quantization": "4bit"}, {"base weights": 9_200_000_000},
         ...     [PhasePlan("update", {"resident": 12 * 10**9})], PlanTarget(memory_gb=12))
         >>> change = Change("--gradient_checkpointing", "", plan)

@@ -25,7 +25,7 @@ import torch
 from marl.algo.passes import POLICY_PASS, ScoringPasses
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import sequence_kl
-from marl.cpu_allocator import release_freed_memory
+from marl.cpu.allocator import release_freed_memory
 from marl.rollout.records import Rollout, Samples
 
 if TYPE_CHECKING:

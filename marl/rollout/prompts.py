@@ -25,7 +25,7 @@ from marl.data.prompts import is_conversation, left_pad, tokenize_prompt
 from marl.errors import DataError
 
 if TYPE_CHECKING:
-    from marl.config import BatchSizes
+    from marl.config.batch_sizes import BatchSizes
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from marl.rollout.transformers_sampler import TransformersSampler
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rollout.prompts import PromptBatch
-    from marl.rollout.samplers import SamplerSettings
+    from marl.rollout.sampler_settings import SamplerSettings
 
 logger = logging.getLogger(__name__)
 

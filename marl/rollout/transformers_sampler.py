@@ -29,7 +29,7 @@ from marl.rollout.records import Samples
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rollout.samplers import SamplerSettings
+    from marl.rollout.sampler_settings import SamplerSettings
 
 
 class TransformersSampler:

@@ -23,9 +23,9 @@ from marl.algo.advantages import AdvantageEstimator
 from marl.algo.group_spread import ZeroSpreadWatch
 from marl.algo.passes import scoring_passes
 from marl.algo.selection import advantage_estimator, check_algorithm
-from marl.batch_sizes import BatchSizes
-from marl.config import RLOOConfig
-from marl.cpu_threads import apply_threads
+from marl.config.batch_sizes import BatchSizes
+from marl.config.rloo_config import RLOOConfig
+from marl.cpu.threads import apply_threads
 from marl.errors import ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rewards import CheckedJudge, WeightedRewards, build_rewards

@@ -31,7 +31,7 @@ def model_continuer(
     that loads ``model_name_or_path`` (with ``quantization``, and the PEFT folder ``policy_adapter`` when
     given) once, on its first call, and samples its continuation of each opening at the rollouts' default
     temperature (:class:`marl.RLOOConfig`), seeded per batch from ``seed``, with ``threads`` torch threads as
-    ``--threads`` sets them (:func:`marl.cpu_threads.apply_threads`). Without ``policy_adapter`` the base
+    ``--threads`` sets them (:func:`marl.cpu.threads.apply_threads`). Without ``policy_adapter`` the base
     writes (adapters off); with it, that policy does. Called with ``instruction=TEXT``, it continues each
     opening as the start of the model's chat answer to the user message ``TEXT`` (the tokenizer's chat
     template), and the returned text is that answer's continuation.
@@ -45,7 +45,7 @@ def model_continuer(
 
     @functools.cache
     def load() -> tuple[Any, Any, Any]:
-        from marl.cpu_threads import apply_threads
+        from marl.cpu.threads import apply_threads
         from marl.model.build import load_tokenizer
         from marl.model.multi_adapter import MultiAdapterModel
 
@@ -59,7 +59,7 @@ def model_continuer(
     ) -> list[str]:
         import torch
 
-        from marl.config import RLOOConfig
+        from marl.config.rloo_config import RLOOConfig
         from marl.rollout.prompts import prepare_text_prompts
         from marl.rollout.samplers import SamplerSettings, get_sampler
 

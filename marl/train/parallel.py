@@ -46,7 +46,7 @@ from marl.train import sharding
 from marl.train.launch import check_sharded_launch
 
 if TYPE_CHECKING:
-    from marl.config import RLOOConfig
+    from marl.config.rloo_config import RLOOConfig
     from marl.model.multi_adapter import MultiAdapterModel
 
 Record = TypeVar("Record")

@@ -13,15 +13,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.cpu_threads import check_threads, threads_field
+from marl.config.checks import check_fields, check_seed
+from marl.config.model import DEFAULT_LORA_ALPHA, DEFAULT_LORA_R, DEFAULT_TARGET_MODULES, parse_quantization
+from marl.cpu.threads import check_threads, threads_field
 from marl.data.praise_pairs import PRAISE_DATASET
 from marl.data.preferences import DRIFT_PAIR_EVERY, ROTTEN_TOMATOES_FULL
 from marl.data.prompts import ROTTEN_TOMATOES
 from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError
 from marl.model.adapters import read_policy_folder
-from marl.model_settings import DEFAULT_LORA_ALPHA, DEFAULT_LORA_R, DEFAULT_TARGET_MODULES, parse_quantization
-from marl.validation import check_fields, check_seed
 
 
 @dataclass

@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
-from marl.cpu_threads import apply_threads
+from marl.cpu.threads import apply_threads
 from marl.data.praise_pairs import PRAISE_DATASET
 from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
 from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET

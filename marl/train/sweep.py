@@ -12,7 +12,7 @@ Every update, in one process:
    (:func:`marl.rollout.collect.split_rollout`) and its own weighted reward
    (:func:`marl.rewards.weighted.weighted_total`);
 2. advantages per policy with its own settings (:meth:`marl.RLOOTrainer._shaped_rewards`);
-3. update (:func:`marl.train.joint_update.run_together`): one loop for every policy; at each micro-batch
+3. update (:func:`marl.train.update.run_together`): one loop for every policy; at each micro-batch
    step, one micro-batch PER POLICY, one after another, each in its policy's own view exactly as its own run
    runs it (so each policy gets exactly its solo gradients, and the update holds one run's activations: the
    joint micro-batch of every policy's rows routed per row, tried first, was measured slower and larger);
@@ -53,8 +53,9 @@ from tqdm.auto import tqdm
 from marl.algo.metrics import UpdateStats
 from marl.algo.passes import ScoringPasses, scoring_passes
 from marl.algo.shaping import ShapedRewards
-from marl.config import RLOOConfig
-from marl.cpu_allocator import release_freed_memory
+from marl.config.rloo_config import RLOOConfig
+from marl.config.sweep import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember
+from marl.cpu.allocator import release_freed_memory
 from marl.errors import CheckpointError, ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.model.routing import routing_problem
@@ -63,13 +64,12 @@ from marl.rollout.collect import collect_rollout, complete_for_metrics, split_ro
 from marl.rollout.prompts import prompts_for_update
 from marl.rollout.records import Rollout
 from marl.rollout.samplers import get_sampler
-from marl.sweep_settings import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember
 from marl.train import run_dir
-from marl.train.joint_update import UpdatePart, run_together
 from marl.train.progress import progress_description
 from marl.train.reward_state import reward_trainer_state
 from marl.train.sweep_report import finish_sweep
 from marl.train.trainer import PROCESS_SEED_STRIDE, RLOOTrainer
+from marl.train.update import UpdatePart, run_together
 
 # Set per policy by the sweep, or following a swept field.
 _PER_POLICY = {"output_dir", "policy_adapter_name", "token_level_kl"}
@@ -78,7 +78,7 @@ _PER_POLICY = {"output_dir", "policy_adapter_name", "token_level_kl"}
 def check_sweep_configs(configs: Sequence[RLOOConfig]) -> None:
     """Refuse, before any model work, a sweep whose policies cannot train together: none, a config that is
     not an :class:`marl.RLOOConfig`, two policies with one adapter name or output folder, a shared setting
-    that differs (:data:`marl.sweep_settings.SHARED_FIELDS`), and several policies in several processes.
+    that differs (:data:`marl.config.sweep.SHARED_FIELDS`), and several policies in several processes.
 
     Example:
         >>> check_sweep_configs([RLOOConfig(output_dir="a", policy_adapter_name="a"),
@@ -99,7 +99,7 @@ every policy the same rloo_k
         if len(set(values)) < len(values):
             raise ConfigError(
                 f"two policies of the sweep share the {what} {_repeated(values)!r}: give each policy its own "
-                f"{field} (marl.sweep_settings.parse_sweep sets both from the member's name)"
+                f"{field} (marl.config.sweep.parse_sweep sets both from the member's name)"
             )
     first = configs[0]
     for field in dataclasses.fields(RLOOConfig):
@@ -168,8 +168,8 @@ class SweepTrainer:
     (callbacks are called after every policy's update, with that policy's state and metrics).
 
     Args:
-        members: :class:`marl.sweep_settings.SweepMember` objects (from
-            :func:`marl.sweep_settings.parse_sweep`) or one :class:`marl.RLOOConfig` per policy (named after
+        members: :class:`marl.config.sweep.SweepMember` objects (from
+            :func:`marl.config.sweep.parse_sweep`) or one :class:`marl.RLOOConfig` per policy (named after
             its ``output_dir``'s last part); each with its own ``policy_adapter_name`` on ``model``
             (:func:`build_sweep_model`) and ``output_dir``.
 

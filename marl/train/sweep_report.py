@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from marl.config.sweep import SWEEPABLE_FIELDS
 from marl.data.assets import MissingAssetError
-from marl.sweep_settings import SWEEPABLE_FIELDS
 from marl.train import run_dir
 from marl.train.plotting import pyplot, read_metrics, training_curves_note
 

@@ -46,8 +46,8 @@ from tqdm.auto import tqdm
 from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, update_metrics
 from marl.algo.selection import shape_rollout
 from marl.algo.shaping import ShapedRewards
-from marl.config import RLOOConfig
-from marl.cpu_allocator import release_freed_memory, use_cpu_allocator
+from marl.config.rloo_config import RLOOConfig
+from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
 from marl.data.prompts import prompt_text
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
@@ -98,7 +98,7 @@ class RLOOTrainer:
             (the reward's mean on them), so that a rise of the reward without a rise of the judge shows.
         callbacks: functions called as ``callback(state, metrics)`` after every update (with the
             :class:`TrainerState` and that update's metrics). On CPU a
-            :class:`marl.cpu_threads.FreeCoreThreads` is added unless ``config.threads`` fixes the count.
+            :class:`marl.cpu.threads.FreeCoreThreads` is added unless ``config.threads`` fixes the count.
         dataset_source: where the prompts came from (e.g. ``dataset_name``, ``dataset_train_split``,
             ``prompt_column``), recorded in ``rloo_config.json`` under ``"dataset"`` with the prompt counts;
             ``marl evaluate`` reads it to tell held-out prompts from training prompts.

@@ -14,7 +14,7 @@ from marl.model.adapters import ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 if TYPE_CHECKING:
     import torch
 
-    from marl.cpu_threads import FreeCoreThreads
+    from marl.cpu.threads import FreeCoreThreads
 
 # What an adapter folder keeps: everything else PEFT or the trainer might write is left out.
 ADAPTER_FILES = (ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
@@ -22,7 +22,7 @@ ADAPTER_FILES = (ADAPTER_CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
 
 def free_core_callbacks(governor: FreeCoreThreads | None) -> list[Any] | None:
     """Trainer callbacks that set the torch thread count to the free cores after every optimizer step
-    (``governor`` from :func:`marl.cpu_threads.apply_threads`; none when it is ``None``)."""
+    (``governor`` from :func:`marl.cpu.threads.apply_threads`; none when it is ``None``)."""
     from transformers import TrainerCallback
 
     if governor is None:

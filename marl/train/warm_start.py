@@ -20,10 +20,10 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
-from marl.cpu_threads import apply_threads
+from marl.config.model import policy_lora_config
+from marl.cpu.threads import apply_threads
 from marl.errors import DataError
 from marl.model.quantization import default_compute_dtype
-from marl.model_settings import policy_lora_config
 from marl.train.trl_trainers import (
     check_output_dir,
     free_core_callbacks,
@@ -83,7 +83,7 @@ def warm_start_policy(
 ) -> dict[str, Any]:
     """Fine-tune a policy LoRA on ``examples`` (columns ``prompt``, ``completion``) with TRL's SFTTrainer and
     save it to ``output_dir`` as a PEFT folder. ``lora_config`` defaults to the fresh policy LoRA of an RL run
-    (:func:`marl.model_settings.policy_lora_config`); the learning rate decays linearly to zero.
+    (:func:`marl.config.model.policy_lora_config`); the learning rate decays linearly to zero.
     ``gradient_checkpointing`` trades compute for activation memory (off: the demo's model is small).
 
     Returns the number of examples and optimizer steps, the mean training loss, the first and last logged loss

@@ -10,7 +10,7 @@ from transformers import HfArgumentParser
 from marl import RLOOConfig
 from marl.algo.from_trl import rloo_config_from_trl
 from marl.algo.selection import check_algorithm, policy_loss
-from marl.algorithms import PRESETS
+from marl.config.algorithms import PRESETS
 from marl.errors import ConfigError
 
 from support.runs import build, tiny_config

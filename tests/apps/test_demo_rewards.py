@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from marl.apps.cli import demo_main
 from marl.apps.demo import DemoArguments, demo_rloo_config, verdict_rows
-from marl.apps.demo_rewards import (
+from marl.apps.demo.rewards import (
     SHIPPED_ADAPTERS_DIR,
     TOPIC_ADAPTER_NAME,
     TOPIC_SPREAD_SHARE,

@@ -182,7 +182,7 @@ def test_a_policy_started_from_an_adapter_is_measured_against_the_base_and_its_s
     disabled), and the start is measured too: here the start is the trained adapter and the policy is still
     equal to it, so the policy ties its start everywhere, and the base's completions are those of a model
     whose reference is the base."""
-    from marl.apps.eval_scores import generate_and_score, summarize
+    from marl.apps.evaluate.scores import generate_and_score, summarize
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import load_judge

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from marl.apps.cli import main
-from marl.apps.eval_ranking import rank_policies
-from marl.apps.eval_scores import ScoredCompletions
 from marl.apps.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation
+from marl.apps.evaluate.ranking import rank_policies
+from marl.apps.evaluate.scores import ScoredCompletions
 from marl.apps.intervals import wilson_interval
 
 from support.tiny import refused, write_jsonl
@@ -203,7 +203,7 @@ def test_the_folder_a_real_sweep_writes_is_ranked(tiny_llama_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from marl.apps.cli import evaluate_main
-    from marl.sweep_settings import parse_sweep
+    from marl.config.sweep import parse_sweep
     from marl.train.sweep import SweepTrainer, build_sweep_model
 
     from support.runs import count_e, prompt_dataset, tiny_config

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marl.apps.demo_rewards import topicality_summary
-from marl.apps.demo_verdict import verdict_rows
+from marl.apps.demo.rewards import topicality_summary
+from marl.apps.demo.verdict import verdict_rows
 from marl.apps.intervals import bootstrap_intervals, format_interval, verdict_intervals, wilson_interval
 from marl.data.topicality import distinct_2, film_share
 

@@ -8,8 +8,8 @@ import pytest
 
 from marl.apps.cli import plan_main
 from marl.config import RLOOConfig
+from marl.config.sweep import parse_sweep
 from marl.plan import PlanTarget, load_model_config, plan_memory
-from marl.sweep_settings import parse_sweep
 
 FLAGS = ["--device", "cpu", "--prompt_length", "32", "--response_length", "8", "--rloo_k", "4",
          "--per_device_train_batch_size", "8", "--local_rollout_forward_batch_size", "8"]  # fmt: skip

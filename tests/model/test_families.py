@@ -204,7 +204,7 @@ def test_first_microbatch_ratio_is_one_with_a_loaded_dropout_adapter(family, fam
         temperature=1.0,
         seed=0,
     )
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     assert model.reference_mode == "initial-policy"
     tokenizer = AutoTokenizer.from_pretrained(family_dir(family))
     prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"]})
@@ -298,7 +298,7 @@ def test_several_terminators_all_stop_the_rollout(family_dir, tmp_path):
         temperature=3.0,
         stop_token="eos",
     )
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     move_policy(model)
     words = ["the movie", "a film", "review:", "good", "bad", "the plot", "write a", "an honest"]
     prompts = datasets.Dataset.from_dict({"prompt": words})

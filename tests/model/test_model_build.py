@@ -1,4 +1,4 @@
-"""Building the model: from a config (and the deprecated shim), and each adapter folder read once."""
+"""Building the model: from a config, and each adapter folder read once."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 
 from marl import MultiAdapterModel, RLOOConfig
@@ -14,24 +13,6 @@ from marl.model import adapters
 
 IDS = torch.tensor([[5, 9, 13, 17, 21, 25], [0, 0, 7, 11, 15, 19]])
 MASK = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
-
-
-def test_from_config_is_what_the_deprecated_load_model_builds(tiny_llama_dir, tiny_reward_adapter):
-    config = RLOOConfig(
-        model_name_or_path=str(tiny_llama_dir), reward_adapter=str(tiny_reward_adapter), lora_r=4, seed=7
-    )
-    model = MultiAdapterModel.from_config(config)
-    with pytest.warns(DeprecationWarning, match=r"MultiAdapterModel\.from_config"):
-        shimmed = config.load_model()
-
-    assert isinstance(shimmed, MultiAdapterModel)
-    assert shimmed.adapter_names == model.adapter_names == ["policy", "reward"]
-    assert shimmed.reference_mode == model.reference_mode == "base"
-    assert shimmed.peft_model.peft_config["policy"].r == 4
-    # seeded the same way: the fresh policy LoRA starts from the same weights
-    for ours, theirs in zip(shimmed.policy_parameters(), model.policy_parameters(), strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
-    torch.testing.assert_close(shimmed.compute_reward_score(IDS, MASK), model.compute_reward_score(IDS, MASK))
 
 
 def test_overrides_reach_from_pretrained(tiny_llama_dir):

@@ -176,7 +176,7 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
             gradient_checkpointing=checkpointing,
         )  # fmt: skip
         torch.manual_seed(0)
-        model = config.load_model()
+        model = MultiAdapterModel.from_config(config)
         prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film about the", "review:", "good"]})
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
         return RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c])
@@ -218,7 +218,11 @@ def test_the_rows_order_of_an_update_does_not_depend_on_packing(tiny_llama_dir, 
         prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film", "review:", "good"] * 3})
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
         trainer = RLOOTrainer(
-            config, config.load_model(), tokenizer, prompts, reward_funcs=lambda p, c: [0.0] * len(c)
+            config,
+            MultiAdapterModel.from_config(config),
+            tokenizer,
+            prompts,
+            reward_funcs=lambda p, c: [0.0] * len(c),
         )
         torch.manual_seed(1)
         rollout = collect_rollout(

@@ -193,7 +193,7 @@ def test_rloo_runs_after_a_trl_reward_trainer_in_the_same_process(tiny_llama_dir
 
     config = run_config(tmp_path / "run", "policy", total_episodes=8, reward_adapter=str(tmp_path / "rm"))
     config.model_name_or_path = str(tiny_llama_dir)
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     history = RLOOTrainer(config, model, tokenizer, datasets.Dataset.from_dict({"prompt": PROMPTS})).train()
     assert len(history) == 1 and math.isfinite(history[0]["objective/scores"])
 

@@ -81,7 +81,7 @@ def test_reward_scores_and_reference_logprobs_are_bit_identical_after_training(
         total_episodes=16,
         learning_rate=5e-2,
     )
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     batch = tokenizer(["a lovely film<eos>", "dull and stale"], return_tensors="pt", padding=True)
     ids, mask = batch["input_ids"], batch["attention_mask"]

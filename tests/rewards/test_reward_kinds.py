@@ -136,7 +136,7 @@ def test_a_kind_registered_outside_marl_trains_through_the_trainer(
     config.model_name_or_path = str(tiny_llama_dir)
     plan = plan_rewards([RewardSetting("vowels", "3.0")])
     torch.manual_seed(0)
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     (source,) = plan.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size))
     trainer = RLOOTrainer(config, model, tokenizer, prompt_dataset(), reward_funcs=[source])

@@ -133,7 +133,7 @@ def train_fp16(model_dir, output_dir, device, *, resume=None, after_update=None)
         save_steps=1,
         seed=3,
     )
-    model = config.load_model(device_map={"": device})
+    model = MultiAdapterModel.from_config(config, device_map={"": device})
     prompts = datasets.Dataset.from_dict({"prompt": ["the movie", "a film about", "review:", "good"]})
     trainer = RLOOTrainer(
         config,

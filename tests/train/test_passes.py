@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from marl.algo.passes import ALL_PASSES, ScoringPasses
-from marl.algorithms import PRESETS
+from marl.config.algorithms import PRESETS
 
 from support.runs import build, tiny_config
 

@@ -20,13 +20,13 @@ from transformers import AutoTokenizer
 from marl import MultiAdapterModel
 from marl.algo.metrics import UpdateStats
 from marl.apps.cli import parse_train_rloo_args, train_rloo_main
+from marl.config.sweep import parse_sweep
 from marl.errors import ConfigError
 from marl.rollout.scoring import Scorer
-from marl.sweep_settings import parse_sweep
-from marl.train.joint_update import UpdatePart, accumulate
 from marl.train.sweep import SweepTrainer, build_sweep_model
 from marl.train.sweep_report import CURVES_FILE, SUMMARY_FILE
 from marl.train.trainer import RLOOTrainer
+from marl.train.update import UpdatePart, accumulate
 
 from support.families import FAMILIES, FAMILY_SPECS, logprob_tolerance
 from support.runs import PROMPTS, build, count_e, prompt_dataset, tiny_config
@@ -224,7 +224,7 @@ def test_the_sweep_update_gives_the_heap_back_after_each_policys_micro_batch(
     """On CPU, after each policy's micro-batch of a sweep (2 policies x 2 micro-batch steps: 4 times), and
     never in a single run's update; the gradients stay each policy's solo ones."""
     released = []
-    monkeypatch.setattr("marl.train.joint_update.release_freed_memory", lambda: released.append(True))
+    monkeypatch.setattr("marl.train.update.release_freed_memory", lambda: released.append(True))
     assert_sweep_update_is_each_policys_solo_update(family_dir("llama"), tmp_path, "llama")
     assert len(released) == 4  # the two solo updates of the check above released nothing
 

@@ -376,7 +376,7 @@ def test_reward_fn_is_called_as_trl_calls_it_with_the_dataset_columns(tiny_llama
 def test_dataset_and_reward_validation(tiny_llama_dir, tmp_path):
     config = tiny_config(tmp_path / "run", model_name_or_path=str(tiny_llama_dir))
     torch.manual_seed(0)
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     with pytest.raises(ValueError, match=r"no 'prompt' or 'input_ids' column.*rename_column"):
         RLOOTrainer(
@@ -456,7 +456,7 @@ def test_tensorboard_tracker_and_eval_samples(tiny_llama_dir, tmp_path):
     )
     config.model_name_or_path = str(tiny_llama_dir)
     torch.manual_seed(0)
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     held_out = prompt_dataset(["held out one", "held out two"])
     trainer = RLOOTrainer(
@@ -484,7 +484,7 @@ def test_a_judge_scores_the_held_out_samples_without_touching_training(tiny_llam
         config = tiny_config(output_dir, num_sample_generations=3, logging_steps=2)
         config.model_name_or_path = str(tiny_llama_dir)
         torch.manual_seed(0)
-        model = config.load_model()
+        model = MultiAdapterModel.from_config(config)
         tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
         trainer = RLOOTrainer(
             config, model, tokenizer, prompt_dataset(), held_out, reward_funcs=count_e, judge=judge

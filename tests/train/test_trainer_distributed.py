@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
         response_length=6, lora_r=4, lora_alpha=8, stop_token="eos", num_sample_generations=0, seed=0,
     )
     torch.manual_seed(rank)  # different initialisations: the trainer must start all processes from rank 0's
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = datasets.Dataset.from_dict({"prompt": [f"prompt number {i}" for i in range(16)]})
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=reward_fn)
@@ -117,7 +117,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     rank = int(os.environ["RANK"])
     config = RLOOConfig(output_dir=output_dir, model_name_or_path=model_dir, rloo_k=2, lora_r=4, lora_alpha=8,
                         per_device_train_batch_size=4, total_episodes=8, num_sample_generations=0)
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     with torch.no_grad():  # a policy away from the reference, the same on both processes
         for parameter in model.policy_parameters():
             values = torch.sin(torch.arange(parameter.numel(), dtype=torch.float32))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from marl import RLOOConfig, RLOOTrainer
+from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 
 PROMPTS = ["the movie", "a film about", "review:", "good", "bad acting", "the plot", "write a", "an honest"]
 UPDATES = 40
@@ -41,7 +41,7 @@ def run(model_dir, output_dir, learning_rate: float) -> list[dict]:
         seed=0,
     )
     torch.manual_seed(0)
-    model = config.load_model()
+    model = MultiAdapterModel.from_config(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = RLOOTrainer(
         config, model, tokenizer, datasets.Dataset.from_dict({"prompt": PROMPTS}), reward_funcs=count_e

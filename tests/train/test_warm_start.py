@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from marl.config.model import policy_lora_config
 from marl.data.prompts import tokenize_prompt
 from marl.model.multi_adapter import MultiAdapterModel
-from marl.model_settings import policy_lora_config
 from marl.train.warm_start import tokenized_examples, warm_start_policy
 
 EXAMPLES = datasets.Dataset.from_dict(

@@ -1,10 +1,10 @@
 """``marl evaluate``: does the trained policy beat its base on held-out prompts, and by honest measures?
 
 ONE model is loaded (base + policy adapter + reward adapter); base and policy sample the same prompts and each
-completion is scored (:mod:`marl.apps.eval_scores`: reward adapter, judge, length, KL to the reference); the
-means, the judge win rate of the policy over the base and every completion are printed and written
-(:mod:`marl.apps.eval_report`). Prompts the policy was trained on are evaluated with a warning, never shown as
-held-out.
+completion is scored (:mod:`marl.apps.evaluate.scores`: reward adapter, judge, length, KL to the reference);
+the means, the judge win rate of the policy over the base and every completion are printed and written
+(:mod:`marl.apps.evaluate.report`). Prompts the policy was trained on are evaluated with a warning, never
+shown as held-out.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.apps.eval_folders import check_same_settings, policy_folders, run_record
-from marl.apps.eval_ranking import rank_and_report
-from marl.apps.eval_report import COMPLETIONS_FILE, RESULTS_FILE, results_table, write_results
-from marl.apps.eval_scores import generate_and_score, summarize, win_rate
-from marl.config import RLOOConfig
-from marl.cpu_threads import check_threads, threads_field
+from marl.apps.evaluate.folders import check_same_settings, policy_folders, run_record
+from marl.apps.evaluate.ranking import rank_and_report
+from marl.apps.evaluate.report import COMPLETIONS_FILE, RESULTS_FILE, results_table, write_results
+from marl.apps.evaluate.scores import generate_and_score, summarize, win_rate
+from marl.config.checks import check_fields, check_seed
+from marl.config.rloo_config import RLOOConfig
+from marl.cpu.threads import check_threads, threads_field
 from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError
 from marl.model.quantization import parse_quantization
-from marl.validation import check_fields, check_seed
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -168,7 +168,7 @@ def fill_from_training_run(
     (so that evaluation samples as the run did: its base, length, temperature and stop), else with
     ``marl evaluate``'s defaults; returns those taken from the run. With several policy ``folders`` (default:
     ``--policy_adapter``'s), their runs must agree on each unset setting
-    (:func:`marl.apps.eval_folders.check_same_settings`).
+    (:func:`marl.apps.evaluate.folders.check_same_settings`).
 
     Example:
         >>> arguments = EvaluateArguments(output_dir="out")  # no policy: no run to read
@@ -249,7 +249,7 @@ def check_one_process() -> None:
 def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """Load ONE model (base + policy adapter + reward adapter), compare policy and base, print and save. With
     several policy folders, each is added to the one base, every policy samples the same prompts as the
-    others, the base samples them once, and the policies are ranked (:mod:`marl.apps.eval_ranking`).
+    others, the base samples them once, and the policies are ranked (:mod:`marl.apps.evaluate.ranking`).
 
     Example:
         >>> arguments = EvaluateArguments(policy_adapter="runs/rloo", reward_adapter="adapters/rm")
@@ -257,9 +257,9 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """
     from rich.console import Console
 
-    from marl.apps.eval_folders import check_one_base
-    from marl.config import reward_adapter_folders
-    from marl.cpu_threads import apply_threads
+    from marl.apps.evaluate.folders import check_one_base
+    from marl.config.model import reward_adapter_folders
+    from marl.cpu.threads import apply_threads
     from marl.data.gold_judge import check_gold_judge
     from marl.data.prompts import describe_prompt_source, load_prompt_dataset, prompt_source
     from marl.model.build import load_tokenizer

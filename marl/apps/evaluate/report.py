@@ -1,6 +1,6 @@
 """Evaluation's report: the table printed at the end and the two files written next to the policy adapter.
 
-``eval_results.json`` holds the settings and the means (:func:`marl.apps.eval_scores.summarize`);
+``eval_results.json`` holds the settings and the means (:func:`marl.apps.evaluate.scores.summarize`);
 ``eval_completions.jsonl`` every completion with its measurements, one prompt a line.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from marl.apps.eval_scores import ScoredCompletions
+    from marl.apps.evaluate.scores import ScoredCompletions
 
 RESULTS_FILE = "eval_results.json"
 COMPLETIONS_FILE = "eval_completions.jsonl"
@@ -24,8 +24,9 @@ JUDGE_NAMES = {"vader": "VADER"}  # how the table names a judge: the default one
 def results_table(
     summary: dict[str, Any], title: str = "Evaluation on held-out prompts", judge: str = "vader"
 ):
-    """A rich table of :func:`marl.apps.eval_scores.summarize`'s output: one row per model. ``judge`` names
-    the judge in the column titles (``"vader"``: VADER sentiment, the default; else its ``module:function``);
+    """A rich table of :func:`marl.apps.evaluate.scores.summarize`'s output: one row per model. ``judge``
+    names the judge in the column titles (``"vader"``: VADER sentiment, the default; else its
+    ``module:function``);
     with several reward sources, each gets a column of its own."""
     from rich.table import Table
 

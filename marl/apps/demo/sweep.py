@@ -1,25 +1,20 @@
 """``marl demo --sweep``: several of the demo's policies trained at once on its one 4-bit base, then ranked.
 
-Each member is the demo's RLOO run with its swept settings (:func:`marl.sweep_settings.parse_sweep` over the
+Each member is the demo's RLOO run with its swept settings (:func:`marl.config.sweep.parse_sweep` over the
 demo's config), trained by :class:`marl.train.sweep.SweepTrainer` (one batched decode and shared scoring
 passes for every policy's rows, each policy's own update) and written to ``<output_dir>/<member name>``: a
 PEFT adapter, ``metrics.jsonl``, ``training_curves.png``. The sweep's folder gets ``sweep_summary.md`` and
 ``sweep_curves.png`` (each policy's last reward, KL and held-out VADER score during training), then, after
 base and every policy sample the same held-out prompts with the same seeds, ``eval_results.json`` with their
-ranking (:mod:`marl.apps.eval_ranking`: mean VADER score, win rate over the base, gap to the first,
+ranking (:mod:`marl.apps.evaluate.ranking`: mean VADER score, win rate over the base, gap to the first,
 distinct-2, each with its 95% interval), each model's share of completions naming the film, and
 ``demo_summary.json``.
 
-Beyond what any sweep refuses (:func:`marl.train.sweep.check_sweep_configs`), the demo refuses sweeping
+Beyond what any sweep refuses (:func:`marl.train.sweep.check_sweep_configs`), the demo refuses
+(:func:`marl.apps.demo.arguments.check_demo_sweep`) sweeping
 ``reward_weights`` (it measures the on-film weight once, at the start, for every policy; ``--topic_weight``
 sets it) and a warm start (``--warm_start_epochs``), whose reference would have to be shared by the members:
 train such a sweep with ``marl train-rloo --policy_adapter WARM_START --sweep ...``.
-
-Example:
-    >>> from marl.apps.demo import DemoArguments
-    >>> arguments = DemoArguments(sweep=["learning_rate=5e-4,1e-3", "kl_coef=0.15,0.3"])
-    >>> [member.name for member in check_demo_sweep(arguments)][:2]
-    ['learning_rate=5e-4,kl_coef=0.15', 'learning_rate=5e-4,kl_coef=0.3']
 """
 
 from __future__ import annotations
@@ -27,45 +22,18 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.apps.demo_start import (
+from marl.apps.demo.arguments import check_demo_sweep
+from marl.apps.demo.start import (
     DEMO_SUMMARY_FILE,
     demo_rewards,
-    demo_rloo_config,
     duration_line,
     start_demo,
 )
-from marl.errors import ConfigError
-from marl.sweep_settings import SweepMember, parse_sweep
 
 if TYPE_CHECKING:
-    from marl.apps.demo import DemoArguments
-    from marl.config import RLOOConfig
-
-
-def check_demo_sweep(arguments: DemoArguments, config: RLOOConfig | None = None) -> list[SweepMember]:
-    """The members of ``arguments.sweep`` over the demo's RLOO ``config`` (default: the demo's config for
-    ``arguments``), refused in one line, before any work, where the demo cannot train them together."""
-    from marl.train.sweep import check_sweep_configs
-
-    if arguments.warm_start_epochs > 0:
-        raise ConfigError(
-            "--sweep with --warm_start_epochs is not supported by the demo: train the warm start once, then "
-            "sweep from it with marl train-rloo --policy_adapter WARM_START_FOLDER --sweep ..."
-        )
-    if config is None:
-        config = demo_rloo_config(arguments, Path("."), arguments.reward_adapter)
-    members = parse_sweep(arguments.sweep or [], config)
-    if any(member.config.reward_weights != config.reward_weights for member in members):
-        raise ConfigError(
-            "--sweep reward_weights is not supported by the demo: it measures the on-film weight once, at "
-            "the start, for every policy. Give one weight with --topic_weight, or sweep the weights with "
-            "marl train-rloo --sweep reward_weights=..."
-        )
-    check_sweep_configs([member.config for member in members])
-    return members
+    from marl.apps.demo.arguments import DemoArguments
 
 
 def run_demo_sweep(arguments: DemoArguments) -> dict[str, Any]:
@@ -77,9 +45,9 @@ def run_demo_sweep(arguments: DemoArguments) -> dict[str, Any]:
     """
     from rich.console import Console
 
-    from marl.apps.eval_ranking import rank_and_report
-    from marl.apps.eval_report import write_results
-    from marl.apps.eval_scores import generate_and_score
+    from marl.apps.evaluate.ranking import rank_and_report
+    from marl.apps.evaluate.report import write_results
+    from marl.apps.evaluate.scores import generate_and_score
     from marl.apps.train_rloo import memory_card_with_plan
     from marl.data.topicality import distinct_2, film_share
     from marl.model.build import load_tokenizer

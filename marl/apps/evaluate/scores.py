@@ -128,7 +128,7 @@ def generate_and_score(
     """Sample and measure completions of the base (``"base"``, adapters disabled) and, if ``with_policy``, of
     policy ``policy`` (default: the model's first policy), keyed ``"policy"``, and of its starting adapter
     (``"reference"``) when that is its KL reference. ``after_batch`` is called after every batch
-    (e.g. a :class:`marl.cpu_threads.FreeCoreThreads`). ``sampler`` names a registered sampler (default:
+    (e.g. a :class:`marl.cpu.threads.FreeCoreThreads`). ``sampler`` names a registered sampler (default:
     the one training uses by default, ``RLOOConfig.sampler``). ``reward_names``: the reward adapters that
     score each completion (default: the model's first); ``reward_functions``: ``module:function`` specs of
     reward functions, called as in training (:mod:`marl.rewards.calls`) with ``columns`` (each prompt's other
@@ -150,7 +150,7 @@ def generate_and_score(
     from transformers import TrainerState
 
     from marl.algo.tensors import masked_sum
-    from marl.config import RLOOConfig
+    from marl.config.rloo_config import RLOOConfig
     from marl.data.prompts import prompt_text
     from marl.model.records import BASE_VIEW, REFERENCE_VIEW
     from marl.rewards import RewardParts, RewardSetting, plan_rewards

@@ -11,23 +11,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.apps import demo_policy
-from marl.apps.demo_rewards import (
+from marl.apps.demo import policy as demo_policy
+from marl.apps.demo.arguments import demo_rloo_config
+from marl.apps.demo.rewards import (
     WEIGHT_PROBE_PROMPTS,
     chosen_rewards,
     rebuild_sentiment_adapter,
     reward_adapter_entries,
     weigh_rewards,
 )
-from marl.apps.demo_verdict import TARGET_EVAL_PROMPTS
+from marl.apps.demo.verdict import TARGET_EVAL_PROMPTS
 from marl.errors import MissingPathError
 
 if TYPE_CHECKING:
-    from marl.apps.demo import DemoArguments
+    from marl.apps.demo.arguments import DemoArguments
 
 DEMO_SUMMARY_FILE = "demo_summary.json"
-# Sample tables during training, each scoring held-out prompts with the reward adapter and VADER (the curves).
-DEMO_SAMPLE_GENERATIONS = 8
 # Measured with the defaults on a 2-core x86-64 CPU (docs/guides/demo.md), by free cores: 2 = the
 # demo alone (seed 0), 1 = another process holding the other core (seeds 1 and 2). Loading (with the one-off
 # model conversion), seconds per training completion (sample tables included), and the final evaluation.
@@ -36,58 +35,13 @@ MEASURED_SECONDS_PER_COMPLETION = {1: 0.80, 2: 0.49}
 MEASURED_EVAL_SECONDS = {1: 150.0, 2: 100.0}
 
 
-def demo_rloo_config(
-    arguments: DemoArguments,
-    output_dir: Path,
-    reward_adapter: str | list[str],
-    reward_weights: list[float] | None = None,
-    algorithm: str = "rloo",
-):
-    """The :class:`marl.RLOOConfig` of the demo: embedded model in 4-bit, default LoRA, no stop token
-    (``stop_token="none"``: fixed-length completions); the
-    demo's k, batch, learning rate, KL coefficient and epochs under the ``algorithm`` preset's other settings
-    (:mod:`marl.algorithms`)."""
-    from marl.config import RLOOConfig
-    from marl.data.assets import EMBEDDED_MODEL_ID
-
-    return RLOOConfig(
-        output_dir=str(output_dir),
-        algorithm=algorithm,
-        seed=arguments.seed,
-        threads=arguments.threads,
-        model_name_or_path=EMBEDDED_MODEL_ID,
-        quantization="4bit",
-        reward_adapter=reward_adapter,
-        reward_weights=reward_weights,
-        rloo_k=arguments.rloo_k,
-        per_device_train_batch_size=arguments.per_device_train_batch_size,
-        num_mini_batches=arguments.num_mini_batches,
-        num_ppo_epochs=arguments.num_ppo_epochs,
-        total_episodes=arguments.total_episodes,
-        learning_rate=arguments.learning_rate,
-        kl_coef=arguments.kl_coef,
-        reward_normalization=arguments.reward_normalization,
-        # per_reward: each reward by its group std too (centring alone, the leave-one-out removes anyway)
-        scale_rewards="group" if arguments.reward_normalization == "per_reward" else None,
-        response_length=arguments.response_length,
-        temperature=arguments.temperature,
-        # No stop token: every completion runs to response_length, so that stopping early is not a way to
-        # keep a positive prompt's score; the policy has to write something positive.
-        stop_token="none",
-        # One generate call per rollout: on CPU a 4-bit decode step costs about the same for 16 or 64 rows.
-        local_rollout_forward_batch_size=arguments.per_device_train_batch_size * arguments.num_mini_batches,
-        num_sample_generations=DEMO_SAMPLE_GENERATIONS,
-        save_steps=0,
-    )
-
-
 def expected_seconds(arguments: DemoArguments, threads: int, policies: int = 1) -> float:
     """The demo's expected duration with ``threads`` free cores, scaled from the measured run by the number
     of completions trained on and evaluated (a rebuilt reward adapter not counted); ``policies`` trained at
     once (``--sweep``) each count their completions, and evaluate beside the one base.
 
     Example:
-        >>> from marl.apps.demo import DemoArguments
+        >>> from marl.apps.demo.run import DemoArguments
         >>> round(expected_seconds(DemoArguments(), threads=2) / 60)
         15
     """

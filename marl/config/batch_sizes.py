@@ -1,7 +1,7 @@
 """The batch arithmetic of an RLOO run: how many completions, prompts and optimizer steps one update holds.
 
-Settings layer (beside :mod:`marl.config`, which re-exports :class:`BatchSizes`): pure integer arithmetic on
-the batch fields of a config, written once for the checks made when the config is built and for the sizes
+Part of the settings (:mod:`marl.config`, which re-exports :class:`BatchSizes`): pure integer arithmetic
+on the batch fields of a config, written once for the checks made when the config is built and for the sizes
 the trainer derives for a number of processes and a dataset.
 
 Example:

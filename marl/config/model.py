@@ -1,7 +1,7 @@
 """Settings of the shared base and its adapters that both the config and the model layer read: the
 quantization choices, the reference modes, the default policy LoRA and how reward adapters are named.
 
-They live below both (beside :mod:`marl.config`, which imports no model code), so that each rule has one
+They live with the settings (:mod:`marl.config`, which imports no model code), so that each rule has one
 owner: ``RLOOConfig`` checks a setting with the same function that :mod:`marl.model.build` uses when the model
 is built from Python.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from marl.apps.demo_rewards import topicality_rows
+from marl.apps.demo.rewards import topicality_rows
 from marl.apps.intervals import format_interval
 
 # Targets of the demo: total under 15 minutes; VADER win rate >= 80% on >= 200 held-out prompts.
@@ -26,7 +26,7 @@ def verdict_rows(
     summary: dict[str, Any], seconds: float, num_prompts: int
 ) -> list[tuple[str, str, str, bool]]:
     """``(check, target, measured, passed)`` rows of the demo's verdict; with a ``topicality`` entry in
-    ``summary`` (:func:`marl.apps.demo_rewards.topicality_summary`) also its two rows; with an ``intervals``
+    ``summary`` (:func:`marl.apps.demo.rewards.topicality_summary`) also its two rows; with an ``intervals``
     entry (:func:`marl.apps.intervals.verdict_intervals`) each measured value carries its 95% interval.
 
     Example:

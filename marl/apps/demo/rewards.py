@@ -26,8 +26,8 @@ from typing import Any
 
 from marl.errors import ConfigError, MissingPathError
 
-# The repository's adapters/ folder (this file is marl/apps/demo_rewards.py).
-SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parents[2] / "adapters"
+# The repository's adapters/ folder (this file is marl/apps/demo/rewards.py).
+SHIPPED_ADAPTERS_DIR = Path(__file__).resolve().parents[3] / "adapters"
 SENTIMENT_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-reward"
 TOPIC_ADAPTER_NAME = "smollm2-135m-rotten-tomatoes-film-reward"
 REWARD_CHOICES = ("sentiment", "topic")
@@ -142,7 +142,7 @@ def measure_topic_weight(
         >>> measure_topic_weight(model, tokenizer, prompts[:64], response_length=20)  # doctest: +SKIP
         {'weight': 0.65, ...}
     """
-    from marl.apps.eval_scores import generate_and_score
+    from marl.apps.evaluate.scores import generate_and_score
     from marl.rewards import load_judge
 
     names = [ADAPTER_NAMES["sentiment"], ADAPTER_NAMES["topic"]]
@@ -215,7 +215,7 @@ def reward_means_by_name(samples: dict[str, Any]) -> dict[str, dict[str, float]]
     """Mean score of each reward adapter (``ScoredCompletions.reward_scores_by_name``) per model.
 
     Example:
-        >>> from marl.apps.eval_scores import ScoredCompletions
+        >>> from marl.apps.evaluate.scores import ScoredCompletions
         >>> reward_means_by_name({"base": ScoredCompletions(reward_scores_by_name={"topic": [1.0, 2.0]})})
         {'topic': {'base': 1.5}}
     """

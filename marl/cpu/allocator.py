@@ -15,7 +15,7 @@ the speed and the peak:
 
 With either setting the trainer gives the heap back between phases (:func:`release_freed_memory`), so the
 memory held between updates is the same; a sweep's update also gives it back after each policy's micro-batch
-(:func:`marl.train.joint_update.accumulate`). The memory planner's CPU figures are validated with ``maps``
+(:func:`marl.train.update.accumulate`). The memory planner's CPU figures are validated with ``maps``
 (``examples/benchmarks/plan_vs_measured.py``); with ``heap`` a phase can hold more than planned.
 
 Example:
@@ -50,7 +50,7 @@ _THRESHOLDS = {"heap": (32 * MiB, 64 * MiB), "maps": (MiB, 128 * 1024)}
 
 def cpu_allocator_field() -> Any:
     """The ``cpu_allocator`` field of a settings dataclass: one default, one help text, its choices (checked
-    by :func:`marl.validation.check_fields` and by the command line)."""
+    by :func:`marl.config.checks.check_fields` and by the command line)."""
     return field(
         default=DEFAULT_CPU_ALLOCATOR, metadata={"help": CPU_ALLOCATOR_HELP, "choices": CPU_ALLOCATORS}
     )

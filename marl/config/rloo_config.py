@@ -15,16 +15,13 @@ Example:
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from marl.algorithms import algorithm_field, check_algorithm_settings, resolve_algorithm
-from marl.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
-from marl.cpu_allocator import cpu_allocator_field
-from marl.cpu_threads import check_threads, threads_field
-from marl.errors import ConfigError
-from marl.model_settings import (
+from marl.config.algorithms import algorithm_field, check_algorithm_settings, resolve_algorithm
+from marl.config.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
+from marl.config.checks import check_fields, check_seed
+from marl.config.model import (
     DEFAULT_LORA_ALPHA,
     DEFAULT_LORA_R,
     DEFAULT_POLICY,
@@ -34,13 +31,14 @@ from marl.model_settings import (
     policy_lora_config,
     reward_adapter_folders,
 )
-from marl.stop_settings import check_stop_settings, has_stop_token, resolve_stop_token
-from marl.validation import check_fields, check_seed
+from marl.config.stops import check_stop_settings, has_stop_token, resolve_stop_token
+from marl.cpu.allocator import cpu_allocator_field
+from marl.cpu.threads import check_threads, threads_field
+from marl.errors import ConfigError
 
 if TYPE_CHECKING:
     from peft import LoraConfig
 
-    from marl.model.multi_adapter import MultiAdapterModel
 
 # Trackers that accelerate can log to ("none" turns trackers off; metrics.jsonl is always written).
 REPORT_TO_CHOICES = (
@@ -394,27 +392,10 @@ class RLOOConfig:
         )
 
     def reward_adapter_folders(self) -> dict[str, str]:
-        """The reward adapters by name (see :func:`marl.model_settings.reward_adapter_folders`).
+        """The reward adapters by name (see :func:`marl.config.model.reward_adapter_folders`).
 
         Example:
             >>> RLOOConfig(reward_adapter=["rm", "fluency=adapters/fluency"]).reward_adapter_folders()
             {'reward': 'rm', 'fluency': 'adapters/fluency'}
         """
         return reward_adapter_folders(self.reward_adapter or [])
-
-    def load_model(self, **overrides: Any) -> MultiAdapterModel:
-        """Deprecated: use ``MultiAdapterModel.from_config(config, **overrides)`` (the same model).
-
-        Example:
-            >>> model = RLOOConfig(model_name_or_path="path/to/base").load_model()  # doctest: +SKIP
-        """
-        warnings.warn(
-            "RLOOConfig.load_model is deprecated: use "
-            "marl.MultiAdapterModel.from_config(config, **overrides), which builds the same model",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        # The one allowed upward import (config -> model): this deprecated shim keeps the old API working.
-        from marl.model.multi_adapter import MultiAdapterModel
-
-        return MultiAdapterModel.from_config(self, **overrides)

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from marl.errors import ConfigError
 
 if TYPE_CHECKING:
-    from marl.config import RLOOConfig
+    from marl.config.rloo_config import RLOOConfig
 
 WARM_START_FOLDER = "warm-start"
 # Fresh (positive) snippets only; chosen by measurement against all snippets (results file, section 6).
 WARM_START_LABEL = 1
 WARM_START_LEARNING_RATE = 3e-4
 # One epoch on one free core (measured beside another demo); on two, scaled by the measured ratio of the
-# demo's seconds per RL completion (marl.apps.demo), not measured alone.
+# demo's seconds per RL completion (marl.apps.demo.run), not measured alone.
 WARM_START_SECONDS_PER_EPOCH = {1: 238.0, 2: 238.0 * 0.49 / 0.80}
 # RLOO's learning rate: a warm-started LoRA (both factors non-zero) moves several times faster per step than
 # a fresh one (B = 0), measured on seed 0 (results file, section 6).

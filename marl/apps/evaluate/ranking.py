@@ -2,9 +2,9 @@
 folders (a sweep's members, say).
 
 Every policy samples the same prompts with the same seeds and the base samples them once
-(:func:`marl.apps.eval_scores.generate_and_score` with ``policies``), so every policy's scores pair with every
-other's prompt by prompt. :func:`rank_policies` orders the policies by their mean judge score and gives each
-number a 95% interval (:mod:`marl.apps.intervals`):
+(:func:`marl.apps.evaluate.scores.generate_and_score` with ``policies``), so every policy's scores pair with
+every other's prompt by prompt. :func:`rank_policies` orders the policies by their mean judge score and gives
+each number a 95% interval (:mod:`marl.apps.intervals`):
 
 - the mean judge score and the mean reward score: a bootstrap over the prompts;
 - the judge win rate over the base: Wilson, a tie counting half;
@@ -30,12 +30,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from marl.apps.eval_report import JUDGE_NAMES
-from marl.apps.eval_scores import win_rate
+from marl.apps.evaluate.report import JUDGE_NAMES
+from marl.apps.evaluate.scores import win_rate
 from marl.apps.intervals import Interval, _bigrams, _distinct_2, bootstrap_intervals, wilson_interval
 
 if TYPE_CHECKING:
-    from marl.apps.eval_scores import ScoredCompletions
+    from marl.apps.evaluate.scores import ScoredCompletions
 
 # Settings of a run's rloo_config.json that say where it ran and what its adapter is called, not how it
 # trained (a sweep names each member's folder and policy): never shown as a difference.
@@ -104,7 +104,7 @@ def rank_policies(
     differing settings (:func:`differing_settings`), shown beside it.
 
     Example:
-        >>> from marl.apps.eval_scores import ScoredCompletions
+        >>> from marl.apps.evaluate.scores import ScoredCompletions
         >>> def scored(judge):
         ...     return ScoredCompletions(completions=["a good film"] * 4, judge_scores=judge, lengths=[3] * 4)
         >>> ranked = rank_policies({"a": scored([0.1, 0.2, 0.1, 0.2]), "b": scored([0.5, 0.6, 0.5, 0.7])},
@@ -240,14 +240,14 @@ def ranking_table(
 def rank_and_report(
     samples: Mapping[str, ScoredCompletions], folders: Mapping[str, str], title: str, judge: str = "vader"
 ) -> tuple[dict[str, ScoredCompletions], dict[str, Any], Any]:
-    """From :func:`marl.apps.eval_scores.generate_and_score`'s ``samples`` of the policies ``folders``
+    """From :func:`marl.apps.evaluate.scores.generate_and_score`'s ``samples`` of the policies ``folders``
     (adapter name → the policy folder), keyed ``"base"`` and by adapter name: the samples keyed by each
-    policy's label (:func:`marl.apps.eval_folders.policy_labels`), the summary written as
+    policy's label (:func:`marl.apps.evaluate.folders.policy_labels`), the summary written as
     ``eval_results.json`` (``base``; ``policies`` with each one's means, win rate over the base and folder;
     ``ranking``, best first) and the ranking's table."""
     from dataclasses import asdict
 
-    from marl.apps.eval_folders import policy_labels, run_record
+    from marl.apps.evaluate.folders import policy_labels, run_record
 
     labels = dict(zip(folders, policy_labels(list(folders.values())), strict=True))
     base = samples["base"]

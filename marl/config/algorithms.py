@@ -79,8 +79,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 HELP = {
-    "algorithm": f"Preset of estimator, loss and defaults: one of {', '.join(PRESETS)} (marl.algorithms); "
-    "every field it sets can be given explicitly and then wins.",
+    "algorithm": f"Preset of estimator, loss and defaults: one of {', '.join(PRESETS)} "
+    "(marl.config.algorithms); every field it sets can be given explicitly and then wins.",
     "advantage_estimator": "Advantage estimator by its registered name (marl.algo.advantages): 'rloo' "
     "(leave-one-out), 'grpo' (group mean, --scale_rewards), 'reinforce_pp' (batch mean and std). "
     "Default: from --algorithm.",
