@@ -24,16 +24,20 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 
 def unbiased_std(values: torch.Tensor, selected: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """Standard deviation with Bessel's correction over the ``selected`` entries (along ``dim``, or of all):
-    the mean squared deviation times ``n / (n − 1)``; NaN where fewer than two entries are selected."""
-    count = selected.sum() if dim is None else selected.sum(dim=dim, keepdim=True)
-    zeros = torch.zeros_like(values)
-    total = torch.where(selected, values, zeros)
-    mean = (total.sum() if dim is None else total.sum(dim=dim, keepdim=True)) / count
-    squared = torch.where(selected, (values - mean) ** 2, zeros)
-    variance = (squared.sum() if dim is None else squared.sum(dim=dim, keepdim=True)) / count
-    variance = variance * count / (count - 1)
-    return torch.where(count > 1, variance.sqrt(), torch.full_like(variance, float("nan")))
+    """Standard deviation with Bessel's correction over the ``selected`` entries (along ``dim``, kept as a
+    dimension of size 1, or of all): TRL's own ``nanstd`` (its GRPO and RLOO trainers' group std) over the
+    values with the others as NaN; NaN where fewer than two entries are selected.
+
+    Example:
+        >>> values = torch.tensor([[1.0, 5.0], [3.0, 7.0], [9.0, 0.0]])
+        >>> selected = torch.tensor([[True, True], [True, True], [False, True]])
+        >>> unbiased_std(values, selected, dim=0)
+        tensor([[1.4142, 3.6056]])
+    """
+    # Imported here: trl's utilities pull in most of transformers, which the pure math does not need.
+    from trl.trainer.utils import nanstd
+
+    return nanstd(torch.where(selected, values, float("nan")), dim=dim, keepdim=dim is not None)
 
 
 def grpo_advantages(

@@ -29,6 +29,8 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy
+
 # Resamples of every bootstrap interval, and their fixed seed (the intervals of a run are reproducible).
 BOOTSTRAP_RESAMPLES = 1000
 BOOTSTRAP_SEED = 0
@@ -89,18 +91,12 @@ def bootstrap_intervals(
     tail = (1 - confidence) / 2
     intervals = {}
     for name, statistic in statistics_of.items():
-        values = sorted(draws[name])
+        values = draws[name]
         shift = statistic(range(size)) - statistics.fmean(values)
-        intervals[name] = (_quantile(values, tail) + shift, _quantile(values, 1 - tail) + shift)
+        # numpy's default quantile: linear between the neighbouring order statistics
+        low, high = numpy.quantile(values, [tail, 1 - tail])
+        intervals[name] = (float(low) + shift, float(high) + shift)
     return intervals
-
-
-def _quantile(ordered: Sequence[float], share: float) -> float:
-    """The ``share`` quantile of sorted values, interpolated linearly between neighbours (numpy's default)."""
-    position = share * (len(ordered) - 1)
-    below = math.floor(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
 
 
 def _bigrams(text: str) -> list[tuple[str, str]]:

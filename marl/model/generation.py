@@ -222,3 +222,19 @@ def sample(
     if missing > 0:
         completions = torch.nn.functional.pad(completions, (0, missing), value=settings.pad_token_id)
     return completions
+
+
+def any_process(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any process of the default group (one all-reduce; ``flag`` itself without
+    one): the one agreement every loop whose length depends on a process's own data makes, so that the
+    processes stay in step.
+
+    Example:
+        >>> any_process(True, torch.device("cpu"))
+        True
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    torch.distributed.all_reduce(value)
+    return bool(value.item() > 0)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from marl.model.generation import SamplingSettings, cache_argument
+from marl.model.generation import SamplingSettings, any_process, cache_argument
 from marl.model.routing import RowRoutes
 
 # A decode step: (input ids [A, 1], attention mask [A, S], position ids [A, 1], cache) -> logits [A, 1, V].
@@ -165,7 +165,7 @@ def sample_static(
             break
         running = ~torch.isin(drawn[active], stop_ids) if idle is None else stop_ids.new_zeros(0).bool()
         here = bool(running.any())
-        if not (_any_process(here, device) if synced else here):
+        if not (any_process(here, device) if synced else here):
             break
         if idle is None and not bool(running.all()):
             if here:
@@ -182,13 +182,3 @@ def sample_static(
             routes.names = [prompt_names[row // copies] for row in rows_now.tolist()]
         logits = step(tokens, mask[rows_now], next_position[rows_now, None] + index, cache)[:, -1].float()
     return completions
-
-
-def _any_process(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` holds on any process of the default group (one all-reduce; ``flag`` alone without
-    one)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    torch.distributed.all_reduce(value)
-    return bool(value.item() > 0)

@@ -41,6 +41,7 @@ from accelerate.state import AcceleratorState
 
 from marl.errors import ConfigError
 from marl.model.adapters import save_adapter
+from marl.model.generation import any_process
 from marl.registry import Registry
 from marl.train import sharding
 from marl.train.launch import check_sharded_launch
@@ -198,7 +199,7 @@ class ReplicatedParallelism:
             save_adapter(model.peft_model, policy, Path(directory), model.name_or_path, state=state)
 
     def any_process(self, flag: bool) -> bool:
-        return any_process(flag, self.accelerator)
+        return any_process(flag, self.accelerator.device)
 
     def sum_over_processes(self, record: Record) -> Record:
         return sum_over_processes(record, self.accelerator)
@@ -328,14 +329,6 @@ def same_device(first: torch.device, second: torch.device, current_cuda_index: i
     return (first.index if first.index is not None else current_cuda_index) == (
         second.index if second.index is not None else current_cuda_index
     )
-
-
-def any_process(flag: bool, accelerator: Any) -> bool:
-    """Whether ``flag`` is true on at least one process."""
-    if accelerator.num_processes == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=accelerator.device)
-    return bool(accelerator.reduce(value, reduction="sum").item() > 0)
 
 
 def sum_over_processes(record: Record, accelerator: Any) -> Record:

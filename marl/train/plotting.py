@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from marl.data.assets import MissingAssetError, demo_package
+from marl.train.run_dir import read_metrics_file
 
 Panel = tuple[str, tuple[tuple[str, str | None], ...]]
 
@@ -40,17 +41,6 @@ PANELS: tuple[Panel, ...] = (
 )
 SOURCE_PREFIX, SHARE_PREFIX, FLAT_PREFIX = "rewards/", "advantage_share/", "zero_spread_groups/"
 PANELS_PER_ROW = 4
-
-
-def read_metrics(metrics_file: str | Path) -> list[dict[str, float]]:
-    """The records of a ``metrics.jsonl`` file, one dict per logged update.
-
-    Example:
-        >>> records = read_metrics("runs/rloo/metrics.jsonl")  # doctest: +SKIP
-        >>> records[-1]["objective/scores"]  # doctest: +SKIP
-    """
-    lines = Path(metrics_file).read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def source_names(records: list[dict[str, float]]) -> list[str]:
@@ -179,7 +169,7 @@ def plot_training_curves(metrics_file: str | Path, output_file: str | Path, titl
         >>> plot_training_curves("runs/rloo/metrics.jsonl", "runs/rloo/training_curves.png")  # doctest: +SKIP
     """
     plt = pyplot()
-    records = read_metrics(metrics_file)
+    records = read_metrics_file(metrics_file)
     if not records:
         raise ValueError(f"{metrics_file} has no records: the run logged no update")
     panels = logged_panels(records, run_settings_of(metrics_file))

@@ -257,18 +257,26 @@ def append_metrics(output_dir: Path, record: dict[str, Any]) -> None:
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
-    """The records of ``metrics.jsonl``. A last line without its newline was cut off by a kill and is left
-    out; any other line that is not a JSON record is an error naming the file and the line.
+    """The records of the run folder's ``metrics.jsonl`` (:func:`read_metrics_file`); none without one.
 
     Example:
         >>> read_metrics(Path("/nonexistent"))
         []
     """
     metrics_file = output_dir / METRICS_FILE
-    if not metrics_file.exists():
-        return []
-    text = metrics_file.read_text()
-    lines = text.split("\n")
+    return read_metrics_file(metrics_file) if metrics_file.exists() else []
+
+
+def read_metrics_file(metrics_file: str | Path) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file, one per logged update. A last line without its newline was cut
+    off by a kill and is left out; any other line that is not a JSON record is an error naming the file and
+    the line.
+
+    Example:
+        >>> records = read_metrics_file("runs/rloo/metrics.jsonl")  # doctest: +SKIP
+        >>> records[-1]["objective/scores"]  # doctest: +SKIP
+    """
+    lines = Path(metrics_file).read_text().split("\n")
     complete = lines[:-1]  # the part after the last newline is either empty or a record cut off
     records = []
     for number, line in enumerate(complete, start=1):

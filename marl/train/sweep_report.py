@@ -24,7 +24,7 @@ from typing import Any
 from marl.config.sweep import SWEEPABLE_FIELDS
 from marl.data.assets import MissingAssetError
 from marl.train import run_dir
-from marl.train.plotting import pyplot, read_metrics, training_curves_note
+from marl.train.plotting import pyplot, training_curves_note
 
 SUMMARY_FILE, CURVES_FILE = "sweep_summary.md", "sweep_curves.png"
 # What the table and the plot show of each policy, by metric: its column / panel title.
@@ -56,7 +56,7 @@ def summary_rows(
     """One row per policy: its name, each differing setting, and the last logged value of each of
     :data:`SHOWN` that any policy logged."""
     fields = differing_settings(configs)
-    histories = [read_metrics(Path(folder) / run_dir.METRICS_FILE) for folder in folders]
+    histories = [run_dir.read_metrics(Path(folder)) for folder in folders]
     logged = [key for key in SHOWN if any(key in record for history in histories for record in history)]
     rows = []
     for name, config, history in zip(names, configs, histories, strict=True):
@@ -79,7 +79,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 def plot_sweep_curves(names: Sequence[str], folders: Sequence[Path], output_file: Path) -> Path:
     """Every policy's curves of :data:`SHOWN` (those logged) against the episode, one line per policy."""
     plt = pyplot()
-    histories = [read_metrics(Path(folder) / run_dir.METRICS_FILE) for folder in folders]
+    histories = [run_dir.read_metrics(Path(folder)) for folder in folders]
     panels = [key for key in SHOWN if any(key in record for history in histories for record in history)]
     figure, axes = plt.subplots(
         1, len(panels), figsize=(4.6 * len(panels), 3.6), constrained_layout=True, squeeze=False

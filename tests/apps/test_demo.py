@@ -9,7 +9,8 @@ import pytest
 from marl.apps.demo import DemoArguments, demo_rloo_config, verdict_rows
 from marl.apps.demo.policy import DEMO_LEARNING_RATE
 from marl.apps.demo.rewards import DEMO_KL_COEF, DEMO_RLOO_K, reward_recipe_flags
-from marl.train.plotting import PANELS, logged_panels, plot_training_curves, read_metrics
+from marl.train.plotting import PANELS, logged_panels, plot_training_curves
+from marl.train.run_dir import read_metrics_file
 
 
 def test_training_curves_png_from_metrics(tmp_path):
@@ -29,7 +30,7 @@ def test_training_curves_png_from_metrics(tmp_path):
     for record in records[::2]:  # a judge scores the held-out samples every other update
         record.update({"eval/score": 0.2, "eval/judge_score": 0.3})
     metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
-    assert read_metrics(metrics) == records
+    assert read_metrics_file(metrics) == records
     assert logged_panels(records) == list(PANELS)
     png = plot_training_curves(metrics, tmp_path / "policy" / "curves.png", title="test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -39,6 +40,7 @@ def test_with_two_reward_sources_the_curves_show_each_source_beside_the_sum(tmp_
     metrics = tmp_path / "metrics.jsonl"
     records = [
         {
+            "update": u,
             "episode": 64.0 * u,
             "objective/scores": 0.1 * u,
             "rewards/reward": 0.3 * u,

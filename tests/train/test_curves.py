@@ -40,7 +40,13 @@ def test_the_rlhf_panel_is_what_the_runs_algorithm_makes_of_the_kl(tmp_path, alg
     )
     write_run_config(tmp_path, asdict(config))  # as the run records its settings
     records = [
-        {"episode": 8.0 * u, "objective/scores": 0.1 * u, "objective/kl": 0.2 * u, RLHF_METRIC: 0.1 * u}
+        {
+            "update": u,
+            "episode": 8.0 * u,
+            "objective/scores": 0.1 * u,
+            "objective/kl": 0.2 * u,
+            RLHF_METRIC: 0.1 * u,
+        }
         for u in range(1, 4)
     ]
     metrics = tmp_path / METRICS_FILE
