@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import shlex
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from marl.apps.boundary import argv_words, command_line, error_boundary, resume_words
 from marl.apps.flags import parse_flags
@@ -31,6 +31,7 @@ from marl.apps.train_rloo import (
 # The names tests, examples and users import from here (the console script's module).
 __all__ = [
     "COMMANDS",
+    "Command",
     "ScriptArguments",
     "build_rloo_trainer",
     "demo_main",
@@ -41,14 +42,6 @@ __all__ = [
     "train_reward_main",
     "train_rloo_main",
 ]
-
-COMMANDS: dict[str, str] = {
-    "train-rloo": "RLOO: train a policy LoRA against a reward adapter (or a reward function)",
-    "train-reward": "train a reward LoRA + score head on the base from chosen/rejected pairs",
-    "evaluate": "compare a policy adapter with its base on held-out prompts",
-    "demo": "offline end-to-end demo on the embedded SmolLM2-135M-Instruct and Rotten Tomatoes",
-    "plan": "predict the peak memory of a train-rloo run from its flags and the model's config.json",
-}
 
 
 def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-rloo") -> Any:
@@ -163,12 +156,27 @@ def plan_main(argv: Sequence[str] | None = None, prog: str = "marl plan") -> Any
         return run_plan(arguments, config)
 
 
-HANDLERS: dict[str, Callable[[list[str], str], Any]] = {
-    "train-rloo": train_rloo_main,
-    "train-reward": train_reward_main,
-    "evaluate": evaluate_main,
-    "demo": demo_main,
-    "plan": plan_main,
+class Command(NamedTuple):
+    """A subcommand: its one-line help and the function that runs it with its flags and its program name."""
+
+    help: str
+    run: Callable[[list[str], str], Any]
+
+
+COMMANDS: dict[str, Command] = {
+    "train-rloo": Command(
+        "RLOO: train a policy LoRA against a reward adapter (or a reward function)", train_rloo_main
+    ),
+    "train-reward": Command(
+        "train a reward LoRA + score head on the base from chosen/rejected pairs", train_reward_main
+    ),
+    "evaluate": Command("compare a policy adapter with its base on held-out prompts", evaluate_main),
+    "demo": Command(
+        "offline end-to-end demo on the embedded SmolLM2-135M-Instruct and Rotten Tomatoes", demo_main
+    ),
+    "plan": Command(
+        "predict the peak memory of a train-rloo run from its flags and the model's config.json", plan_main
+    ),
 }
 
 
@@ -180,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Run `marl COMMAND --help` for a command's flags.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, help_text in COMMANDS.items():
-        subparsers.add_parser(name, help=help_text, add_help=False)
+    for name, command in COMMANDS.items():
+        subparsers.add_parser(name, help=command.help, add_help=False)
     return parser
 
 
@@ -196,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not arguments or arguments[0] not in COMMANDS:
         parser.parse_args(arguments)  # prints the help or the "invalid choice" error and exits
         return
-    command, rest = arguments[0], arguments[1:]
-    HANDLERS[command](rest, f"marl {command}")
+    name, rest = arguments[0], arguments[1:]
+    COMMANDS[name].run(rest, f"marl {name}")
 
 
 if __name__ == "__main__":
