@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 SKIP_MARK = "<!-- docs-test: skip"
-# Published into the site at the same paths by docs/hooks.py.
+# Published into the site at the same paths by docs_tooling/hooks.py.
 PUBLISHED_DIRS = ("benchmarks/results", "adapters")
 SKIPPED_BLOCKS = {
     ("docs/quickstart.md", 1),
