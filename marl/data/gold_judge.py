@@ -1,6 +1,6 @@
 """The gold judge: VADER sentiment, a fixed rule that no training signal sees, for evaluating policies.
 
-It comes from the ``vaderSentiment`` package of the ``demo`` extra (``pip install 'marl[demo]'``).
+It comes from the ``vaderSentiment`` package of the ``demo`` extra (``pip install 'marl-rlhf[demo]'``).
 """
 
 from __future__ import annotations

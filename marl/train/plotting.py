@@ -133,7 +133,7 @@ def logged_panels(records: list[dict[str, float]], settings: Mapping[str, Any] |
 
 def pyplot() -> ModuleType:
     """matplotlib's ``pyplot`` drawing into files only (works without a display); without matplotlib, a
-    :class:`~marl.data.assets.MissingAssetError` naming it and ``pip install 'marl[demo]'``.
+    :class:`~marl.data.assets.MissingAssetError` naming it and ``pip install 'marl-rlhf[demo]'``.
 
     Example:
         >>> pyplot().get_backend().lower()

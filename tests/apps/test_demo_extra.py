@@ -1,4 +1,4 @@
-"""The demo's packages (gguf, vaderSentiment, matplotlib) are the ``marl[demo]`` extra: without them the
+"""The demo's packages (gguf, vaderSentiment, matplotlib) are the ``marl-rlhf[demo]`` extra: without them the
 library imports and trains, and what needs one of them says so in one line with the command that installs it.
 
 Each check runs in a fresh process whose imports of those three packages fail as if they were not installed
@@ -19,7 +19,7 @@ from support.tiny import write_jsonl
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPOSITORY = TESTS_DIR.parent
 DEMO_PACKAGES = ("gguf", "vaderSentiment", "matplotlib")
-INSTALL = "Install it with: pip install 'marl[demo]'"
+INSTALL = "Install it with: pip install 'marl-rlhf[demo]'"
 
 BLOCK_DEMO_PACKAGES = textwrap.dedent(
     f"""
