@@ -6,7 +6,8 @@ import os
 import platform
 from collections.abc import Sequence
 
-PACKAGES = ("marl", "torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets")
+# marl is installed as the distribution marl-rlhf (the name "marl" on the public index is another project).
+PACKAGES = ("marl-rlhf", "torch", "transformers", "peft", "trl", "bitsandbytes", "accelerate", "datasets")
 
 
 def package_versions(packages: tuple[str, ...] = PACKAGES) -> dict[str, str]:
