@@ -82,20 +82,24 @@ class ScriptArguments:
 
 
 def parse_train_rloo_args(
-    argv: Sequence[str] | None = None, prog: str = "marl train-rloo"
+    argv: Sequence[str] | None = None, prog: str = "marl train-rloo", device: str | None = None
 ) -> tuple[ScriptArguments, RLOOConfig]:
-    """Parse ``train-rloo`` flags (and ``--config file.yaml``) into script arguments and an ``RLOOConfig``.
+    """Parse ``train-rloo`` flags (and ``--config file.yaml``) into script arguments and an ``RLOOConfig``
+    whose unset device settings are chosen for ``device`` (``"cuda"`` or ``"cpu"``; ``None``: the device
+    the run will train on; :mod:`marl.device_settings`).
 
     ``--reward-adapter`` and every other flag also work with dashes instead of underscores.
 
     Example:
-        >>> script, config = parse_train_rloo_args(["--reward-adapter", "rm", "--rloo_k", "4"])
-        >>> config.reward_adapter, config.rloo_k
-        (['rm'], 4)
+        >>> script, config = parse_train_rloo_args(["--reward-adapter", "rm", "--rloo_k", "4"], device="cuda")
+        >>> config.reward_adapter, config.rloo_k, config.bf16, config.gradient_checkpointing
+        (['rm'], 4, True, True)
     """
     from marl.config import RLOOConfig
+    from marl.device_settings import Device, resolve_device_settings
 
     script, config = parse_flags([ScriptArguments, RLOOConfig], prog, argv_words(argv))
+    resolve_device_settings(config, Device.current() if device is None else Device.named(device))
     if not script.reward_fn and not config.reward_adapter and not script.reward:
         raise ConfigError(
             "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "
@@ -129,7 +133,10 @@ def sweep_members(script: ScriptArguments, config: RLOOConfig) -> list[Any]:
     """
     from marl.sweep_settings import parse_sweep
 
-    return parse_sweep(script.sweep or [], config)
+    members = parse_sweep(script.sweep or [], config)
+    for member in members:  # a member is a copy of the config: keep the record of the device's choices
+        member.config.chosen_for_device = dict(config.chosen_for_device)
+    return members
 
 
 def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
@@ -144,6 +151,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     """
     from marl.data.assets import resolve_model_path
     from marl.data.prompts import load_prompt_dataset
+    from marl.device_settings import describe_choices
     from marl.train.run_dir import plan_start
 
     # The checks that need no model come first, and before torch is imported, so that a typo fails at once.
@@ -203,6 +211,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         console = Console()
         if command:
             console.print(f"[bold]{command}[/bold]")
+        console.print(describe_choices(config.chosen_for_device, trainer.model.device.type), markup=False)
         # a sweep's card is its first policy's run (the other policies add their LoRAs and optimizer states)
         console.print(memory_card_with_plan(trainer.trainers[0] if members else trainer))
     return trainer

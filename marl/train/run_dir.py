@@ -310,6 +310,8 @@ def run_settings(
 
     return {
         **asdict(config),
+        # the settings chosen for the device, not given, and why (marl.device_settings)
+        "chosen_for_device": dict(getattr(config, "chosen_for_device", {})),
         "model": {
             "name_or_path": model.name_or_path,
             "quantization": model.quantization,
