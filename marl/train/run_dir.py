@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -345,6 +346,8 @@ def reward_record(reward: Any) -> list[dict[str, Any]]:
         kind = REWARD_KIND_NAMES.get(type(source).__name__, type(source).__name__)
         record: dict[str, Any] = {"name": name, "weight": weight, "kind": kind}
         function = getattr(source, "function", None)
+        while isinstance(function, functools.partial):  # the function a partial wraps, as TRL names it
+            function = function.func
         if function is not None:
             qualname = getattr(function, "__qualname__", type(function).__qualname__)
             record |= {"kind": "function", "function": f"{getattr(function, '__module__', '?')}:{qualname}"}
