@@ -212,20 +212,22 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         if command:
             console.print(f"[bold]{command}[/bold]")
         console.print(describe_choices(config.chosen_for_device, trainer.model.device.type), markup=False)
-        # a sweep's card is its first policy's run (the other policies add their LoRAs and optimizer states)
-        console.print(memory_card_with_plan(trainer.trainers[0] if members else trainer))
+        console.print(memory_card_with_plan(trainer))
     return trainer
 
 
 def memory_card_with_plan(trainer: Any) -> Any:
-    """The model's memory card with the run's predicted peak per phase (:mod:`marl.plan`)."""
+    """The model's memory card with the run's predicted peak per phase (:mod:`marl.plan`); a sweep's
+    (``SweepTrainer``) counts every policy's training state and plans all its policies together."""
     import dataclasses
 
     from marl.plan.planner import plan_for_trainer
 
-    plan = plan_for_trainer(trainer)
+    runs = getattr(trainer, "trainers", [trainer])  # a sweep's policies, each as a run
+    plan = plan_for_trainer(runs[0], policies=len(runs))
     peaks = {phase.name: phase.total for phase in plan.phases if phase.name != "load"}
-    return dataclasses.replace(trainer.model.memory_report(), predicted_peaks=peaks)
+    card = trainer.model.memory_report([run.policy for run in runs])
+    return dataclasses.replace(card, predicted_peaks=peaks)
 
 
 ADAPTER_KINDS = ("adapter", "eos_adapter")  # the kinds whose spec is a --reward_adapter name
