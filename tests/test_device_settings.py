@@ -117,5 +117,5 @@ def test_marl_plan_chooses_as_train_rloo_does(tiny_llama_dir, tmp_path, capsys):
             getattr(trained, name) for name in DEVICE_FIELDS
         ]
         assert plan.settings["gradient_checkpointing"] == (device == "cuda")
-        assert f"chosen for the {device} device" in capsys.readouterr().out
+        assert f"chosen for the {device} device" in capsys.readouterr().err  # stdout holds the plan alone
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama"
