@@ -15,8 +15,8 @@ from typing import Any
 
 from marl.algo.from_trl import SAME_MEANING
 from marl.algo.trl_fields import field_table
-from marl.config.algorithms import PRESETS
 from marl.config import RLOOConfig
+from marl.config.algorithms import PRESETS
 
 MARKER = "<!-- configuration-reference -->"
 SECTION = re.compile(r"^\s*# --- (.+?) ---\s*$")

@@ -53,7 +53,10 @@ def test_parses_from_the_command_line():
             "eos",
             "--missing_eos_penalty",
             "1.0",
+            # unset by default (chosen for the device), as TRL's own bf16: HfArgumentParser wants a value
+            # (marl's commands take the switch alone too: tests/test_device_settings.py)
             "--bf16",
+            "true",
         ]
     )
     assert config.rloo_k == 4

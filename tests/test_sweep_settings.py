@@ -77,6 +77,9 @@ def test_a_one_value_list_sets_the_field_and_names_it():
         (["beta=0.1,0.2"], "no such setting; did you mean kl_coef"),
         (["rloo_k=2,4"], r"rloo_k: cannot differ .*one batched decode.*Set --rloo_k once"),
         (["quantization=4bit,none"], "quantization: cannot differ .*one base"),
+        # a path or hub id is refused for what it is, not for the characters of a folder name
+        (["model_name_or_path=org/name,/home/me/base"], "model_name_or_path: cannot differ .*share one base"),
+        (["policy_adapter=adapters/sft,b"], "policy_adapter: cannot differ .*fresh LoRA"),
         (["temperature=0.7,1.0"], "temperature: cannot differ"),
         (["algorithm=rloo,grpo"], "algorithm: cannot differ .*sweep its fields"),
         (["output_dir=a,b"], "output_dir: cannot differ"),

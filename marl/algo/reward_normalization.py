@@ -16,9 +16,11 @@ batch; the per-source std is what keeps one source's spread from deciding the ad
 in the reward (``--kl_placement reward``), ``kl_coef · KL``: both are added AFTER the per-source
 normalisation, in its units (a ``kl_coef`` tuned under ``sum`` means something else here). The estimator takes
 its baseline without a scale of its own (``rloo``: leave-one-out; ``grpo``: the group mean), and the
-advantages are z-scored over the completions with an advantage of the whole batch (every process), std + 1e-4:
+advantages are z-scored over the judged completions of the whole batch (every process), std + 1e-4:
 GDPO's batch-wise normalisation. A source that judged fewer than two completions of a group adds 0 to them; a
-completion no source judged stays unjudged (advantage 0), as under ``sum``.
+judged completion without a judged sibling gets advantage 0 and counts in the batch statistics as that 0, as
+TRL's ``normalize_then_sum`` keeps it; a completion no source judged stays unjudged (advantage 0, left out of
+the statistics), as under ``sum``.
 
 Defined for the ``rloo`` and ``grpo`` estimators; refused (before any work) with ``reinforce_pp`` or an
 estimator registered elsewhere, with ``--scale_rewards batch`` (the batch scale is the last step already),

@@ -167,7 +167,7 @@ def truncation_warning(contains_stop: torch.Tensor, config: RLOOConfig, update: 
         >>> from marl.config import RLOOConfig
         >>> config = RLOOConfig(algorithm="dapo")
         >>> truncation_warning(torch.tensor([True, False, False]), config, 3)
-        'update 3: 2 of 3 completions reached --response_length=53 without a stop token and ...'
+        'update 3: 2 of 3 completions reached --response_length=512 without a stop token and ...'
         >>> truncation_warning(torch.tensor([True, True, False]), config, 3) is None
         True
     """

@@ -152,8 +152,9 @@ def shape_rewards(
     each source's part of the advantage is returned; with ``per_reward`` the estimator sees the weighted sum
     of the sources' group normalised scores (minus the missing-EOS penalty and, in the reward,
     ``kl_coef · KL``) instead of ``raw_scores``, takes ``per_reward.estimator``'s baseline, and the
-    advantages are z-scored over the batch (std + 1e-4). ``scores`` and ``rlhf_reward`` still report the raw
-    weighted sum.
+    advantages are z-scored over the judged completions of the batch (std + 1e-4; one without a judged sibling
+    counts as its advantage 0, as in TRL's ``normalize_then_sum``). ``scores`` and ``rlhf_reward`` still
+    report the raw weighted sum.
 
     Example:
         >>> zero = torch.zeros(4, 1)
@@ -193,6 +194,8 @@ def shape_rewards(
         if not token_level_kl:
             reward = reward + non_score_reward
         advantages = per_reward.estimator(reward, judged, k, gather)
-        advantages = standardize(advantages, has_judged_sibling(judged, k), gather, GDPO_STD_EPSILON)
+        # Every judged completion counts in the batch statistics, one without a judged sibling as its 0: TRL's
+        # normalize_then_sum keeps it so (leaving it out scaled every other advantage by sqrt((n-1)/n)).
+        advantages = standardize(advantages, judged, gather, GDPO_STD_EPSILON)
     parts = None if terms is None or centring is None else source_advantages(terms, judged, k, centring)
     return ShapedRewards(scores, kl, non_score_reward, rlhf_reward, advantages, judged, parts)

@@ -151,6 +151,8 @@ def parse_flags(dataclass_types: list[type], prog: str, words: Sequence[str]) ->
     # No abbreviations: TRL's --epsilon would otherwise be taken as marl's --epsilon_high, not get its hint.
     parser.allow_abbrev = False
     _describe_negative_flags(parser)
+    _let_unset_switches_stand_alone(parser)
+    parser.error = _one_line_error  # type: ignore[method-assign]  # argparse's own prints the whole usage
     _check_config_file(words, parser)
     words = merge_repeated_list_flags(list(words), list(dataclass_types))  # every command's list flags
     *parsed, _common, unknown = parser.parse_args_and_config(words, return_remaining_strings=True)
@@ -169,6 +171,35 @@ def _describe_negative_flags(parser: argparse.ArgumentParser) -> None:
         if negative and isinstance(action, argparse._StoreFalseAction):
             action.help = f"Turn --{action.dest} off (as --{action.dest} false); it is on by default."
             action.default = argparse.SUPPRESS  # its own default (False) is not the setting's
+
+
+def _let_unset_switches_stand_alone(parser: argparse.ArgumentParser) -> None:
+    """``HfArgumentParser`` makes a switch unset by default (``bool | None``, e.g. ``--bf16``: unset until the
+    device is known) take a value; let it stand alone too (``--bf16`` means ``--bf16 true``), as the switches
+    that default to false do."""
+    for action in parser._actions:
+        # TRL's parser carries its own copy of transformers' string_to_bool: known by its name
+        switch = getattr(action.type, "__name__", "") == "string_to_bool"
+        if switch and action.nargs is None and action.default is None:
+            action.nargs, action.const = "?", True
+
+
+def _one_line_error(message: str) -> None:
+    """A flag argparse refuses (a value not among its choices, of the wrong type, or missing) in one line
+    naming the flag and the fix, not argparse's whole usage.
+
+    Example:
+        >>> _one_line_error("argument --cpu_allocator/--cpu-allocator: invalid choice: 'bogus' (choose from "
+        ...                 "heap, maps)")
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --cpu_allocator: invalid choice: 'bogus' (choose from heap, maps); see ...
+    """
+    import re
+
+    # argparse names a flag by all its spellings ("--cpu_allocator/--cpu-allocator"): the first is enough.
+    message = re.sub(r"^argument (--[\w-]+)(/--[\w-]+)*", r"\1", message)
+    raise ConfigError(f"{message}; see the command's --help for its flags")
 
 
 def _check_config_file(words: Sequence[str], parser: argparse.ArgumentParser) -> None:

@@ -70,11 +70,14 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
     """Plan ``config`` as ``arguments`` say, print the plan (and the changes that fit, or how far the closest
     setting is) on stdout, return it. Each plan takes seconds on a large model (its phases are traced), so a
     line on stderr says which plan is being made, numbered against those of its kind."""
+    from marl.config.device import Device, describe_choices, resolve_device_settings
     from marl.model.memory import format_bytes
     from marl.plan.advice import advise
     from marl.plan.planner import PlanTarget, load_model_config, plan_memory
     from marl.plan.report import advice_text
 
+    # The run's own defaults for that device (train-rloo chooses the same on it), unless given.
+    chosen = resolve_device_settings(config, Device.named(arguments.device))
     policies = 1
     if arguments.sweep:  # the members' settings differ only where memory does not (marl.config.sweep)
         from marl.config.sweep import parse_sweep
@@ -94,6 +97,8 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
     systems = ("trl-rloo", "ppo") if arguments.compare else ()
     sweep = f"the sweep of {policies} policies" if policies > 1 else "the run"
     progress(f"[1/{1 + len(systems)}] planning {sweep} as given ({config.model_name_or_path})")
+    if chosen:
+        progress(describe_choices(chosen, arguments.device))
     plan = plan_memory(config, model_config, target, policies=policies)
     print(plan)
     if policies > 1:

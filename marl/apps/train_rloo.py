@@ -82,20 +82,24 @@ class ScriptArguments:
 
 
 def parse_train_rloo_args(
-    argv: Sequence[str] | None = None, prog: str = "marl train-rloo"
+    argv: Sequence[str] | None = None, prog: str = "marl train-rloo", device: str | None = None
 ) -> tuple[ScriptArguments, RLOOConfig]:
-    """Parse ``train-rloo`` flags (and ``--config file.yaml``) into script arguments and an ``RLOOConfig``.
+    """Parse ``train-rloo`` flags (and ``--config file.yaml``) into script arguments and an ``RLOOConfig``
+    whose unset device settings are chosen for ``device`` (``"cuda"`` or ``"cpu"``; ``None``: the device
+    the run will train on; :mod:`marl.config.device`).
 
     ``--reward-adapter`` and every other flag also work with dashes instead of underscores.
 
     Example:
-        >>> script, config = parse_train_rloo_args(["--reward-adapter", "rm", "--rloo_k", "4"])
-        >>> config.reward_adapter, config.rloo_k
-        (['rm'], 4)
+        >>> script, config = parse_train_rloo_args(["--reward-adapter", "rm", "--rloo_k", "4"], device="cuda")
+        >>> config.reward_adapter, config.rloo_k, config.bf16, config.gradient_checkpointing
+        (['rm'], 4, True, True)
     """
+    from marl.config.device import Device, resolve_device_settings
     from marl.config.rloo_config import RLOOConfig
 
     script, config = parse_flags([ScriptArguments, RLOOConfig], prog, argv_words(argv))
+    resolve_device_settings(config, Device.current() if device is None else Device.named(device))
     if not script.reward_fn and not config.reward_adapter and not script.reward:
         raise ConfigError(
             "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "
@@ -129,7 +133,10 @@ def sweep_members(script: ScriptArguments, config: RLOOConfig) -> list[Any]:
     """
     from marl.config.sweep import parse_sweep
 
-    return parse_sweep(script.sweep or [], config)
+    members = parse_sweep(script.sweep or [], config)
+    for member in members:  # a member is a copy of the config: keep the record of the device's choices
+        member.config.chosen_for_device = dict(config.chosen_for_device)
+    return members
 
 
 def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str | None = None):
@@ -142,6 +149,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         >>> trainer = build_rloo_trainer(script, config)  # doctest: +SKIP
         >>> trainer.train(**train_arguments(script))  # doctest: +SKIP
     """
+    from marl.config.device import describe_choices
     from marl.data.assets import resolve_model_path
     from marl.data.prompts import load_prompt_dataset
     from marl.train.run_dir import plan_start
@@ -203,20 +211,23 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         console = Console()
         if command:
             console.print(f"[bold]{command}[/bold]")
-        # a sweep's card is its first policy's run (the other policies add their LoRAs and optimizer states)
-        console.print(memory_card_with_plan(trainer.trainers[0] if members else trainer))
+        console.print(describe_choices(config.chosen_for_device, trainer.model.device.type), markup=False)
+        console.print(memory_card_with_plan(trainer))
     return trainer
 
 
 def memory_card_with_plan(trainer: Any) -> Any:
-    """The model's memory card with the run's predicted peak per phase (:mod:`marl.plan`)."""
+    """The model's memory card with the run's predicted peak per phase (:mod:`marl.plan`); a sweep's
+    (``SweepTrainer``) counts every policy's training state and plans all its policies together."""
     import dataclasses
 
     from marl.plan.planner import plan_for_trainer
 
-    plan = plan_for_trainer(trainer)
+    runs = getattr(trainer, "trainers", [trainer])  # a sweep's policies, each as a run
+    plan = plan_for_trainer(runs[0], policies=len(runs))
     peaks = {phase.name: phase.total for phase in plan.phases if phase.name != "load"}
-    return dataclasses.replace(trainer.model.memory_report(), predicted_peaks=peaks)
+    card = trainer.model.memory_report([run.policy for run in runs])
+    return dataclasses.replace(card, predicted_peaks=peaks)
 
 
 ADAPTER_KINDS = ("adapter", "eos_adapter")  # the kinds whose spec is a --reward_adapter name

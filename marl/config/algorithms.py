@@ -12,14 +12,17 @@ switch presets. ``scale_rewards`` is taken from a preset only with that preset's
 =============  ==============  ===========  ==================================================================
 algorithm      estimator       loss_type    other settings (TRL field names where TRL has the setting)
 =============  ==============  ===========  ==================================================================
-rloo           rloo            sequence     kl_placement=reward, kl_coef=0.05, cliprange=0.2, num_ppo_epochs=4
+rloo           rloo            sequence     kl_placement=reward, kl_coef=0.05, cliprange=0.2,
+                                            num_ppo_epochs=4, response_length=53 (TRL v0.21 RLOOConfig's)
 grpo           grpo            dapo         scale_rewards=group, kl_placement=loss, kl_coef=0 (beta),
-                                            cliprange=0.2, num_ppo_epochs=1 (GRPOConfig's defaults)
+                                            cliprange=0.2, num_ppo_epochs=1, response_length=512
+                                            (max_completion_length) (TRL 1.16 GRPOConfig's defaults)
 dr_grpo        grpo            dr_grpo      scale_rewards=none, otherwise as grpo
 dapo           grpo            dapo         epsilon_high=0.28, mask_truncated_completions=true, else as grpo
 gspo           grpo            grpo         importance_sampling_level=sequence, cliprange=3e-4,
                                             epsilon_high=4e-4, otherwise as grpo
-reinforce_pp   reinforce_pp    bnpo         kl_placement=reward, kl_coef=0.01, cliprange=0.2, num_ppo_epochs=1
+reinforce_pp   reinforce_pp    bnpo         kl_placement=reward, kl_coef=0.01, cliprange=0.2,
+                                            num_ppo_epochs=1, response_length=53
 =============  ==============  ===========  ==================================================================
 
 Example:
@@ -41,6 +44,10 @@ from marl.errors import ConfigError
 
 SEQUENCE_LOSS = "sequence"
 KL_PLACEMENTS = ("reward", "loss")
+# Completion lengths: TRL 1.16's GRPOConfig max_completion_length for the GRPO family; TRL v0.11-v0.21
+# RLOOConfig's response_length for the presets that follow that trainer.
+GRPO_RESPONSE_LENGTH = 512
+RLOO_RESPONSE_LENGTH = 53
 
 _GRPO = dict(
     advantage_estimator="grpo",
@@ -51,6 +58,7 @@ _GRPO = dict(
     cliprange=0.2,
     num_ppo_epochs=1,
     mask_truncated_completions=False,
+    response_length=GRPO_RESPONSE_LENGTH,
 )
 PRESETS: dict[str, dict[str, Any]] = {
     "rloo": dict(
@@ -61,6 +69,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         cliprange=0.2,
         num_ppo_epochs=4,
         mask_truncated_completions=False,
+        response_length=RLOO_RESPONSE_LENGTH,
     ),
     "grpo": _GRPO,
     "dr_grpo": _GRPO | dict(loss_type="dr_grpo", scale_rewards="none"),
@@ -75,6 +84,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         cliprange=0.2,
         num_ppo_epochs=1,
         mask_truncated_completions=False,
+        response_length=RLOO_RESPONSE_LENGTH,
     ),
 }
 
@@ -102,6 +112,9 @@ HELP = {
     "use_bias_correction_kl). Default: true with a token-level loss.",
     "num_ppo_epochs": "Passes over each rollout (TRL's num_iterations); 1 epoch and 1 mini-batch is plain "
     "REINFORCE. Default: from --algorithm.",
+    "response_length": "Maximum new tokens per completion (TRL's max_completion_length). Default: from "
+    f"--algorithm: {GRPO_RESPONSE_LENGTH} for the GRPO family (TRL 1.16's GRPOConfig), "
+    f"{RLOO_RESPONSE_LENGTH} for rloo and reinforce_pp (TRL v0.21's RLOOConfig).",
 }
 PRESET_FIELDS = tuple(name for name in HELP if name != "algorithm")
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from marl.config.algorithms import algorithm_field, check_algorithm_settings, resolve_algorithm
 from marl.config.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
 from marl.config.checks import check_fields, check_seed
+from marl.config.device import device_field
 from marl.config.model import (
     DEFAULT_LORA_ALPHA,
     DEFAULT_LORA_R,
@@ -142,15 +143,9 @@ class RLOOConfig:
             "computes every row in full. The numbers are the same up to float rounding."
         },
     )
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute activations in the backward pass to save memory."}
-    )
-    bf16: bool = field(
-        default=False, metadata={"help": "bfloat16 compute (mixed precision through accelerate)."}
-    )
-    fp16: bool = field(
-        default=False, metadata={"help": "float16 compute (mixed precision through accelerate)."}
-    )
+    gradient_checkpointing: bool | None = device_field("gradient_checkpointing")
+    bf16: bool | None = device_field("bf16")
+    fp16: bool | None = device_field("fp16")
     parallelism: str = field(
         default="replicated",
         metadata={
@@ -228,7 +223,7 @@ class RLOOConfig:
             "training model) or a name registered with marl.rollout.samplers.register_sampler."
         },
     )
-    response_length: int = field(default=53, metadata={"help": "Maximum new tokens per completion."})
+    response_length: int | None = algorithm_field("response_length")
     stop_token: str | None = field(
         default=None,
         metadata={
@@ -290,6 +285,8 @@ class RLOOConfig:
         self.quantization = parse_quantization(self.quantization)
         resolve_stop_token(self)  # unset: the EOS, as TRL always stops
         resolve_algorithm(self)
+        # bf16, fp16 and gradient_checkpointing stay unset until the device is known (marl.config.device).
+        self.chosen_for_device: dict[str, str] = {}
         self._validate()
 
     def _validate(self) -> None:

@@ -175,7 +175,8 @@ learning_rate=1e-4,3e-4
             raise ConfigError(
                 f"--sweep {field} is given twice: put all its values in one flag, --sweep {field}=V1,V2,..."
             )
-        _check_sweepable(field, hints)
+        _check_sweepable(field, hints)  # before the values: a path is no folder name, but that is not why
+        _check_folder_names(field, texts)
         values = [(text, parse_value(field, text, hints[field])) for text in texts]
         repeated = sorted({text for text, value in values if [v for _, v in values].count(value) > 1})
         if repeated:
@@ -229,13 +230,16 @@ def _split(spec: str) -> tuple[str, list[str]]:
         raise ConfigError(
             f"--sweep {spec!r} is not FIELD=V1,V2,...: write e.g. --sweep learning_rate=1e-4,3e-4"
         )
+    return field, texts
+
+
+def _check_folder_names(field: str, texts: list[str]) -> None:
     bad = [text for text in texts if not _NAME_TEXT.match(text)]
     if bad:
         raise ConfigError(
             f"--sweep {field}: the value(s) {bad} have characters a folder name cannot safely hold; use "
             "letters, digits and . _ + - : (':' separates the items of a list value)"
         )
-    return field, texts
 
 
 def _check_sweepable(field: str, hints: dict[str, Any]) -> None:

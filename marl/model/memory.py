@@ -15,7 +15,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +184,8 @@ class MemoryReport:
     num_policies: int = 1
     num_rewards: int = 1
     notes: list[str] = field(default_factory=list)
+    # The policies whose training state (gradients, AdamW moments) is counted: a sweep trains several.
+    trained_policies: int = 1
     # The run's predicted peak per phase (``marl.plan``), when a trainer's shapes are known.
     predicted_peaks: dict[str, int] = field(default_factory=dict)
 
@@ -231,7 +233,8 @@ class MemoryReport:
             (
                 "training state",
                 f"{format_bytes(self.optimizer_state_bytes)}  (grads + AdamW moments of "
-                f"{self.trainable_parameters:,} trainable params)",
+                f"{self.trainable_parameters:,} trainable params"
+                + (f", {self.trained_policies} policies)" if self.trained_policies > 1 else ")"),
             )
         )
         rows.append(("total (one base)", format_bytes(self.total_bytes)))
@@ -280,9 +283,10 @@ class MemoryReport:
         return table
 
 
-def build_memory_report(model: Any, policy: str | None = None) -> MemoryReport:
+def build_memory_report(model: Any, policy: str | Sequence[str] | None = None) -> MemoryReport:
     """The :class:`MemoryReport` of a loaded ``MultiAdapterModel`` (what ``model.memory_report()`` returns),
-    with the training state of ``policy`` (default: the first policy).
+    with the training state of ``policy`` (default: the first policy), or of each of several policies trained
+    together (a sweep's).
 
     Example:
         >>> print(build_memory_report(model))  # doctest: +SKIP
@@ -304,7 +308,8 @@ def build_memory_report(model: Any, policy: str | None = None) -> MemoryReport:
     adapter_bytes = {name: stored_bytes(tensors, seen) for name, tensors in adapter_tensors.items()}
     adapter_parameters = {name: sum(t.numel() for t in tensors) for name, tensors in adapter_tensors.items()}
     head_bytes = sum(stored_bytes(reward.head.parameters(), seen) for reward in model.rewards.values())
-    trainable = model.policy_parameters(policy)
+    trained = [policy] if policy is None or isinstance(policy, str) else list(policy)
+    trainable = [parameter for name in trained for parameter in model.policy_parameters(name)]
     trainable_parameters = sum(local_tensor(p).numel() for p in trainable)
     trainable_bytes = sum(_tensor_bytes(p) for p in trainable)
     # Gradients match the parameters' dtype; AdamW keeps two float32 moments.
@@ -330,4 +335,5 @@ def build_memory_report(model: Any, policy: str | None = None) -> MemoryReport:
         num_policies=len(model.policies),
         num_rewards=len(model.rewards),
         notes=notes,
+        trained_policies=len(trained),
     )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -265,9 +265,10 @@ class MultiAdapterModel(ForwardPasses):
         """
         adapters.save_adapter(self.peft_model, self.get_policy(name).name, Path(directory), self.name_or_path)
 
-    def memory_report(self, policy: str | None = None) -> MemoryReport:
+    def memory_report(self, policy: str | Sequence[str] | None = None) -> MemoryReport:
         """What each part costs in memory, and what separate model copies would cost (the "memory card"),
-        with the training state of ``policy`` (default: the first policy).
+        with the training state of ``policy`` (default: the first policy), or of several policies trained
+        together.
 
         Example:
             >>> print(model.memory_report())  # doctest: +SKIP

@@ -237,9 +237,9 @@ def plan_memory(
     return MemoryPlan(layout.label, config.model_name_or_path, settings, resident, phases, target, notes)
 
 
-def plan_for_trainer(trainer: Any) -> MemoryPlan:
+def plan_for_trainer(trainer: Any, policies: int = 1) -> MemoryPlan:
     """The plan of a built ``RLOOTrainer``'s run: its config, its model's config, its device and processes,
-    and its longest training prompt."""
+    and its longest training prompt; with ``policies`` > 1, of a sweep of that many policies like it."""
     parallelism = trainer.parallelism
     target = PlanTarget(
         device="cuda" if parallelism.device.type == "cuda" else "cpu",
@@ -247,7 +247,7 @@ def plan_for_trainer(trainer: Any) -> MemoryPlan:
         num_processes=parallelism.num_processes,
         compute_dtype=trainer.model.dtype,
     )
-    return plan_memory(trainer.config, trainer.model.config, target)
+    return plan_memory(trainer.config, trainer.model.config, target, policies=policies)
 
 
 @functools.cache

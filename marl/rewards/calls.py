@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import math
 import numbers
@@ -292,6 +293,21 @@ def is_async(function: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
         getattr(function, "__call__", None)  # noqa: B004 -- a callable object's method, not callable()
     )
+
+
+def callable_name(function: Callable[..., Any]) -> str:
+    """The name a reward function's metric carries, as TRL names it (``trl.trainer.utils.get_callable_name``):
+    a ``functools.partial`` by the function it wraps, a callable object by its class.
+
+    Example:
+        >>> import functools
+        >>> def accuracy(completions, answer, **kwargs): ...
+        >>> callable_name(functools.partial(functools.partial(accuracy, answer="2"))), callable_name(len)
+        ('accuracy', 'len')
+    """
+    while isinstance(function, functools.partial):
+        function = function.func
+    return getattr(function, "__name__", type(function).__name__)
 
 
 def _raise_as_user_error(error: Exception, where: str) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from marl.errors import ConfigError, DataError
 from marl.rewards.batch import RewardBuilder, RewardParts, RewardSource, ScoringBatch
-from marl.rewards.calls import RewardCall, is_async, run_reward_functions
+from marl.rewards.calls import RewardCall, callable_name, is_async, run_reward_functions
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -147,14 +147,16 @@ class FunctionReward:
         [1.0, 0.0]
     """
 
-    def __init__(self, function: RewardFunction, name: str | None = None) -> None:
+    def __init__(self, function: RewardFunction, name: str | None = None, spec: str | None = None) -> None:
         if not callable(function):
             raise ConfigError(
                 "a reward function must be callable as TRL calls it, f(prompts=..., completions=..., "
                 f"**kwargs), got {type(function).__name__}"
             )
         self.function = function
-        self.name = name or getattr(function, "__name__", type(function).__name__)
+        self.name = name or callable_name(function)
+        # errors name the function as it was given (--reward_fn's module:function), the metric by its name
+        self.spec = spec or self.name
         self.is_async = is_async(function)
 
     def __call__(
@@ -162,17 +164,17 @@ class FunctionReward:
     ) -> list[float | None]:
         return self.check(
             run_reward_functions(
-                [self.function], RewardCall(prompts, completions, columns=columns), [self.name]
+                [self.function], RewardCall(prompts, completions, columns=columns), [self.spec]
             )[0],
             len(completions),
         )
 
     def check(self, output: Any, expected: int) -> list[float | None]:
         """``output`` as one number or ``None`` per completion, or an error naming this function."""
-        return check_scores(output, expected, f"reward function {self.name!r}", allow_none=True)
+        return check_scores(output, expected, f"reward function {self.spec!r}", allow_none=True)
 
     def score(self, batch: ScoringBatch) -> torch.Tensor:
-        (output,) = run_reward_functions([self.function], reward_call(batch), [self.name])
+        (output,) = run_reward_functions([self.function], reward_call(batch), [self.spec])
         return as_tensor(self.check(output, len(batch.completions)), batch)
 
 
@@ -218,7 +220,7 @@ def score_sources(sources: Sequence[RewardSource], batch: ScoringBatch) -> list[
     if functions:
         chosen = [sources[index] for index in functions]
         outputs = run_reward_functions(
-            [source.function for source in chosen], reward_call(batch), [source.name for source in chosen]
+            [source.function for source in chosen], reward_call(batch), [source.spec for source in chosen]
         )
         for index, source, output in zip(functions, chosen, outputs, strict=True):
             scores[index] = as_tensor(source.check(output, len(batch.completions)), batch)
@@ -227,13 +229,14 @@ def score_sources(sources: Sequence[RewardSource], batch: ScoringBatch) -> list[
 
 def load_reward_fn(spec: str) -> FunctionReward:
     """Import ``--reward_fn module:function`` (or ``path/to/file.py:function``), called as TRL calls reward
-    functions (:mod:`marl.rewards.calls`); the spec names it in errors and in the ``rewards/<spec>`` metric.
+    functions (:mod:`marl.rewards.calls`); named after the function, as TRL names it (``rewards/<function>``,
+    not the module or the file's path: :func:`marl.rewards.calls.callable_name`).
 
     Example:
         >>> load_reward_fn("math:fsum").name
-        'math:fsum'
+        'fsum'
     """
-    return FunctionReward(import_function(spec, "--reward_fn"), spec)
+    return FunctionReward(import_function(spec, "--reward_fn"), spec=spec)
 
 
 def function_kind(spec: str) -> RewardBuilder:
@@ -242,7 +245,7 @@ def function_kind(spec: str) -> RewardBuilder:
 
     Example:
         >>> function_kind("math:fsum")(None).name
-        'math:fsum'
+        'fsum'
     """
     reward = load_reward_fn(spec)
 

@@ -138,7 +138,7 @@ def plan_rewards(settings: Iterable[RewardSetting | tuple[str, str]]) -> RewardP
     Example:
         >>> plan = plan_rewards([RewardSetting("function", "math:fsum")])
         >>> [source.name for source in plan.build(RewardParts(model=None, tokenizer=None))]
-        ['math:fsum']
+        ['fsum']
         >>> plan_rewards([("function", "no_colon")])
         Traceback (most recent call last):
         ...

@@ -24,6 +24,7 @@ from marl.algo.group_spread import ZeroSpreadWatch
 from marl.algo.passes import scoring_passes
 from marl.algo.selection import advantage_estimator, check_algorithm
 from marl.config.batch_sizes import BatchSizes
+from marl.config.device import Device, resolve_device_settings
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.threads import apply_threads
 from marl.errors import ConfigError
@@ -94,6 +95,8 @@ def build_training_parts(
         (3, 1)
     """
     check_components(config)
+    # A config built in Python arrives with its device settings unset: chosen for the model's device.
+    resolve_device_settings(config, Device.named("cuda" if model.device.type == "cuda" else "cpu"))
     if judge is not None and (eval_dataset is None or config.num_sample_generations == 0):
         raise ConfigError(
             "a judge scores the held-out samples: pass eval_dataset and set num_sample_generations > 0"

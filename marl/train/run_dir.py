@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -269,13 +270,7 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
 
 def read_metrics_file(metrics_file: str | Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl`` file, one per logged update. A last line without its newline was cut
-    off by a kill and is left out; any other line that is not a JSON record is an error naming the file and
-    the line.
-
-    Example:
-        >>> records = read_metrics_file("runs/rloo/metrics.jsonl")  # doctest: +SKIP
-        >>> records[-1]["objective/scores"]  # doctest: +SKIP
-    """
+    off by a kill and is left out; any other line that is not a record is an error naming file and line."""
     lines = Path(metrics_file).read_text().split("\n")
     complete = lines[:-1]  # the part after the last newline is either empty or a record cut off
     records = []
@@ -318,6 +313,8 @@ def run_settings(
 
     return {
         **asdict(config),
+        # the settings chosen for the device, not given, and why (marl.config.device)
+        "chosen_for_device": dict(getattr(config, "chosen_for_device", {})),
         "model": {
             "name_or_path": model.name_or_path,
             "quantization": model.quantization,
@@ -351,6 +348,8 @@ def reward_record(reward: Any) -> list[dict[str, Any]]:
         kind = REWARD_KIND_NAMES.get(type(source).__name__, type(source).__name__)
         record: dict[str, Any] = {"name": name, "weight": weight, "kind": kind}
         function = getattr(source, "function", None)
+        while isinstance(function, functools.partial):  # the function a partial wraps, as TRL names it
+            function = function.func
         if function is not None:
             qualname = getattr(function, "__qualname__", type(function).__qualname__)
             record |= {"kind": "function", "function": f"{getattr(function, '__module__', '?')}:{qualname}"}

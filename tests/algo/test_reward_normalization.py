@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_rloo_math import random_rollout, shape_in_lockstep
 
-from marl.algo.advantages import get_advantage_estimator, has_judged_sibling, rloo_advantages
+from marl.algo.advantages import get_advantage_estimator, rloo_advantages
 from marl.algo.reward_normalization import (
     GDPO_STD_EPSILON,
     PerRewardNormalization,
@@ -91,11 +91,12 @@ def gdpo_loop(scores, weights, k, *, scale, estimator, penalty, stopped, non_sco
             others = [reward[other] for other in judged if other != row]
             baseline = statistics.fmean(others if estimator == "rloo" else [reward[o] for o in judged])
             advantage[row], has[row] = reward[row] - baseline, True
-    # 4. batch-wise normalisation over the completions with an advantage
-    pooled = [advantage[row] for row in range(rows) if has[row]]
+    # 4. batch-wise normalisation over the judged completions (one without a judged sibling as its 0, as TRL)
+    counted = [not math.isnan(reward[row]) for row in range(rows)]
+    pooled = [advantage[row] for row in range(rows) if counted[row]]
     if len(pooled) >= 2:
         mean, std = statistics.fmean(pooled), statistics.stdev(pooled)
-        advantage = [(a - mean) / (std + 1e-4) if has[row] else 0.0 for row, a in enumerate(advantage)]
+        advantage = [(a - mean) / (std + 1e-4) if counted[row] else 0.0 for row, a in enumerate(advantage)]
     else:
         advantage = [0.0] * rows
     return torch.tensor(advantage, dtype=torch.float64)
@@ -190,8 +191,8 @@ def test_one_reward_is_todays_advantage_z_scored_over_the_batch(
         reward_weights=torch.tensor([1.0]),
         per_reward=per_reward(estimator, scale),
     )
-    # today's advantages, z-scored over the completions with an advantage, std + 1e-4 (TRL's epsilon)
-    expected = standardize(todays.advantages, has_judged_sibling(todays.judged, k), None, GDPO_STD_EPSILON)
+    # today's advantages, z-scored over the judged completions, std + 1e-4 (TRL's epsilon)
+    expected = standardize(todays.advantages, todays.judged, None, GDPO_STD_EPSILON)
     torch.testing.assert_close(ours.advantages, expected, rtol=1e-7, atol=1e-7)
     torch.testing.assert_close(ours.scores, todays.scores, equal_nan=True)  # the logged score is the raw one
 
@@ -276,13 +277,15 @@ def test_two_processes_normalise_like_one(estimator_scale, seed):
     assert not torch.allclose(alone.advantages, two[0].advantages)  # the gather matters
 
 
-def test_per_reward_equals_trl_normalize_then_sum(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("lone", [False, True], ids=["all-judged", "a-lone-judged-completion"])
+def test_per_reward_equals_trl_normalize_then_sum(tiny_llama_dir, tmp_path, lone):
     """TRL 1.16's GRPOTrainer with ``multi_objective_aggregation="normalize_then_sum"`` runs
     ``_generate_and_score_completions`` (real generation on the tiny model) with its ``_calculate_rewards``
     replaced on the instance by our table of two sources' scores; its advantages must equal per_reward's under
     grpo with the group scale. Every completion judged by every source: where a source abstains, marl's
     baseline re-centres the sum within the group and gives a completion without a judged sibling no advantage,
-    which TRL does not."""
+    which TRL does not. ``lone``: one completion of prompt 2 is the only one either source judged: it keeps
+    advantage 0 and counts in the batch statistics as that 0, as in TRL."""
     trl = pytest.importorskip("trl")
     from datasets import Dataset
     from test_trl_parity import TOLERANCE, prompt_major_to_k_major, zero_reward
@@ -309,6 +312,8 @@ def test_per_reward_equals_trl_normalize_then_sum(tiny_llama_dir, tmp_path):
     generator = torch.Generator().manual_seed(5)
     table = torch.randn(prompts * k, 2, generator=generator) * torch.tensor([1.0, 20.0])  # prompt-major
     table[:4, 1] = 3.0  # prompt 0: the second source gives all four the same score
+    if lone:
+        table[9:, :] = float("nan")  # prompt 2: only its first completion is judged, by both sources
     trainer._calculate_rewards = lambda *args, **kwargs: table.clone()
     inputs = [{"prompt": text} for text in ("a b", "c d", "e f") for _ in range(k)]
     with torch.no_grad():

@@ -65,6 +65,11 @@ def test_two_updates_write_a_loadable_adapter_and_metrics(setup, tmp_path, capsy
     main(["train-rloo", *rloo_flags(setup, output, "--reward-adapter", setup["reward"])])
     printed = capsys.readouterr().out
     assert "marl train-rloo --model_name_or_path" in printed  # the command, then the memory card
+    # the settings chosen for the device (a CPU here) are said at the start and recorded with the run
+    assert "chosen for the cpu device: bf16 off" in unwrapped_lines(printed)
+    settings = json.loads((output / "rloo_config.json").read_text())
+    assert (settings["bf16"], settings["fp16"], settings["gradient_checkpointing"]) == (False, False, False)
+    assert settings["chosen_for_device"]["gradient_checkpointing"].startswith("off: a CPU")
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [record["episode"] for record in records] == [4.0, 8.0]
     assert all("objective/scores" in record and "objective/kl" in record for record in records)
@@ -90,6 +95,11 @@ def test_two_updates_write_a_loadable_adapter_and_metrics(setup, tmp_path, capsy
 
 def unwrapped(text: str) -> str:
     return "".join(text.split())
+
+
+def unwrapped_lines(text: str) -> str:
+    """``text`` with the console's line wrapping undone (words kept apart)."""
+    return " ".join(text.split())
 
 
 def test_a_run_names_its_outputs_and_evaluate_says_what_it_evaluated(setup, tmp_path, capsys):

@@ -76,9 +76,14 @@ def test_plan_says_on_stderr_which_plan_it_makes_and_stdout_holds_the_plan_alone
     plan = plan_main(["--model_name_or_path", config_folder, *FLAGS])
     captured = capsys.readouterr()
     assert captured.out == f"{plan}\n"  # the plan as before, nothing else
-    assert _progress(captured.err) == [f"marl plan: [1/1] planning the run as given ({config_folder})"]
+    assert _progress(captured.err) == [
+        f"marl plan: [1/1] planning the run as given ({config_folder})",
+        "marl plan: chosen for the cpu device: bf16 off: a CPU computes in float32; fp16 off: a CPU "
+        "computes in float32; gradient_checkpointing off: a CPU (activations sit in the machine's memory); "
+        "give a flag (e.g. --bf16 true) to choose otherwise",
+    ]
     main(["plan", "--model_name_or_path", config_folder, *FLAGS, "--compare"])
-    err = _progress(capsys.readouterr().err)
+    err = [line for line in _progress(capsys.readouterr().err) if "chosen for the" not in line]
     assert [line.split("]")[0] for line in err] == ["marl plan: [1/3", "marl plan: [2/3", "marl plan: [3/3"]
     assert err[1].endswith("as trl-rloo") and err[2].endswith("as ppo")
 
@@ -151,3 +156,38 @@ def test_the_bases_share_is_said_only_when_it_takes_most_of_the_usable_memory(co
         text = closest_text(Change("(the run as given)", "", plan_memory(config, model_config, target)))
         assert ("base alone takes" in text) == said, text
         assert text.startswith("nothing tried on 1 process fits; closest: (the run as given) needs")
+
+
+# Qwen2.5-1.5B-Instruct's config.json, as its model card's files give it (the planner reads nothing else).
+QWEN25_1_5B = dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+    num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645,
+)  # fmt: skip
+NEWCOMER = ["--quantization", "4bit", "--algorithm", "grpo", "--response_length", "256", "--device", "cuda",
+            "--memory_gb", "24"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_newcomers_grpo_run_on_a_24_gb_card_fits_with_the_cuda_defaults(tmp_path, capsys):
+    """The run of docs/guides/coming-from-trl.md on a Qwen2.5-1.5B base, nothing else given: bf16 and gradient
+    checkpointing, chosen for the CUDA device, make it fit; without them (the defaults before) it did not."""
+    from transformers import Qwen2Config
+
+    from marl.apps.flags import parse_flags
+    from marl.apps.plan import PlanArguments
+    from marl.config import RLOOConfig
+    from marl.plan.planner import PlanTarget, load_model_config, plan_memory
+
+    Qwen2Config(**QWEN25_1_5B).save_pretrained(tmp_path)
+    plan = plan_main(["--model_name_or_path", str(tmp_path), *NEWCOMER])
+    captured = capsys.readouterr()
+    assert plan.fits is True, captured.out
+    assert plan.settings["gradient_checkpointing"] is True and "cast to bfloat16 (autocast)" in str(plan)
+    assert "chosen for the cuda device: bf16 on" in captured.err
+    assert "gradient_checkpointing on" in captured.err
+    without = ["--bf16", "false", "--gradient_checkpointing", "false"]  # the defaults before
+    words = ["--model_name_or_path", str(tmp_path), *NEWCOMER, *without]
+    _, config = parse_flags([PlanArguments, RLOOConfig], "marl plan", words)
+    before = plan_memory(config, load_model_config(str(tmp_path)), PlanTarget(device="cuda", memory_gb=24))
+    assert before.fits is False and before.peak > plan.peak

@@ -104,7 +104,7 @@ def test_the_shipped_kinds_build_the_shipped_sources(tiny_llama_dir, tiny_reward
     adapter, eos_adapter, function = plan.build(RewardParts(model, tokenizer, rows_per_pass=2))
     assert isinstance(adapter, AdapterReward) and (adapter.name, adapter.rows_per_pass) == ("rm", 2)
     assert isinstance(eos_adapter, EosTerminatedAdapterReward) and eos_adapter.rows_per_pass == 2
-    assert isinstance(function, FunctionReward) and function.name == "math:fsum"
+    assert isinstance(function, FunctionReward) and function.name == "fsum"
 
     # The shared chunked loop gives every row the score it has alone, whatever the chunking.
     prompts, completions = ["the movie", "a dull", "an honest"], [" was great", " boring film", " story"]

@@ -334,3 +334,34 @@ def test_logging_errors_name_the_function_and_the_fix():
     ):
         reward_function_metrics(SimpleNamespace(reward_log=log), {"objective/kl": 0.1, "lr": 1e-3})
     assert reward_function_metrics(SimpleNamespace(reward_log=log), {"lr": 1e-3}) == {"objective/kl": 1.0}
+
+
+class LengthJudge:  # a callable object, one of the reward forms TRL names
+    def __call__(self, completions, **kwargs):
+        return [float(len(completion)) for completion in completions]
+
+
+def test_a_reward_function_is_named_as_trl_names_it(tmp_path):
+    """``--reward_fn path/file.py:fn`` logs ``rewards/fn`` (not the path), a ``functools.partial`` and a
+    callable object are named by TRL's own ``get_callable_name``."""
+    import functools
+
+    from trl.trainer.utils import get_callable_name
+
+    from marl.rewards import FunctionReward, WeightedRewards, load_reward_fn
+    from marl.train.run_dir import reward_record
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def brevity(completions, **kwargs):\n    return [1.0] * len(completions)\n"
+    )
+    loaded = load_reward_fn(f"{tmp_path / 'my_rewards.py'}:brevity")
+    assert loaded.name == get_callable_name(loaded.function) == "brevity"
+    forms = [reward_len, functools.partial(functools.partial(reward_func, ground_truth=["1"])), LengthJudge()]
+    assert [FunctionReward(form).name for form in forms] == [get_callable_name(form) for form in forms]
+    assert [FunctionReward(form).name for form in forms] == ["reward_len", "reward_func", "LengthJudge"]
+    weighted = WeightedRewards([loaded, FunctionReward(forms[1])], [1.0, 1.0])
+    assert weighted.names == ["brevity", "reward_func"]  # the metrics rewards/brevity, rewards/reward_func
+    assert [record["function"] for record in reward_record(weighted)] == [
+        f"{loaded.function.__module__}:brevity",
+        f"{__name__}:reward_func",  # the function a partial wraps, not functools:partial
+    ]

@@ -62,6 +62,36 @@ def test_a_sweep_of_one_policy_is_its_own_run_bit_for_bit(tiny_llama_dir, tmp_pa
     assert (tmp_path / "sweep" / SUMMARY_FILE).is_file() and (tmp_path / "sweep" / CURVES_FILE).is_file()
 
 
+def test_a_member_of_a_sweep_of_two_is_not_its_solo_run_one_random_stream(tiny_llama_dir, tmp_path):
+    """What the claim "each policy gets exactly its solo gradients" does not say: the update of the same rows
+    is the solo run's (the tests below), but the rows are not: both policies' tokens are drawn from one random
+    stream, so a member of a sweep of two samples other completions than its own run would (by design: the
+    Sweeps guide's "Randomness")."""
+    build(tiny_llama_dir, tiny_config(tmp_path / "solo", learning_rate=2e-2)).train()
+    sweep(tiny_llama_dir, ["learning_rate=1e-2,2e-2"], tmp_path / "sweep").train()
+    solo, swept = read_metrics(tmp_path / "solo"), read_metrics(tmp_path / "sweep" / "learning_rate=2e-2")
+    assert len(solo) == len(swept) == 3
+    # other completions from the first update on
+    assert swept[0]["objective/scores"] != solo[0]["objective/scores"]
+
+
+def test_a_sweeps_memory_card_counts_every_policys_training_state(tiny_llama_dir, tmp_path):
+    """Three policies: the card's training state is the three optimizers' (each policy's own card's, summed),
+    and its predicted peaks are those of the sweep planned with its three policies, not one run's."""
+    from marl.apps.train_rloo import memory_card_with_plan
+    from marl.plan.planner import plan_for_trainer
+
+    trainer = sweep(tiny_llama_dir, ["learning_rate=1e-2,2e-2,3e-2"], tmp_path / "sweep")
+    card = memory_card_with_plan(trainer)
+    alone = [trainer.model.memory_report(run.policy) for run in trainer.trainers]
+    assert card.optimizer_state_bytes == sum(report.optimizer_state_bytes for report in alone)
+    assert card.trainable_parameters == 3 * alone[0].trainable_parameters
+    assert "3 policies" in str(card)
+    swept, one = plan_for_trainer(trainer.trainers[0], policies=3), plan_for_trainer(trainer.trainers[0])
+    assert card.predicted_peaks == {phase.name: phase.total for phase in swept.phases if phase.name != "load"}
+    assert card.predicted_peaks["update"] > one.phases[-1].total
+
+
 def test_an_adapter_learns_only_from_its_own_rows(tiny_llama_dir, tmp_path):
     """The second policy weighs the reward by 0 and has no KL: its rows' advantages and loss gradients are 0,
     so AdamW leaves its adapter exactly as it started; the first policy's rows (in the same decode, scoring

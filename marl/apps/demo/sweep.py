@@ -82,7 +82,7 @@ def run_demo_sweep(arguments: DemoArguments) -> dict[str, Any]:
         reward_funcs=reward,
         judge=load_judge(None),
     )
-    console.print(memory_card_with_plan(trainer.trainers[0]))  # one run's card: each policy adds its LoRA
+    console.print(memory_card_with_plan(trainer))  # every policy's LoRA and training state
     console.print(duration_line(arguments, len(members)))
     trainer.train()
     train_seconds = time.perf_counter() - start_time

@@ -1,0 +1,152 @@
+"""The settings chosen for the device a run trains on, when they are not given: on a CUDA device bf16 mixed
+precision (fp16 on a card without bfloat16) and gradient checkpointing, as TRL's configs default them; on a
+CPU neither (CPU bfloat16 matmuls are slow and round more, and activations sit in the machine's memory).
+
+``RLOOConfig``'s ``bf16``, ``fp16`` and ``gradient_checkpointing`` are unset (``None``) unless given on the
+command line, in the ``--config`` file or in Python; a given value always wins.
+:func:`resolve_device_settings` is the one owner of the rule: ``train-rloo`` resolves for the device it will
+train on (right after its flags are parsed), ``marl plan`` for its ``--device``, and ``RLOOTrainer`` for its
+model's device when a config built in Python reaches it unresolved. The choices and their reasons go to
+``config.chosen_for_device``, which the start of a run prints and ``rloo_config.json`` records.
+
+Example:
+    >>> unset = {"bf16": None, "fp16": None, "gradient_checkpointing": None}
+    >>> {name: value for name, (value, _) in choose_device_settings(unset, Device("cuda")).items()}
+    {'bf16': True, 'fp16': False, 'gradient_checkpointing': True}
+    >>> choose_device_settings({**unset, "fp16": True, "gradient_checkpointing": False}, Device("cuda"))
+    {'bf16': (False, 'off: --fp16 is given')}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from marl.errors import ConfigError
+
+DEVICE_FIELDS = ("bf16", "fp16", "gradient_checkpointing")
+DEVICE_TYPES = ("cuda", "cpu")
+# The help texts of the fields, here beside the rule they describe.
+HELP = {
+    "bf16": "bfloat16 compute (mixed precision through accelerate). Default: on with a CUDA device that has "
+    "bfloat16 (TRL's default), off on a CPU (marl.config.device).",
+    "fp16": "float16 compute (mixed precision through accelerate). Default: on with a CUDA device without "
+    "bfloat16, otherwise off.",
+    "gradient_checkpointing": "Recompute activations in the backward pass to save memory (about a third more "
+    "update compute). Default: on with a CUDA device (TRL's default), off on a CPU.",
+}
+
+
+def device_field(name: str) -> Any:
+    """The ``RLOOConfig`` field ``name`` of :data:`DEVICE_FIELDS`: unset (``None``) until the device is known,
+    with its help text."""
+    return field(default=None, metadata={"help": HELP[name]})
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a run trains, as far as its defaults depend on it: ``"cuda"`` or ``"cpu"``, and whether the CUDA
+    device computes in bfloat16 (compute capability 8.0, Ampere, or newer)."""
+
+    type: str
+    supports_bf16: bool = True
+
+    @classmethod
+    def named(cls, device_type: str) -> Device:
+        """``device_type`` on this machine: a CUDA device's bfloat16 support is asked of torch when a card is
+        present, and assumed otherwise (``marl plan --device cuda`` on a machine without one plans in
+        bfloat16, as its weights do).
+
+        Example:
+            >>> Device.named("cpu")
+            Device(type='cpu', supports_bf16=False)
+        """
+        if device_type not in DEVICE_TYPES:
+            raise ConfigError(
+                f"--device {device_type!r} is not one of {list(DEVICE_TYPES)}: pass cuda or cpu"
+            )
+        if device_type == "cpu":
+            return cls("cpu", supports_bf16=False)
+        import torch
+
+        return cls("cuda", not torch.cuda.is_available() or torch.cuda.is_bf16_supported())
+
+    @classmethod
+    def current(cls) -> Device:
+        """The device a run started here trains on: the CUDA device when there is one, else the CPU."""
+        import torch
+
+        return cls.named("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def choose_device_settings(given: Mapping[str, bool | None], device: Device) -> dict[str, tuple[bool, str]]:
+    """The value and the reason of every field of :data:`DEVICE_FIELDS` that ``given`` leaves unset
+    (``None``). A precision given (``bf16`` or ``fp16``) leaves the other off; none given: bf16 on a CUDA
+    device with bfloat16, fp16 on one without, neither on a CPU."""
+    chosen: dict[str, tuple[bool, str]] = {}
+    cuda = device.type == "cuda"
+    precision_given = [name for name in ("bf16", "fp16") if given.get(name) is not None]
+    for name in ("bf16", "fp16"):
+        if given.get(name) is not None:
+            continue
+        if precision_given:
+            chosen[name] = (False, f"off: --{precision_given[0]} is given")
+        elif not cuda:
+            chosen[name] = (False, "off: a CPU computes in float32")
+        elif name == "bf16":
+            on = device.supports_bf16
+            reason = "the CUDA device computes in bfloat16" if on else "the CUDA device has no bfloat16"
+            chosen[name] = (on, f"{'on' if on else 'off'}: {reason}" + (" (TRL's default)" if on else ""))
+        else:
+            on = not device.supports_bf16
+            chosen[name] = (on, "on: the CUDA device has no bfloat16" if on else "off: bf16 is on")
+    if given.get("gradient_checkpointing") is None:
+        chosen["gradient_checkpointing"] = (
+            (True, "on: a CUDA device (TRL's default; about a third more update compute for a small fraction "
+                   "of the activation memory)")
+            if cuda
+            else (False, "off: a CPU (activations sit in the machine's memory)")
+        )  # fmt: skip
+    return chosen
+
+
+def resolve_device_settings(settings: Any, device: Device) -> dict[str, str]:
+    """Set ``settings``' unset device fields for ``device`` (:func:`choose_device_settings`) and return what
+    was chosen and why (also kept as ``settings.chosen_for_device``, beside earlier choices); a config already
+    resolved is left as it is.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> settings = SimpleNamespace(bf16=None, fp16=None, gradient_checkpointing=True)
+        >>> resolve_device_settings(settings, Device("cpu", supports_bf16=False))
+        {'bf16': 'off: a CPU computes in float32', 'fp16': 'off: a CPU computes in float32'}
+        >>> settings.bf16, settings.gradient_checkpointing
+        (False, True)
+    """
+    given = {name: getattr(settings, name) for name in DEVICE_FIELDS}
+    chosen = choose_device_settings(given, device)
+    for name, (value, _reason) in chosen.items():
+        setattr(settings, name, value)
+    reasons = {name: reason for name, (_value, reason) in chosen.items()}
+    settings.chosen_for_device = {**getattr(settings, "chosen_for_device", {}), **reasons}
+    return reasons
+
+
+def describe_choices(reasons: Mapping[str, str], device_type: str) -> str:
+    """One line saying what was chosen for the device and why, and how to choose otherwise (empty when
+    nothing was chosen).
+
+    Example:
+        >>> print(describe_choices({"gradient_checkpointing": "on: a CUDA device"}, "cuda"))
+        chosen for the cuda device: gradient_checkpointing on: a CUDA device; give a flag (e.g. \
+--gradient_checkpointing false) to choose otherwise
+    """
+    if not reasons:
+        return ""
+    choices = "; ".join(f"{name} {reason}" for name, reason in reasons.items())
+    example = next(iter(reasons))
+    return (
+        f"chosen for the {device_type} device: {choices}; give a flag (e.g. --{example} "
+        f"{'false' if reasons[example].startswith('on') else 'true'}) to choose otherwise"
+    )
