@@ -58,7 +58,8 @@ def separate_reward_model(base_dir: Path, adapter_dir: Path, quantization: str |
     return PeftModel.from_pretrained(classifier, str(adapter_dir))
 
 
-def grpo_config(output_dir: Path, **overrides):
+def grpo_config(output_dir: Path, config_class=None, **overrides):
+    """A small CPU run's ``GRPOConfig`` (or ``config_class``, e.g. ``RLOOConfig``, with the same settings)."""
     from trl import GRPOConfig
 
     settings = dict(
@@ -66,7 +67,7 @@ def grpo_config(output_dir: Path, **overrides):
         per_device_train_batch_size=4, max_completion_length=6, bf16=False, seed=0, logging_steps=1,
         save_strategy="no", disable_tqdm=True,
     )  # fmt: skip
-    return GRPOConfig(**{**settings, **overrides})
+    return (config_class or GRPOConfig)(**{**settings, **overrides})
 
 
 def trl_scores(trainer, tokenizer, prompts: list, texts: list[str]) -> torch.Tensor:
