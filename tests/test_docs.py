@@ -145,3 +145,22 @@ def test_site_builds_strict(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert (tmp_path / "site" / "index.html").is_file()
+
+
+def test_the_trl_example_runs_on_a_tiny_model(
+    tiny_llama_dir: Path, tiny_reward_adapter: Path, tmp_path: Path
+):
+    """examples/trl_grpo_with_reward_adapter.py, the TRL script of "Coming from TRL", end to end."""
+    script = ROOT / "examples" / "trl_grpo_with_reward_adapter.py"
+    arguments = ["--model", str(tiny_llama_dir), "--reward_adapter", str(tiny_reward_adapter)]
+    arguments += ["--output_dir", str(tmp_path / "run"), "--max_steps", "2", "--max_completion_length", "4"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(script), *arguments],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"mean reward per step: -?\d+\.\d+, -?\d+\.\d+$", result.stdout.strip())
