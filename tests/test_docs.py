@@ -26,6 +26,7 @@ SKIPPED_BLOCKS = {
     ("docs/guides/rewards.md", 1),
     ("docs/guides/policies.md", 1),
     ("docs/guides/sweeps.md", 2),
+    ("docs/guides/coming-from-trl.md", 3),
     ("README.md", 1),
     ("README.md", 2),
 }
