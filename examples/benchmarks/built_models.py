@@ -7,8 +7,8 @@ bundled model or data package).
   to exactly the model's vocabulary size (Qwen2.5's 151,936), so that every id a model with random weights
   samples decodes to a word and encodes back to one token;
 - :func:`build_prompts`: prompts of exactly ``tokens`` tokens of other generated text;
-- :func:`build_model`: a Qwen2 model with Qwen2.5-0.5B's or 1.5B's shapes (or a tiny one for a CPU dry run)
-  and random weights, saved with its tokenizer.
+- :func:`build_model`: a Qwen2 model with Qwen2.5-0.5B's or 1.5B's shapes, or a Llama model with
+  Llama-3.1-8B's (or a tiny one of each for a CPU dry run), with random weights, saved with its tokenizer.
 
 Example:
     >>> generated_text(seed=0, lines=2, words_per_line=3)
@@ -41,6 +41,20 @@ QWEN25_SHAPES: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 _COMMON = dict(max_position_embeddings=4096, rope_theta=1_000_000.0, tie_word_embeddings=True)
+# Llama-3.1-8B's shapes (its config.json: 32 layers, 8 key/value heads, untied head, vocabulary 128,256),
+# built as a LlamaForCausalLM; and a tiny Llama for the CPU dry run of that step.
+LLAMA31_SHAPES: dict[str, dict[str, Any]] = {
+    "llama3.1-8b-shaped": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128_256,
+    ),
+    "tiny-llama-shaped": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1024,
+    ),
+}  # fmt: skip
+_LLAMA_COMMON = dict(max_position_embeddings=4096, rope_theta=500_000.0, tie_word_embeddings=False)
+BUILT_SHAPES = {**QWEN25_SHAPES, **LLAMA31_SHAPES}
 
 
 def generated_text(seed: int, lines: int, words_per_line: int = 20) -> list[str]:
@@ -106,25 +120,32 @@ def build_prompts(tokenizer: Any, count: int, tokens: int, seed: int = 1) -> lis
 
 
 def build_model(shape: str, dtype: str, target: Path, seed: int = 0, device: str = "cpu") -> str:
-    """A Qwen2 model of the named shape with random weights and its tokenizer, saved to ``target``."""
+    """A Qwen2 (or, for a Llama shape, Llama) model of the named shape with random weights and its tokenizer,
+    saved to ``target``."""
     if (target / "config.json").is_file():
         return str(target)
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shapes = QWEN25_SHAPES[shape]
+    shapes = BUILT_SHAPES[shape]
+    llama = shape in LLAMA31_SHAPES
+    config_class, model_class = (LlamaConfig, LlamaForCausalLM) if llama else (Qwen2Config, Qwen2ForCausalLM)
     tokenizer = build_tokenizer(shapes["vocab_size"], seed=seed)
-    config = Qwen2Config(
+    config = config_class(
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         dtype=dtype,
-        **_COMMON,
+        **(_LLAMA_COMMON if llama else _COMMON),
         **shapes,
     )
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(getattr(torch, dtype))
+    with torch.device(device):  # built in the compute dtype: an 8B model in fp32 would take 32 GB first
+        torch.set_default_dtype(getattr(torch, dtype))
+        try:
+            model = model_class(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return str(target)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from built_models import QWEN25_SHAPES, build_model, build_prompts
+from built_models import BUILT_SHAPES, LLAMA31_SHAPES, build_model, build_prompts
 from floors import phase_work
 from measure import memory_floor, rollout_kv_tokens
 
@@ -84,8 +84,13 @@ SETUPS = {
     # `cache_implementation`), the nearest it has to marl's graph decode without vLLM.
     "gpu-0.5b": dict(_BUILT_GPU, model="qwen2.5-0.5b-shaped"),
     "gpu-1.5b": dict(_BUILT_GPU, model="qwen2.5-1.5b-shaped"),
+    # Llama-3.1-8B's shapes, GRPO (its preset; TRL's GRPOTrainer), for a 4-bit run inside 24 GB
+    "gpu-8b": dict(_BUILT_GPU, model="llama3.1-8b-shaped", algorithm="grpo", kl_coef=0.0),
 }  # fmt: skip
+# --dry-run: a setup of a Llama shape shrinks to the tiny Llama (the others to DRY_RUN's tiny Qwen2)
+DRY_RUN_LLAMA = "tiny-llama-shaped"
 SETUP_GROUPS = {"cpu": ("cpu-short", "cpu-long", "cpu-long4", "cpu-weights"), "gpu": ("gpu-0.5b", "gpu-1.5b")}
+LLAMA_SETUPS = tuple(name for name, setup in SETUPS.items() if setup.get("model") in LLAMA31_SHAPES)
 # What the GPU setups compare: marl with its three samplers, TRL's two trainers (without vLLM).
 GPU_SYSTEMS = ("marl-graph", "marl", "marl-generate", "trl", "trl-grpo")
 # --dry-run: every setup shrunk to a tiny model on the CPU, one run of every system, so that a GPU run cannot
@@ -151,7 +156,7 @@ def build_context_prompts(snippets: Sequence[str], count: int, min_tokens: int, 
 
 def prepare_model(config: BenchConfig, work_dir: Path) -> str:
     """A local model folder: the bundled model, or a Qwen2-shaped model with random weights."""
-    if config.model in QWEN25_SHAPES:
+    if config.model in BUILT_SHAPES:
         import torch
 
         device = "cuda" if config.device == "cuda" and torch.cuda.is_available() else "cpu"
@@ -217,7 +222,7 @@ def prepare_prompts(config: BenchConfig, model_path: str) -> list[str]:
     from transformers import AutoTokenizer
 
     needed = config.prompts_per_update * config.updates
-    if config.model in QWEN25_SHAPES:  # generated text, exactly context_tokens tokens
+    if config.model in BUILT_SHAPES:  # generated text, exactly context_tokens tokens
         return build_prompts(AutoTokenizer.from_pretrained(model_path), needed, config.context_tokens)
     from marl.data.assets import build_rl_prompts, split_rotten_tomatoes
 

@@ -69,7 +69,9 @@ from report_markdown import render_markdown
 from setups import (
     DEFAULT_RUN_SECONDS,
     DRY_RUN,
+    DRY_RUN_LLAMA,
     GPU_SYSTEMS,
+    LLAMA_SETUPS,
     QUANTIZATIONS,
     RANDOM_QWEN2,
     REPO_ROOT,
@@ -104,7 +106,10 @@ def marl_systems() -> tuple[str, ...]:
 
 # The sampler of each marl system that does not sample with marl's default.
 MARL_SAMPLERS = {"marl-generate": "transformers", "marl-graph": "graph"}
-TRL_SYSTEMS = ("trl", "trl-grpo")
+# trl-grpo-cb: GRPOTrainer generating with transformers' continuous batching (use_transformers_continuous_
+# batching) instead of `generate` with a static cache: TRL 1.16's other way to sample without vLLM. Neither
+# is compiled: TRL builds its GenerationConfig with disable_compile=True.
+TRL_SYSTEMS = ("trl", "trl-grpo", "trl-grpo-cb")
 # --algorithm: marl's preset, and TRL's trainer that `trl` then runs (RLOOTrainer or GRPOTrainer)
 ALGORITHMS = ("rloo", "grpo")
 
@@ -158,12 +163,13 @@ def _timed(owner, attribute: str, seconds: list[float], torch) -> None:
 
 def sampling_figures(seconds: list[float], config: BenchConfig) -> dict[str, float]:
     """Sampling tokens/s and seconds per decode step (prefill included) of the median sampling call after the
-    first (its warm-up and compilation excluded); one call samples one update's completions.
+    first (its warm-up and compilation excluded), and the seconds of that first call (what a user waits for
+    the first update's completions, compilation included); one call samples one update's completions.
 
     Example:
         >>> config = BenchConfig("s", "m", "cpu", "float32", 2, 4, 10, 3)
         >>> sampling_figures([9.0, 2.0, 4.0], config)
-        {'sampling_tokens_per_s': 26.666666666666668, 'decode_step_ms': 300.0}
+        {'sampling_tokens_per_s': 26.666666666666668, 'decode_step_ms': 300.0, 'first_sampling_s': 9.0}
     """
     import statistics
 
@@ -174,6 +180,7 @@ def sampling_figures(seconds: list[float], config: BenchConfig) -> dict[str, flo
     return {
         "sampling_tokens_per_s": config.batch_size * config.response_length / spent,
         "decode_step_ms": 1000 * spent / config.response_length,
+        "first_sampling_s": seconds[0],
     }
 
 
@@ -229,10 +236,12 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
 
     config_class, trainer_class = (
         (GRPOConfig, GRPOTrainer)
-        if job["system"] == "trl-grpo" or config.algorithm == "grpo"
+        if job["system"] in ("trl-grpo", "trl-grpo-cb") or config.algorithm == "grpo"
         else (TRLRLOOConfig, TRLRLOOTrainer)
     )
     cache = {"cache_implementation": config.cache_implementation} if config.cache_implementation else {}
+    if job["system"] == "trl-grpo-cb":
+        cache = {"use_transformers_continuous_batching": True}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as output_dir:
         args = config_class(
             output_dir=output_dir,
@@ -371,6 +380,13 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
     result.update(phases_labelled=all(labelled), lengths=sorted(lengths))
     result.update(sampling_figures(sampling_seconds, config))
     result["sampler_path"] = getattr(trainer.sampler, "path", None)
+    # |sampler log-prob - trainer log-prob| per update (where the sampler keeps its log-probs)
+    for name, key in (("mean", "logprob_gap_mean"), ("max", "logprob_gap_max")):
+        result[key] = [
+            r[f"sampling/sampling_logp_difference/{name}"]
+            for r in history
+            if f"sampling/sampling_logp_difference/{name}" in r
+        ]
     return _finish(result, sampler, torch, config)
 
 
@@ -470,6 +486,8 @@ def build_config(setup: str, args: argparse.Namespace) -> BenchConfig:
         0.0
     """
     values = dict(SETUPS[setup], setup=setup, **(DRY_RUN if getattr(args, "dry_run", False) else {}))
+    if getattr(args, "dry_run", False) and setup in LLAMA_SETUPS:
+        values["model"] = DRY_RUN_LLAMA
     for field in dataclasses.fields(BenchConfig):
         override = getattr(args, field.name, None)
         if field.name not in ("setup", "model") and override is not None:

@@ -11,6 +11,13 @@ completions that source judged, and ``objective/kl`` and ``objective/entropy``, 
 all completions. ``objective/unjudged`` counts the completions no source judged, over all processes.
 ``objective/kl`` is left out where no reference pass ran (``kl_coef`` 0, :mod:`marl.algo.passes`).
 
+``sampling/sampling_logp_difference/mean`` and ``/max`` (TRL 1.16's names for the same quantity, logged
+by its GRPO trainer beside its importance-sampling correction of vLLM samples) are the mean and the max over
+every sampled token of ``|log π_sampler(y_t) − log π_trainer(y_t)|``: the log-prob the sampler drew the token
+with against the one the rollout's policy pass (or the update's forward) computed for it. Logged where the
+sampler keeps its log-probs (``static``, ``graph``; not ``generate``). With the same weights and dtype both
+are the same function up to rounding; a sampler in another precision or kernel shows here.
+
 ``objective/zero_spread_groups`` is the share of the prompt groups with at least two judged completions whose
 judged scores are all equal (they teach nothing, :mod:`marl.algo.group_spread`). With several sources,
 ``zero_spread_groups/<name>`` is the same for one source's own scores, and ``advantage_share/<name>`` each
@@ -194,3 +201,41 @@ def update_metrics(stats: UpdateStats) -> dict[str, float]:
         "val/ratio_var": max(stats.ratio_squared / count - ratio**2, 0.0),
         "val/ratio_first": stats.first_ratio / stats.first_completions,
     }
+
+
+SAMPLER_GAP_MEAN = "sampling/sampling_logp_difference/mean"
+SAMPLER_GAP_MAX = "sampling/sampling_logp_difference/max"
+
+
+@dataclass
+class SamplerGapStats:
+    """Sums over one process's sampled tokens of |sampler log-prob − trainer log-prob|."""
+
+    total: float | torch.Tensor
+    tokens: float | torch.Tensor
+
+
+def sampler_gap(sampled: torch.Tensor, scored: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``|sampled − scored|`` of the valid tokens ``mask`` (1-D, float32).
+
+    Example:
+        >>> sampled, scored = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -9.0]])
+        >>> sampler_gap(sampled, scored, torch.tensor([[1, 0]])).tolist()
+        [0.5]
+    """
+    return (sampled.float() - scored.float()).abs()[mask.bool()]
+
+
+def sampler_gap_metrics(rollout: Any, parallelism: Any) -> dict[str, float]:
+    """:data:`SAMPLER_GAP_MEAN` and :data:`SAMPLER_GAP_MAX` over every process's sampled tokens (its
+    ``sum_over_processes`` for the mean, its ``gather`` for the max); empty where the sampler kept no
+    log-probs (the same on every process: one sampler)."""
+    if getattr(rollout, "sampled_logprobs", None) is None or rollout.logprobs is None:
+        return {}
+    gap = sampler_gap(rollout.sampled_logprobs, rollout.logprobs, rollout.response_mask)
+    summed = parallelism.sum_over_processes(SamplerGapStats(total=gap.sum(), tokens=float(gap.numel())))
+    local_max = gap.max() if gap.numel() else torch.zeros((), device=gap.device)
+    largest = float(parallelism.gather(local_max.reshape(1)).max())
+    if summed.tokens == 0:
+        return {}
+    return {SAMPLER_GAP_MEAN: summed.total / summed.tokens, SAMPLER_GAP_MAX: largest}

@@ -227,18 +227,22 @@ class ForwardPasses(AdapterViews):
         settings: SamplingSettings,
         copies: int = 1,
         routes: RowRoutes | None = None,
+        token_logprobs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """:meth:`sample` over a static KV cache, each prompt prefilled once for its ``copies`` samples
         (prompt-major rows, see :func:`marl.model.static_decode.sample_static`), in eval mode without grad.
         ``routes``: inside :meth:`routed` with these routes, one name per prompt: each prompt's rows decode
-        under its own adapter.
+        under its own adapter. ``token_logprobs``: receives each step's log-prob of the drawn tokens.
 
         Example:
             >>> with model.policy():  # doctest: +SKIP
             ...     rows = model.sample_static(ids, mask, SamplingSettings(0.7, 16, (eos,), pad), copies=4)
         """
         with self._inference():
-            return sample_static(self.peft_model, input_ids, attention_mask, settings, copies, routes=routes)
+            return sample_static(
+                self.peft_model, input_ids, attention_mask, settings, copies, routes=routes,
+                token_logprobs=token_logprobs,
+            )  # fmt: skip
 
 
 def hidden_states(

@@ -43,7 +43,7 @@ from torch import nn
 from marl.model.generation import SamplingSettings
 from marl.model.records import BASE_VIEW
 from marl.model.routing import RowRoutes
-from marl.model.static_decode import _forward_step
+from marl.model.static_decode import _forward_step, drawn_logprobs
 
 # Layers whose fill is a Python int (sliding windows) are read as a constant by a compiled step: it would be
 # compiled again at every token, so models with them decode eager (:func:`compile_problem`).
@@ -203,9 +203,11 @@ class BucketedDecoder:
         compiled: bool = True,
         scores: list[torch.Tensor] | None = None,
         routes: RowRoutes | None = None,
+        token_logprobs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``copies`` completions of each left-padded prompt, prompt-major, as
-        :func:`marl.model.static_decode.sample_static` returns them (``scores`` likewise); ``compiled=False``
+        :func:`marl.model.static_decode.sample_static` returns them (``scores`` and ``token_logprobs``
+        likewise); ``compiled=False``
         runs the eager step even where a compiled one exists (another adapter view). ``routes``: the
         adapter of each prompt, read by the routing the caller installed (:meth:`MultiAdapterModel.routed`);
         the decode then names each slot after its prompt."""
@@ -253,6 +255,8 @@ class BucketedDecoder:
                 scores.append(torch.zeros_like(probs).index_copy_(0, live_rows, scaled))
             drawn = torch.multinomial(probs, num_samples=1).squeeze(1)
             completions[live_rows, index] = drawn[live_rows]
+            if token_logprobs is not None:
+                token_logprobs.append(drawn_logprobs(probs, drawn))
             if index == steps - 1:
                 break
             stopped = torch.isin(drawn[live_rows], stop_ids)

@@ -5,6 +5,12 @@ vocabulary, 512 tokens and 64 rows it is 6.6 GB). Every function here works ``ch
 time: the chosen token's log-probability is ``logit[token] - logsumexp``, the entropy is ``-sum(p * log p)``;
 only the per-position results are kept. :func:`logprobs_from_hidden` also applies the LM head per chunk, and
 with ``recompute=True`` keeps no chunk's logits for the backward pass (they are recomputed there).
+
+Why this head and not TRL 1.16's fused one (``add_fused_lm_head``, tiled kernels): that head scores one
+label per position, while marl's packed rows (:mod:`marl.model.packing`) hold a prompt once followed by its
+k completions, so the prompt's last position is scored against k first tokens, one per completion; and a
+LoRA on the LM head (``lora_target_modules`` naming it) must be applied through PEFT's layer, where TRL
+patches the base model's head before PEFT wraps it.
 """
 
 from __future__ import annotations

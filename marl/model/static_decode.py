@@ -70,6 +70,31 @@ def static_decode_problem(causal_lm: nn.Module) -> str | None:
     return None
 
 
+def drawn_logprobs(probs: torch.Tensor, drawn: torch.Tensor) -> torch.Tensor:
+    """Each row's log-probability of its drawn token ``[A]``, from the probabilities ``[A, V]`` it was drawn
+    from: a gather and a log, no second softmax.
+
+    Example:
+        >>> drawn_logprobs(torch.tensor([[0.25, 0.75], [0.5, 0.5]]), torch.tensor([1, 0])).exp().tolist()
+        [0.75, 0.5]
+    """
+    return probs.gather(1, drawn.unsqueeze(1)).squeeze(1).log()
+
+
+def stacked_logprobs(steps: list[torch.Tensor], rows: int, length: int, device: torch.device) -> torch.Tensor:
+    """The per-step log-probs a decode appended (``token_logprobs``) as ``[rows, length]`` float32, zeros
+    after the last step it ran (a decode whose rows all stopped early).
+
+    Example:
+        >>> stacked_logprobs([torch.tensor([-1.0, -2.0])], 2, 3, torch.device("cpu")).tolist()
+        [[-1.0, 0.0, 0.0], [-2.0, 0.0, 0.0]]
+    """
+    out = torch.zeros(rows, length, dtype=torch.float32, device=device)
+    if steps:
+        out[:, : len(steps)] = torch.stack(steps, dim=1)
+    return out
+
+
 def _forward_step(peft_model: nn.Module) -> DecodeStep:
     def step(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
         return peft_model(
@@ -110,6 +135,7 @@ def sample_static(
     decode_step: DecodeStep | None = None,
     scores: list[torch.Tensor] | None = None,
     routes: RowRoutes | None = None,
+    token_logprobs: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``copies`` completions of each left-padded prompt under the ACTIVE adapter view, prompt-major (row
     ``i * copies + j`` is sample ``j`` of prompt ``i``, as ``generate`` on ``input_ids.repeat_interleave``
@@ -119,7 +145,9 @@ def sample_static(
     ``[P * copies, V]`` (zeros on rows that had stopped), as ``generate(..., output_scores=True)`` returns
     them. ``routes``: the adapter of each prompt (one name per row of ``input_ids``), read by the routing
     hooks the caller installed (:meth:`marl.MultiAdapterModel.routed`); before every step the decode names
-    the rows still in the batch, each after its prompt.
+    the rows still in the batch, each after its prompt. ``token_logprobs``: a list that receives each step's
+    log-probability of the drawn token under the distribution it was drawn from ``[P * copies]`` (a finished
+    row's is that of its placeholder: read it only where the completion's mask is set).
     """
     from transformers import StaticCache
 
@@ -161,6 +189,8 @@ def sample_static(
                 scores.append(torch.zeros_like(probs).index_copy_(0, active, scaled))
             drawn = torch.multinomial(probs, num_samples=1).squeeze(1)
             completions[active, index] = drawn[active]
+            if token_logprobs is not None:
+                token_logprobs.append(drawn_logprobs(probs, drawn))
         if index == steps - 1:
             break
         running = ~torch.isin(drawn[active], stop_ids) if idle is None else stop_ids.new_zeros(0).bool()

@@ -44,7 +44,9 @@ import torch
 
 from marl.model.graph_decode import BucketedDecoder, compile_problem
 from marl.model.records import DEFAULT_POLICY
+from marl.model.static_decode import stacked_logprobs
 from marl.rollout.static_sampler import StaticSampler
+from marl.rollout.transformers_sampler import SampledChunk
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -131,7 +133,9 @@ class GraphSampler(StaticSampler):
         # a compiled step reads each row's adapter from a device buffer: only the stacked LoRA layers can
         self.stacked_routing = compile_step is not None or None
 
-    def _generate_routed(self, prompts: PromptBatch, k: int, view: str, policies: list[str]) -> torch.Tensor:
+    def _generate_routed(
+        self, prompts: PromptBatch, k: int, view: str, policies: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows of several policies (a sweep): the compiled step, its LoRA layers stacked so that each slot
         reads its adapter from the decode's buffer; without a compiled step, the static decode."""
         decoder = self.decoder
@@ -141,11 +145,14 @@ class GraphSampler(StaticSampler):
             self._logged_routing = True
             logger.info("--sampler graph decodes the rows of several policies %s, stacked", self.path)
 
-        def sample_chunk(ids: torch.Tensor, mask: torch.Tensor, copies: int, routes: Any) -> torch.Tensor:
+        def sample_chunk(ids: torch.Tensor, mask: torch.Tensor, copies: int, routes: Any) -> SampledChunk:
+            steps: list[torch.Tensor] = []
             with self.model._inference():
-                return decoder.sample(
-                    ids, mask, self.sampling, copies, compiled=routes is not None, routes=routes
-                )
+                responses = decoder.sample(
+                    ids, mask, self.sampling, copies, compiled=routes is not None, routes=routes,
+                    token_logprobs=steps,
+                )  # fmt: skip
+            return responses, stacked_logprobs(steps, *responses.shape, responses.device)
 
         return self._in_chunks(prompts, k, view, sample_chunk, policies)
 
@@ -158,7 +165,7 @@ class GraphSampler(StaticSampler):
 
     def _generate(
         self, prompts: PromptBatch, k: int, view: str, policies: list[str] | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if policies is not None:
             return self._generate_routed(prompts, k, view, policies)
         if not self._logged:
@@ -168,8 +175,12 @@ class GraphSampler(StaticSampler):
             return super()._generate(prompts, k, view)
         decoder = self.decoder
 
-        def sample_chunk(ids: torch.Tensor, mask: torch.Tensor, copies: int, routes: None) -> torch.Tensor:
+        def sample_chunk(ids: torch.Tensor, mask: torch.Tensor, copies: int, routes: None) -> SampledChunk:
+            steps: list[torch.Tensor] = []
             with self.model._inference():
-                return decoder.sample(ids, mask, self.sampling, copies, compiled=view == DEFAULT_POLICY)
+                responses = decoder.sample(
+                    ids, mask, self.sampling, copies, compiled=view == DEFAULT_POLICY, token_logprobs=steps
+                )
+            return responses, stacked_logprobs(steps, *responses.shape, responses.device)
 
         return self._in_chunks(prompts, k, view, sample_chunk)

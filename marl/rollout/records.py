@@ -50,6 +50,9 @@ class Samples:
     prompt_messages: list[list[dict[str, Any]] | None]  # a conversation's messages, None for a plain prompt
     # the prompt's other dataset columns, for reward functions (empty: none)
     prompt_columns: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
+    # [B, T] float32: the log-prob the sampler drew each token with (read where response_mask is set); None
+    # where the sampler does not keep them (``generate``)
+    sampled_logprobs: torch.Tensor | None = None
 
     @classmethod
     def from_responses(
@@ -62,6 +65,7 @@ class Samples:
         eos_token_ids: tuple[int, ...],
         pad_token_id: int,
         tokenizer: Any,
+        sampled_logprobs: torch.Tensor | None = None,
     ) -> Samples:
         """The record of sampled ids ``responses`` ``[k * P, T]`` (k-major) of ``prompts``: each row cut after
         its first stop token (:mod:`marl.rollout.stops`) and decoded. Any sampler that draws token ids ends
@@ -86,6 +90,7 @@ class Samples:
             prompt_index=torch.arange(prompts.ids.shape[0], device=responses.device).repeat(k),
             prompt_messages=prompts.messages * k,
             prompt_columns=(prompts.columns or [{} for _ in prompts.texts]) * k,
+            sampled_logprobs=sampled_logprobs,
         )
 
     @property

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.model.static_decode import static_decode_problem
-from marl.rollout.transformers_sampler import TransformersSampler
+from marl.model.static_decode import stacked_logprobs, static_decode_problem
+from marl.rollout.transformers_sampler import SampledChunk, TransformersSampler
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
+    from marl.model.routing import RowRoutes
     from marl.rollout.prompts import PromptBatch
     from marl.rollout.sampler_settings import SamplerSettings
 
@@ -48,17 +49,20 @@ class StaticSampler(TransformersSampler):
 
     def _generate(
         self, prompts: PromptBatch, k: int, view: str, policies: list[str] | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Completion ids ``[k * P, response_length]``, k-major, in the transformers sampler's chunks (routed
-        per prompt with ``policies``: finished rows leave the batch and the routes follow the rows left)."""
+        per prompt with ``policies``: finished rows leave the batch and the routes follow the rows left), and
+        the log-prob each token was drawn with."""
         if self.fallback_reason is not None:
             return super()._generate(prompts, k, view, policies)
-        return self._in_chunks(
-            prompts,
-            k,
-            view,
-            lambda ids, mask, k, routes: self.model.sample_static(
-                ids, mask, self.sampling, copies=k, routes=routes
-            ),
-            policies,
-        )
+
+        def sample_chunk(
+            ids: torch.Tensor, mask: torch.Tensor, k: int, routes: RowRoutes | None
+        ) -> SampledChunk:
+            steps: list[torch.Tensor] = []
+            responses = self.model.sample_static(
+                ids, mask, self.sampling, copies=k, routes=routes, token_logprobs=steps
+            )
+            return responses, stacked_logprobs(steps, *responses.shape, responses.device)
+
+        return self._in_chunks(prompts, k, view, sample_chunk, policies)

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rollout.sampler_settings import SamplerSettings
 
+# What a chunk's decode returns: completion ids [rows, T] and the log-prob each token was drawn with (float32
+# [rows, T]), or None where the decode does not keep them.
+SampledChunk = tuple[torch.Tensor, torch.Tensor | None]
+
 
 class TransformersSampler:
     """Samples completions with ``generate`` on the model itself (:class:`marl.rollout.samplers.Sampler`).
@@ -85,7 +89,7 @@ class TransformersSampler:
     def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
         """``k`` completions of every prompt under ``view`` (``"policy"``, ``"reference"`` or the base,
         :data:`marl.model.records.BASE_VIEW`), k-major."""
-        return self._samples(prompts, k, self._generate(prompts, k, view))
+        return self._samples(prompts, k, *self._generate(prompts, k, view))
 
     def sample_routed(self, prompts: PromptBatch, k: int, policies: Sequence[str]) -> Samples:
         """``k`` completions of every prompt, prompt ``i`` under the policy adapter ``policies[i]``, all in
@@ -100,13 +104,16 @@ class TransformersSampler:
             raise ValueError(
                 f"{len(policies)} policies for {prompts.ids.shape[0]} prompts: give one per prompt"
             )
-        return self._samples(prompts, k, self._generate(prompts, k, DEFAULT_POLICY, list(policies)))
+        return self._samples(prompts, k, *self._generate(prompts, k, DEFAULT_POLICY, list(policies)))
 
-    def _samples(self, prompts: PromptBatch, k: int, responses: torch.Tensor) -> Samples:
+    def _samples(
+        self, prompts: PromptBatch, k: int, responses: torch.Tensor, logprobs: torch.Tensor | None
+    ) -> Samples:
         return Samples.from_responses(
             prompts,
             k,
             responses,
+            sampled_logprobs=logprobs,
             stop_token_ids=self.sampling.stop_token_ids,
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.sampling.pad_token_id,
@@ -119,9 +126,10 @@ class TransformersSampler:
 
     def _generate(
         self, prompts: PromptBatch, k: int, view: str, policies: list[str] | None = None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Completion ids ``[k * P, response_length]``, k-major, in chunks of ``rows_per_pass`` sampled rows
-        (per policy, with ``policies``: one per prompt, see :meth:`sample_routed`).
+        (per policy, with ``policies``: one per prompt, see :meth:`sample_routed`), and the log-prob each
+        token was drawn with where the decode keeps them (``None`` here: ``generate`` does not).
 
         Each prompt is prefilled ONCE: its KV cache is copied to its k samples, instead of running the prompt
         through the model k times.
@@ -133,17 +141,18 @@ class TransformersSampler:
         prompts: PromptBatch,
         k: int,
         view: str,
-        sample_chunk: Callable[[torch.Tensor, torch.Tensor, int, RowRoutes | None], torch.Tensor],
+        sample_chunk: Callable[[torch.Tensor, torch.Tensor, int, RowRoutes | None], SampledChunk],
         policies: list[str] | None = None,
-    ) -> torch.Tensor:
-        """``sample_chunk(ids, mask, k, routes)`` (prompt-major rows ``i * k + j``) over chunks of
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``sample_chunk(ids, mask, k, routes)`` (ids and log-probs or ``None``, prompt-major rows
+        ``i * k + j``) over chunks of
         ``rows_per_pass`` sampled rows under ``view``, put in the rollout's k-major layout (row ``j * P +
         i``). With ``policies`` (one per prompt), a chunk holds ``rows_per_pass`` rows of every policy and
         runs routed, ``routes`` naming its prompts' policies (``None``: one view)."""
         prompts_per_chunk = max(1, self.settings.rows_per_pass // k)
         if policies is not None:
             prompts_per_chunk *= len(set(policies))
-        pieces = []
+        pieces, logprob_pieces = [], []
         for start in range(0, prompts.ids.shape[0], prompts_per_chunk):
             ids = prompts.ids[start : start + prompts_per_chunk]
             mask = prompts.mask[start : start + prompts_per_chunk]
@@ -154,22 +163,31 @@ class TransformersSampler:
             else:
                 chosen = self._view(view) if names is None else self.model.policy(names[0])
             with chosen, self.settings.autocast():
-                responses = sample_chunk(ids, mask, k, routes)
+                responses, logprobs = sample_chunk(ids, mask, k, routes)
             pieces.append(responses.view(ids.shape[0], k, -1).transpose(0, 1))
-        return torch.cat(pieces, dim=1).reshape(k * prompts.ids.shape[0], -1)
+            logprob_pieces.append(
+                None if logprobs is None else logprobs.view(ids.shape[0], k, -1).transpose(0, 1)
+            )
+
+        def k_major(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts, dim=1).reshape(k * prompts.ids.shape[0], -1)
+
+        kept = None if any(part is None for part in logprob_pieces) else k_major(logprob_pieces)
+        return k_major(pieces), kept
 
     def _sample_chunk(
         self, ids: torch.Tensor, mask: torch.Tensor, k: int, routes: RowRoutes | None = None
-    ) -> torch.Tensor:
+    ) -> SampledChunk:
         cache = self._shared_prompt_cache(ids, mask, k)  # routed per prompt
         if routes is not None:  # generate keeps every row to the end: each sample under its prompt's adapter
             routes.names = [name for name in routes.names for _ in range(k)]
-        return self.model.sample(
+        ids = self.model.sample(
             ids.repeat_interleave(k, dim=0),
             mask.repeat_interleave(k, dim=0),
             self.sampling,
             past_key_values=cache,
         )
+        return ids, None
 
     def _view(self, view: str) -> contextlib.AbstractContextManager:
         if view == REFERENCE_VIEW:

@@ -43,7 +43,7 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, update_metrics
+from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sampler_gap_metrics, update_metrics
 from marl.algo.selection import shape_rollout
 from marl.algo.shaping import ShapedRewards
 from marl.config.rloo_config import RLOOConfig
@@ -211,6 +211,7 @@ class RLOOTrainer:
         ``logging_steps``, at the end and with every judged table, then given to the callbacks."""
         metrics = self._metrics(RolloutStats.of(rollout, shaped, self.config.rloo_k), update_stats, start)
         metrics.update(reward_function_metrics(rollout, metrics))  # what reward functions gave log_metric
+        metrics.update(sampler_gap_metrics(rollout, self.parallelism))
         sample_now = self.sample_every and (self.state.update - 1) % self.sample_every == 0
         metrics.update(self._sample_table(rollout) if sample_now else {})
         judged_now = sample_now and self.judge is not None  # the same on every process

@@ -39,6 +39,9 @@ RLOO_METRICS = {
     "val/num_eos_tokens",
     "lr",
     "episode",
+    # the default sampler keeps the log-probs it drew with (tests/rollout/test_sampler_logprobs.py)
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
 }
 
 
