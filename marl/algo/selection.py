@@ -214,6 +214,7 @@ def policy_loss(
         if in_loss and config.kl_coef != 0:  # with kl_coef 0 no reference pass ran (marl.algo.passes)
             k3 = token_level_k3_kl(new_logprobs, ref_logprobs, mask)
             loss = loss + config.kl_coef * k3.sum(dim=1).mean()
+            out = out._replace(kl=k3.detach())
         return out, loss
     out = token_policy_loss(
         new_logprobs,

@@ -39,6 +39,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+from marl.algo.metrics import REDUCTION
 from marl.errors import ConfigError
 from marl.model.adapters import save_adapter
 from marl.model.generation import any_process
@@ -332,8 +333,10 @@ def same_device(first: torch.device, second: torch.device, current_cuda_index: i
 
 
 def sum_over_processes(record: Record, accelerator: Any) -> Record:
-    """``record`` with every number (and every 1-D tensor, elementwise) summed over processes, in ONE
-    collective; numbers come back as Python floats, tensors as float64 CPU tensors.
+    """``record`` with every number (and every 1-D tensor, elementwise) summed over processes, except the
+    fields whose metadata names another reduction (:data:`marl.algo.metrics.REDUCTION`: ``"min"`` or
+    ``"max"``), in ONE collective (a gather of every process's values); numbers come back as Python floats,
+    tensors as float64 CPU tensors.
 
     Example:
         >>> from types import SimpleNamespace
@@ -349,7 +352,13 @@ def sum_over_processes(record: Record, accelerator: Any) -> Record:
     ]
     values = torch.cat(pieces)
     if accelerator.num_processes > 1:
-        values = accelerator.reduce(values, reduction="sum")
+        each_process = accelerator.gather(values).reshape(accelerator.num_processes, -1)
+        reductions = [
+            item.metadata.get(REDUCTION, "sum")
+            for item, piece in zip(fields, pieces, strict=True)
+            for _ in range(piece.numel())
+        ]
+        values = combine_processes(each_process, reductions)
     values = values.cpu()
     summed, offset = {}, 0
     for item, piece in zip(fields, pieces, strict=True):
@@ -360,3 +369,23 @@ def sum_over_processes(record: Record, accelerator: Any) -> Record:
             part if isinstance(value, torch.Tensor) and value.dim() > 0 else float(part.item())
         )
     return type(record)(**summed)
+
+
+def combine_processes(each_process: torch.Tensor, reductions: Sequence[str]) -> torch.Tensor:
+    """Every process's values ``[processes, n]`` combined column by column: summed, or the minimum or the
+    maximum where ``reductions`` (one a column) says ``"min"`` or ``"max"``.
+
+    Example:
+        >>> combine_processes(torch.tensor([[1.0, 4.0, 2.0], [3.0, 5.0, 0.0]]), ["sum", "min", "max"])
+        tensor([4., 4., 2.])
+    """
+    unknown = sorted(set(reductions) - {"sum", "min", "max"})
+    if unknown:
+        raise ValueError(
+            f"a record field asks for the reduction {unknown[0]!r}: use 'min' or 'max' (or none)"
+        )
+    combined = each_process.sum(dim=0)
+    for kind, values in (("min", each_process.amin(dim=0)), ("max", each_process.amax(dim=0))):
+        chosen = torch.tensor([reduction == kind for reduction in reductions], device=combined.device)
+        combined = torch.where(chosen, values, combined)
+    return combined
