@@ -335,8 +335,8 @@ def same_device(first: torch.device, second: torch.device, current_cuda_index: i
 def sum_over_processes(record: Record, accelerator: Any) -> Record:
     """``record`` with every number (and every 1-D tensor, elementwise) summed over processes, except the
     fields whose metadata names another reduction (:data:`marl.algo.metrics.REDUCTION`: ``"min"`` or
-    ``"max"``), in ONE collective (a gather of every process's values); numbers come back as Python floats,
-    tensors as float64 CPU tensors.
+    ``"max"``), in ONE collective (a gather of every process's :func:`record_values`); numbers come back as
+    Python floats, tensors as float64 CPU tensors.
 
     Example:
         >>> from types import SimpleNamespace
@@ -345,30 +345,48 @@ def sum_over_processes(record: Record, accelerator: Any) -> Record:
         >>> sum_over_processes(UpdateStats(ratio=torch.tensor(2.0), completions=2), one_process).ratio
         2.0
     """
-    fields = [item for item in dataclasses.fields(record) if item.init and not item.name.startswith("_")]
-    pieces = [
-        torch.as_tensor(getattr(record, item.name), dtype=torch.float64).to(accelerator.device).reshape(-1)
-        for item in fields
-    ]
-    values = torch.cat(pieces)
+    fields = _reduced_fields(record)
+    sizes = [torch.as_tensor(getattr(record, item.name)).numel() for item in fields]
+    values = record_values(record, accelerator.device)
     if accelerator.num_processes > 1:
         each_process = accelerator.gather(values).reshape(accelerator.num_processes, -1)
         reductions = [
             item.metadata.get(REDUCTION, "sum")
-            for item, piece in zip(fields, pieces, strict=True)
-            for _ in range(piece.numel())
+            for item, size in zip(fields, sizes, strict=True)
+            for _ in range(size)
         ]
         values = combine_processes(each_process, reductions)
     values = values.cpu()
     summed, offset = {}, 0
-    for item, piece in zip(fields, pieces, strict=True):
-        part = values[offset : offset + piece.numel()]
-        offset += piece.numel()
+    for item, size in zip(fields, sizes, strict=True):
+        part = values[offset : offset + size]
+        offset += size
         value = getattr(record, item.name)
         summed[item.name] = (
             part if isinstance(value, torch.Tensor) and value.dim() > 0 else float(part.item())
         )
     return type(record)(**summed)
+
+
+def _reduced_fields(record: Any) -> list[dataclasses.Field]:
+    return [item for item in dataclasses.fields(record) if item.init and not item.name.startswith("_")]
+
+
+def record_values(record: Any, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The values of ``record`` (a dataclass of numbers and 1-D tensors), field after field, as one float64
+    vector on ``device``: what :func:`sum_over_processes` gathers from each process.
+
+    Example:
+        >>> from marl.algo.metrics import UpdateStats
+        >>> record_values(UpdateStats(approxkl=1.0, step_tokens=torch.tensor([3.0, 4.0])))[[0, -2, -1]]
+        tensor([1., 3., 4.], dtype=torch.float64)
+    """
+    return torch.cat(
+        [
+            torch.as_tensor(getattr(record, item.name), dtype=torch.float64).to(device).reshape(-1)
+            for item in _reduced_fields(record)
+        ]
+    )
 
 
 def combine_processes(each_process: torch.Tensor, reductions: Sequence[str]) -> torch.Tensor:
