@@ -30,6 +30,7 @@ SKIPPED_BLOCKS = {
     ("docs/guides/policies.md", 1),
     ("docs/guides/sweeps.md", 2),
     ("docs/guides/train-on-one-gpu.md", 1),
+    ("docs/guides/coming-from-trl.md", 3),
     ("README.md", 1),
     ("README.md", 2),
 }
@@ -343,3 +344,22 @@ def test_no_page_says_not_run_of_what_a_results_file_records() -> None:
             if any(all(topic in line for topic in topics) for line in gpu_lines):
                 wrong.append(f"{page.relative_to(ROOT)}: {sentence[:160]!r} (topics {topics})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_trl_example_runs_on_a_tiny_model(
+    tiny_llama_dir: Path, tiny_reward_adapter: Path, tmp_path: Path
+):
+    """examples/trl_grpo_with_reward_adapter.py, the TRL script of "Coming from TRL", end to end."""
+    script = ROOT / "examples" / "trl_grpo_with_reward_adapter.py"
+    arguments = ["--model", str(tiny_llama_dir), "--reward_adapter", str(tiny_reward_adapter)]
+    arguments += ["--output_dir", str(tmp_path / "run"), "--max_steps", "2", "--max_completion_length", "4"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(script), *arguments],
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"mean reward per step: -?\d+\.\d+, -?\d+\.\d+$", result.stdout.strip())

@@ -19,6 +19,8 @@ LAYERS = [
     ("marl.algo",),
     ("marl.rewards",),
     ("marl.rollout",),
+    # marl's pieces inside other libraries' trainers (TRL's): above the rewards and the rollout they reuse
+    ("marl.integrations",),
     ("marl.train",),
     ("marl.plan",),
     ("marl.apps", "marl.__main__"),

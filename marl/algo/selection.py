@@ -3,7 +3,8 @@
 :func:`check_algorithm` runs in :func:`marl.train.build.check_components`, right after the command line is
 parsed: an unknown loss, one of TRL 1.16's losses that marl does not implement, or settings that would do
 nothing with the chosen loss or estimator are a :class:`~marl.errors.ConfigError` naming the fields and the
-fix. :func:`policy_loss` computes one micro-batch's loss as the config asks.
+fix. :func:`policy_loss` computes one micro-batch's loss from the numbers the config gives it
+(:class:`LossSettings`, taken from the config once when the run's parts are built).
 
 Example:
     >>> from marl.config import RLOOConfig
@@ -15,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -144,48 +146,91 @@ def shape_rollout(
     )
 
 
-def loss_mask(response_mask: torch.Tensor, contains_stop: torch.Tensor, config: RLOOConfig) -> torch.Tensor:
+@dataclass(frozen=True)
+class LossSettings:
+    """What the policy loss reads of a run's settings: its numbers, not the whole config (as torchtune's
+    ``PPOLoss(epsilon, ...)``), built once (:meth:`from_config`) when the run's parts are built.
+
+    Attributes:
+        kl_coef: the KL term's weight in the loss; 0 unless the run puts its KL in the loss
+            (``kl_placement='loss'``: in the reward it is part of the advantages instead).
+        response_length: the longest completion (``dr_grpo``'s normaliser, and the truncation warning).
+
+    Example:
+        >>> from marl.config import RLOOConfig
+        >>> LossSettings.from_config(RLOOConfig(algorithm="grpo", kl_coef=0.1)).kl_coef
+        0.1
+        >>> LossSettings.from_config(RLOOConfig(kl_coef=0.1)).kl_coef  # RLOO: the KL is in the reward
+        0.0
+    """
+
+    loss_type: str
+    cliprange: float
+    epsilon_high: float | None
+    kl_coef: float
+    importance_sampling_level: str
+    bias_correction_kl: bool
+    response_length: int
+    mask_truncated_completions: bool
+
+    @classmethod
+    def from_config(cls, config: RLOOConfig) -> LossSettings:
+        return cls(
+            loss_type=config.loss_type,
+            cliprange=config.cliprange,
+            epsilon_high=config.epsilon_high,
+            kl_coef=config.kl_coef if config.kl_placement == "loss" else 0.0,
+            importance_sampling_level=config.importance_sampling_level,
+            bias_correction_kl=bool(config.use_bias_correction_kl),
+            response_length=config.response_length,
+            mask_truncated_completions=config.mask_truncated_completions,
+        )
+
+
+def loss_mask(
+    response_mask: torch.Tensor, contains_stop: torch.Tensor, settings: LossSettings
+) -> torch.Tensor:
     """The tokens the loss sees: the valid tokens, without the truncated completions' when
     ``mask_truncated_completions``.
 
     Example:
         >>> from marl.config import RLOOConfig
-        >>> config = RLOOConfig(mask_truncated_completions=True)
-        >>> loss_mask(torch.ones(2, 1, dtype=torch.bool), torch.tensor([True, False]), config).flatten()
+        >>> settings = LossSettings.from_config(RLOOConfig(mask_truncated_completions=True))
+        >>> loss_mask(torch.ones(2, 1, dtype=torch.bool), torch.tensor([True, False]), settings).flatten()
         tensor([ True, False])
     """
-    if not config.mask_truncated_completions:
+    if not settings.mask_truncated_completions:
         return response_mask
     return response_mask & contains_stop.unsqueeze(1)
 
 
-def truncation_warning(contains_stop: torch.Tensor, config: RLOOConfig, update: int) -> str | None:
+def truncation_warning(contains_stop: torch.Tensor, settings: LossSettings, update: int) -> str | None:
     """What to warn when ``mask_truncated_completions`` leaves most of an update's completions (those without
     a stop token: they reached ``response_length``) out of the loss, else ``None``.
 
     Example:
         >>> from marl.config import RLOOConfig
-        >>> config = RLOOConfig(algorithm="dapo")
-        >>> truncation_warning(torch.tensor([True, False, False]), config, 3)
+        >>> settings = LossSettings.from_config(RLOOConfig(algorithm="dapo"))
+        >>> truncation_warning(torch.tensor([True, False, False]), settings, 3)
         'update 3: 2 of 3 completions reached --response_length=512 without a stop token and ...'
-        >>> truncation_warning(torch.tensor([True, True, False]), config, 3) is None
+        >>> truncation_warning(torch.tensor([True, True, False]), settings, 3) is None
         True
     """
     truncated, total = int((~contains_stop).sum()), contains_stop.numel()
-    if not config.mask_truncated_completions or 2 * truncated <= total:
+    if not settings.mask_truncated_completions or 2 * truncated <= total:
         return None
     masked = "the loss masks them (mask_truncated_completions)"
     if truncated == total:
         masked = "the loss masks them all (mask_truncated_completions): this update trains on nothing"
     return (
         f"update {update}: {truncated} of {total} completions reached --response_length="
-        f"{config.response_length} without a stop token and {masked}. Raise --response_length, or pass "
+        f"{settings.response_length} without a stop token and {masked}. Raise --response_length, or pass "
         "--mask_truncated_completions false to train on them"
     )
 
 
 def policy_loss(
-    config: RLOOConfig,
+    settings: LossSettings,
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor | None,
@@ -203,17 +248,17 @@ def policy_loss(
     Example:
         >>> from marl.config import RLOOConfig
         >>> zero, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
-        >>> policy_loss(RLOOConfig(), zero, zero, zero, torch.tensor([-1.0]), mask)[1].item()
+        >>> settings = LossSettings.from_config(RLOOConfig())
+        >>> policy_loss(settings, zero, zero, zero, torch.tensor([-1.0]), mask)[1].item()
         1.0
     """
-    in_loss = config.kl_placement == "loss"
-    if config.loss_type == SEQUENCE_LOSS:
+    if settings.loss_type == SEQUENCE_LOSS:
         new_seq, old_seq = masked_sum(new_logprobs, mask), masked_sum(old_logprobs, mask)
-        out = clipped_policy_loss(new_seq, old_seq, advantages, config.cliprange, config.epsilon_high)
+        out = clipped_policy_loss(new_seq, old_seq, advantages, settings.cliprange, settings.epsilon_high)
         loss = out.loss
-        if in_loss and config.kl_coef != 0:  # with kl_coef 0 no reference pass ran (marl.algo.passes)
+        if settings.kl_coef != 0:  # with kl_coef 0 no reference pass ran (marl.algo.passes)
             k3 = token_level_k3_kl(new_logprobs, ref_logprobs, mask)
-            loss = loss + config.kl_coef * k3.sum(dim=1).mean()
+            loss = loss + settings.kl_coef * k3.sum(dim=1).mean()
             out = out._replace(kl=k3.detach())
         return out, loss
     out = token_policy_loss(
@@ -221,14 +266,14 @@ def policy_loss(
         old_logprobs,
         advantages,
         mask,
-        loss_type=config.loss_type,
-        epsilon=config.cliprange,
-        epsilon_high=config.epsilon_high,
-        importance_sampling_level=config.importance_sampling_level,
+        loss_type=settings.loss_type,
+        epsilon=settings.cliprange,
+        epsilon_high=settings.epsilon_high,
+        importance_sampling_level=settings.importance_sampling_level,
         ref_logprobs=ref_logprobs,
-        beta=config.kl_coef if in_loss else 0.0,
-        bias_correction_kl=bool(config.use_bias_correction_kl),
-        max_completion_length=config.response_length,
+        beta=settings.kl_coef,
+        bias_correction_kl=settings.bias_correction_kl,
+        max_completion_length=settings.response_length,
         num_items=num_items,
     )
     return out, out.loss

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,12 +81,15 @@ def is_conversation(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
 
 
-def reward_model_text(tokenizer: Any, prompt: Any, completion: Any) -> str:
+def reward_model_text(
+    tokenizer: Any, prompt: Any, completion: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> str:
     """The text a reward model reads for ``prompt`` and its ``completion``, as TRL 1.16's ``RLOOTrainer`` and
     ``GRPOTrainer`` build it: a plain prompt followed by the completion text; a conversation followed by the
     completion as an assistant message, rendered whole through the chat template (no generation prompt), which
     is also how ``RewardTrainer`` renders conversational pairs. ``completion`` is a text or, as TRL passes
-    it, a list of messages.
+    it, a list of messages. ``chat_template_kwargs``: the trainer's ``chat_template_kwargs``, which TRL
+    passes to the template there too.
 
     Example:
         >>> reward_model_text(tokenizer, "The film", " is fine")  # doctest: +SKIP
@@ -98,13 +101,18 @@ def reward_model_text(tokenizer: Any, prompt: Any, completion: Any) -> str:
         return prompt + completion
     if isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
-    return tokenizer.apply_chat_template(list(prompt) + list(completion), tokenize=False)
+    return tokenizer.apply_chat_template(
+        list(prompt) + list(completion), tokenize=False, **(chat_template_kwargs or {})
+    )
 
 
-def reward_model_ids(tokenizer: Any, prompt: Any, completion: Any) -> list[int]:
+def reward_model_ids(
+    tokenizer: Any, prompt: Any, completion: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> list[int]:
     """:func:`reward_model_text` tokenised as TRL tokenises it for a reward model: whole, with no special
     tokens added."""
-    return tokenizer(reward_model_text(tokenizer, prompt, completion), add_special_tokens=False)["input_ids"]
+    text = reward_model_text(tokenizer, prompt, completion, chat_template_kwargs)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -172,9 +172,10 @@ def load(
     policies = {policy_name: _register_policy(peft_model, policy_name, policy, reference, {})}
     rewards: dict[str, RewardAdapter] = {}
     for name, folder in folders.items():
-        rewards[name] = _attach_reward(
-            peft_model, name, folder, base_name_or_path=path, dtype=compute_dtype, policies=policies
+        rewards[name] = attach_reward_lora(
+            peft_model, name, folder, base_name_or_path=path, dtype=compute_dtype
         )
+    _settle(peft_model, list(policies.values()))
     if gradient_checkpointing:
         enable_gradient_checkpointing(base)
     logit_head = LogitHead.of(base)
@@ -241,22 +242,24 @@ def attach_reward_adapter(
     :meth:`MultiAdapterModel.add_reward_adapter`)."""
     check_adapter_name(name, list(peft_model.peft_config), "reward adapter")
     folder = read_reward_folder(directory, allow_pickle)
-    return _attach_reward(
-        peft_model, name, folder, base_name_or_path=base_name_or_path, dtype=dtype, policies=policies
-    )
+    reward = attach_reward_lora(peft_model, name, folder, base_name_or_path=base_name_or_path, dtype=dtype)
+    _settle(peft_model, list(policies.values()))
+    return reward
 
 
-def _attach_reward(
+def attach_reward_lora(
     peft_model: PeftModel,
     name: str,
     folder: adapters.AdapterFolder,
     *,
     base_name_or_path: str,
     dtype: torch.dtype,
-    policies: Mapping[str, PolicyAdapter],
+    pad_token_id: int | None = None,
 ) -> RewardAdapter:
-    """Load a read SEQ_CLS reward adapter's LoRA into the model (frozen, compute dtype) and its score head
-    into a frozen float32 Linear; record where its score is read."""
+    """Load a read SEQ_CLS reward adapter's LoRA into the model as adapter ``name`` (frozen, ``dtype``) and
+    its score head into a frozen float32 Linear; record where its score is read: the folder's padding id,
+    else ``pad_token_id``, else the base tokenizer's. Which adapter is active and which tensors train is left
+    to the caller (PEFT's ``add_adapter`` may change both)."""
     base = peft_model.get_base_model()
     hidden_size = base.get_output_embeddings().weight.shape[1]
     head = adapters.read_reward_head(folder, hidden_size)
@@ -289,10 +292,10 @@ def _attach_reward(
             score_head.bias.copy_(head.bias)
     score_head.requires_grad_(False)
     score_head.eval()
-    pad_token_id = head.pad_token_id
-    if pad_token_id is None:
+    if head.pad_token_id is not None:
+        pad_token_id = head.pad_token_id
+    elif pad_token_id is None:
         pad_token_id = _tokenizer_pad_token_id(base_name_or_path)
-    _settle(peft_model, list(policies.values()))
     return RewardAdapter(name, score_head, head, pad_token_id)
 
 

@@ -22,9 +22,10 @@ from marl.model.families import LogitHead, backbone
 from marl.model.generation import SamplingSettings, sample
 from marl.model.logprobs import logprobs_from_hidden
 from marl.model.packing import PackedRows, read_slots
+from marl.model.records import RewardAdapter
 from marl.model.routing import RowRoutes
 from marl.model.static_decode import sample_static
-from marl.model.views import AdapterViews
+from marl.model.views import AdapterViews, adapter_view, inference
 
 
 def reward_read_positions(
@@ -95,21 +96,10 @@ class ForwardPasses(AdapterViews):
         """Whether activations are recomputed in the backward pass (in train mode)."""
         return bool(self.peft_model.get_base_model().is_activation_checkpointing)
 
-    def _backbone(self) -> torch.nn.Module:
-        return backbone(self.peft_model.get_base_model())
-
     def _hidden_states(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Last hidden state (after the final norm) of the active view, skipping the LM head. A 2-D mask gives
-        positions over real tokens; a 4-D mask (packed rows) comes with its own ``position_ids``."""
-        output = self._backbone()(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
-            use_cache=False,
-        )
-        return output.last_hidden_state
+        return hidden_states(self.peft_model, input_ids, attention_mask, position_ids)
 
     def _logprobs(
         self,
@@ -210,20 +200,7 @@ class ForwardPasses(AdapterViews):
         Example:
             >>> scores = model.compute_reward_score(ids, mask)  # doctest: +SKIP
         """
-        reward = self.get_reward(name)
-        read_at = reward_read_positions(input_ids, attention_mask, reward.pad_token_id)
-        with self.use_adapter(reward.name), self._inference():
-            if packed is None:
-                hidden = self._hidden_states(input_ids, attention_mask)
-                pooled = hidden[
-                    torch.arange(hidden.shape[0], device=hidden.device), read_at.to(hidden.device)
-                ]
-            else:
-                hidden = self._hidden_states(packed.input_ids, packed.attention_mask, packed.position_ids)
-                pooled = hidden.reshape(-1, hidden.shape[-1])[read_slots(packed, read_at)]
-            pooled = pooled.to(device=reward.head.weight.device, dtype=torch.float32)
-            with without_autocast(pooled.device):
-                return reward.head(pooled).squeeze(-1)
+        return reward_scores(self.peft_model, self.get_reward(name), input_ids, attention_mask, packed)
 
     def sample(
         self,
@@ -262,3 +239,49 @@ class ForwardPasses(AdapterViews):
         """
         with self._inference():
             return sample_static(self.peft_model, input_ids, attention_mask, settings, copies, routes=routes)
+
+
+def hidden_states(
+    peft_model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Last hidden state (after the final norm) of a PEFT causal LM under its active adapter, skipping the LM
+    head. A 2-D mask gives positions over real tokens; a 4-D mask (packed rows) comes with its own
+    ``position_ids``."""
+    output = backbone(peft_model.get_base_model())(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask) if position_ids is None else position_ids,
+        use_cache=False,
+    )
+    return output.last_hidden_state
+
+
+def reward_scores(
+    peft_model: torch.nn.Module,
+    reward: RewardAdapter,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    packed: PackedRows | None = None,
+) -> torch.Tensor:
+    """One float32 score per row of reward adapter ``reward`` on any PEFT causal LM that carries it (see
+    :meth:`ForwardPasses.compute_reward_score`): in eval mode without grad, the active adapter, every
+    ``requires_grad`` flag and every train/eval mode restored after, also on an exception.
+
+    Example:
+        >>> reward_scores(peft_model, reward, ids, mask)  # doctest: +SKIP
+        tensor([0.4100, -1.2000])
+    """
+    read_at = reward_read_positions(input_ids, attention_mask, reward.pad_token_id)
+    with adapter_view(peft_model, reward.name), inference(peft_model):
+        if packed is None:
+            hidden = hidden_states(peft_model, input_ids, attention_mask)
+            pooled = hidden[torch.arange(hidden.shape[0], device=hidden.device), read_at.to(hidden.device)]
+        else:
+            hidden = hidden_states(peft_model, packed.input_ids, packed.attention_mask, packed.position_ids)
+            pooled = hidden.reshape(-1, hidden.shape[-1])[read_slots(packed, read_at)]
+        pooled = pooled.to(device=reward.head.weight.device, dtype=torch.float32)
+        with without_autocast(pooled.device):
+            return reward.head(pooled).squeeze(-1)

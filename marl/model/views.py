@@ -4,7 +4,8 @@ A view is the policy (its LoRA active), its reference (adapters disabled, or the
 weights), or a reward adapter. Entering a view never changes which parameters train, and leaving it restores
 the previous active adapter, every parameter's ``requires_grad`` and every module's train/eval mode exactly,
 also when the body raises. :class:`AdapterViews` is the part of
-:class:`~marl.model.multi_adapter.MultiAdapterModel` that does this.
+:class:`~marl.model.multi_adapter.MultiAdapterModel` that does this; :func:`adapter_view` and
+:func:`inference` do it for any PEFT model (a TRL trainer's, :mod:`marl.integrations.trl`).
 
 Example:
     >>> with model.reference():  # doctest: +SKIP
@@ -98,51 +99,14 @@ class AdapterViews:
         """Put the model in eval mode. Returns ``self``."""
         return self.train(False)
 
-    def _capture_view(self) -> _ViewState:
-        return _ViewState(
-            active_adapter=self.peft_model.active_adapter,
-            adapters_disabled=self._adapters_disabled(),
-            requires_grad=[(p, p.requires_grad) for p in self.peft_model.parameters()],
-            training=[(m, m.training) for m in self.peft_model.modules()],
-        )
-
-    def _restore_view(self, state: _ViewState) -> None:
-        tuner = self.peft_model.base_model
-        if state.adapters_disabled:
-            tuner.disable_adapter_layers()
-        else:
-            tuner.enable_adapter_layers()
-        self.peft_model.set_adapter(state.active_adapter)
-        if state.adapters_disabled:
-            tuner.disable_adapter_layers()
-        for parameter, requires_grad in state.requires_grad:
-            parameter.requires_grad_(requires_grad)
-        for module, training in state.training:
-            module.training = training
-
     def _adapters_disabled(self) -> bool:
-        for module in self.peft_model.modules():
-            if isinstance(module, BaseTunerLayer):
-                return module.disable_adapters
-        return False
+        return adapters_disabled(self.peft_model)
 
     @contextlib.contextmanager
     def _view(self, adapter_name: str | None) -> Iterator[Self]:
         """Activate ``adapter_name`` (``None``: adapters disabled) and restore everything on exit."""
-        state = self._capture_view()
-        try:
-            tuner = self.peft_model.base_model
-            if adapter_name is None:
-                tuner.disable_adapter_layers()
-            else:
-                tuner.enable_adapter_layers()
-                self.peft_model.set_adapter(adapter_name)
-            # Views never change which parameters train: switching must not make a frozen adapter trainable.
-            for parameter, requires_grad in state.requires_grad:
-                parameter.requires_grad_(requires_grad)
+        with adapter_view(self.peft_model, adapter_name):
             yield self
-        finally:
-            self._restore_view(state)
 
     def use_adapter(self, name: str) -> contextlib.AbstractContextManager[Self]:
         """Context manager: run the body with adapter ``name`` active (``"policy"``, ``"reward"``,
@@ -208,9 +172,7 @@ class AdapterViews:
         return self._view(self.get_policy(name).name)
 
     @contextlib.contextmanager
-    def routed(
-        self, row_adapters: Sequence[str] | RowRoutes, stacked: bool | None = None
-    ) -> Iterator[Self]:
+    def routed(self, row_adapters: Sequence[str] | RowRoutes, stacked: bool | None = None) -> Iterator[Self]:
         """Context manager: row ``i`` of every forward in the body runs through ``row_adapters[i]``, an
         adapter on the base (a policy, a reference copy, a reward adapter) or ``BASE_VIEW`` for the base
         alone, in train or eval mode, with gradients (:mod:`marl.model.routing`). Run the backward pass
@@ -234,14 +196,80 @@ class AdapterViews:
         with self._view(active), route_rows(self.peft_model, routes or names, stacked):
             yield self
 
-    @contextlib.contextmanager
-    def _inference(self) -> Iterator[None]:
+    def _inference(self) -> contextlib.AbstractContextManager[None]:
         """Eval mode (no dropout) and no grad for the body; train/eval flags restored after."""
-        training = [(m, m.training) for m in self.peft_model.modules()]
-        self.peft_model.eval()
-        try:
-            with torch.no_grad():
-                yield
-        finally:
-            for module, flag in training:
-                module.training = flag
+        return inference(self.peft_model)
+
+
+def adapters_disabled(peft_model: PeftModel) -> bool:
+    """Whether ``peft_model``'s adapter layers are disabled (inside ``disable_adapter()``)."""
+    for module in peft_model.modules():
+        if isinstance(module, BaseTunerLayer):
+            return module.disable_adapters
+    return False
+
+
+def capture_view(peft_model: PeftModel) -> _ViewState:
+    """What a view changes on ``peft_model``: the active adapter, whether adapters are disabled, every
+    parameter's ``requires_grad`` and every module's train/eval mode."""
+    return _ViewState(
+        active_adapter=peft_model.active_adapter,
+        adapters_disabled=adapters_disabled(peft_model),
+        requires_grad=[(p, p.requires_grad) for p in peft_model.parameters()],
+        training=[(m, m.training) for m in peft_model.modules()],
+    )
+
+
+def restore_view(peft_model: PeftModel, state: _ViewState) -> None:
+    """Put back exactly what :func:`capture_view` recorded (``set_adapter`` flips ``requires_grad``: the
+    recorded flags are restored after it)."""
+    tuner = peft_model.base_model
+    if state.adapters_disabled:
+        tuner.disable_adapter_layers()
+    else:
+        tuner.enable_adapter_layers()
+    peft_model.set_adapter(state.active_adapter)
+    if state.adapters_disabled:
+        tuner.disable_adapter_layers()
+    for parameter, requires_grad in state.requires_grad:
+        parameter.requires_grad_(requires_grad)
+    for module, training in state.training:
+        module.training = training
+
+
+@contextlib.contextmanager
+def adapter_view(peft_model: PeftModel, adapter_name: str | None) -> Iterator[None]:
+    """Any PEFT model with adapter ``adapter_name`` active (``None``: adapters disabled) for the body; on
+    exit, also on an exception, everything :func:`capture_view` records is restored. Which parameters train is
+    not changed inside either: switching must not make a frozen adapter trainable.
+
+    Example:
+        >>> with adapter_view(peft_model, "reward"):  # doctest: +SKIP
+        ...     hidden = peft_model(input_ids).logits
+    """
+    state = capture_view(peft_model)
+    try:
+        tuner = peft_model.base_model
+        if adapter_name is None:
+            tuner.disable_adapter_layers()
+        else:
+            tuner.enable_adapter_layers()
+            peft_model.set_adapter(adapter_name)
+        for parameter, requires_grad in state.requires_grad:
+            parameter.requires_grad_(requires_grad)
+        yield
+    finally:
+        restore_view(peft_model, state)
+
+
+@contextlib.contextmanager
+def inference(peft_model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) and no grad for the body; every module's train/eval flag restored after."""
+    training = [(m, m.training) for m in peft_model.modules()]
+    peft_model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, flag in training:
+            module.training = flag

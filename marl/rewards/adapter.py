@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -48,8 +48,18 @@ def padded_chunks(
     return chunks
 
 
+class RewardScorer(Protocol):
+    """What :func:`score_chunks` scores with: a model carrying reward adapters by name
+    (:class:`~marl.model.multi_adapter.MultiAdapterModel`, or a TRL trainer's PEFT model through
+    :class:`marl.integrations.trl.TrainerRewardAdapter`)."""
+
+    def compute_reward_score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, name: str | None, packed: Any
+    ) -> torch.Tensor: ...
+
+
 def score_chunks(
-    model: MultiAdapterModel, adapter: str, chunks: Sequence[ScoringChunk], num_rows: int, device: Any
+    model: RewardScorer, adapter: str, chunks: Sequence[ScoringChunk], num_rows: int, device: Any
 ) -> torch.Tensor:
     """Float32 scores ``[num_rows]`` on ``device`` of reward adapter ``adapter``, one forward pass per chunk
     (packed when the chunk carries its packed form).

@@ -22,7 +22,7 @@ from transformers import get_scheduler
 from marl.algo.advantages import AdvantageEstimator
 from marl.algo.group_spread import ZeroSpreadWatch
 from marl.algo.passes import scoring_passes
-from marl.algo.selection import advantage_estimator, check_algorithm
+from marl.algo.selection import LossSettings, advantage_estimator, check_algorithm
 from marl.config.batch_sizes import BatchSizes
 from marl.config.device import Device, resolve_device_settings
 from marl.config.rloo_config import RLOOConfig
@@ -95,8 +95,6 @@ def build_training_parts(
         (3, 1)
     """
     check_components(config)
-    # A config built in Python arrives with its device settings unset: chosen for the model's device.
-    resolve_device_settings(config, Device.named("cuda" if model.device.type == "cuda" else "cpu"))
     if judge is not None and (eval_dataset is None or config.num_sample_generations == 0):
         raise ConfigError(
             "a judge scores the held-out samples: pass eval_dataset and set num_sample_generations > 0"
@@ -107,6 +105,8 @@ def build_training_parts(
                 f"{what} {function!r} is not a function: a judge is called as judge(texts) -> scores, a "
                 "callback as callback(state, metrics) (not transformers.TrainerCallback objects)"
             )
+    # A config built in Python arrives with its device settings unset: chosen for the model's device.
+    resolve_device_settings(config, Device.named("cuda" if model.device.type == "cuda" else "cpu"))
     # On CPU torch's threads follow the free cores by default (config.threads), after every update and, at
     # the forward passes (every one runs the input embeddings), every second within it.
     governor = apply_threads(config.threads, model.device.type)
@@ -176,7 +176,17 @@ def build_training_parts(
         sample_every=sample_every,
         advantage_estimator=advantage_estimator(config),
         policy_update=PolicyUpdate(
-            config, model, policy, sampler, scorer, parallelism, optimizer, scheduler, sizes, parameters
+            config,
+            LossSettings.from_config(config),
+            model,
+            policy,
+            sampler,
+            scorer,
+            parallelism,
+            optimizer,
+            scheduler,
+            sizes,
+            parameters,
         ),
     )
 

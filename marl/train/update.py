@@ -33,7 +33,8 @@ gradients, bit for bit in fp32 and in bf16 (tested in ``tests/train/test_sweep.p
 
 Example:
     >>> step = PolicyUpdate(  # doctest: +SKIP
-    ...     config, model, policy, sampler, scorer, parallelism, optimizer, scheduler, sizes, parameters)
+    ...     config, LossSettings.from_config(config), model, policy, sampler, scorer, parallelism, optimizer,
+    ...     scheduler, sizes, parameters)
     >>> stats, skipped = step.run(rollout, advantages, update=1)  # doctest: +SKIP
     >>> parts = [UpdatePart(trainer.policy_update, rollout, advantages) for trainer, rollout, advantages
     ...          in members]  # doctest: +SKIP
@@ -51,7 +52,7 @@ import torch
 
 from marl.algo.metrics import UpdateStats
 from marl.algo.passes import reuses_samples
-from marl.algo.selection import loss_mask, policy_loss, truncation_warning
+from marl.algo.selection import LossSettings, loss_mask, policy_loss, truncation_warning
 from marl.cpu.allocator import release_freed_memory
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ class PolicyUpdate:
     """Trains the policy adapter on rollouts; owns the optimizer and the LR schedule between updates.
 
     Args:
-        config: the run's settings (epochs, batch sizes, clipping, KL).
+        config: the run's settings (epochs, batch sizes).
+        loss: the numbers the policy loss reads (clipping, the KL in the loss, masking).
         model: the model that holds the policy adapter.
         policy: the name of the policy adapter that trains.
         sampler: told after every optimizer step taken that the policy's weights changed.
@@ -90,6 +92,7 @@ class PolicyUpdate:
     def __init__(
         self,
         config: RLOOConfig,
+        loss: LossSettings,
         model: MultiAdapterModel,
         policy: str,
         sampler: Sampler,
@@ -100,7 +103,7 @@ class PolicyUpdate:
         sizes: BatchSizes,
         parameters: Sequence[torch.nn.Parameter],
     ) -> None:
-        self.config, self.model, self.policy = config, model, policy
+        self.config, self.loss, self.model, self.policy = config, loss, model, policy
         self.sampler, self.scorer = sampler, scorer
         self.parallelism, self.optimizer, self.scheduler = parallelism, optimizer, scheduler
         self.sizes, self.parameters = sizes, list(parameters)
@@ -117,7 +120,7 @@ class PolicyUpdate:
     def tokens_per_micro_batch(self, mini_batch_mask: torch.Tensor) -> torch.Tensor | None:
         """The ``dapo`` normaliser: the optimizer step's loss tokens over every process, divided by
         processes × accumulation steps (the step's gradient: the token mean of the step); else None."""
-        if self.config.loss_type != "dapo":
+        if self.loss.loss_type != "dapo":
             return None
         tokens = self.parallelism.gather(mini_batch_mask.sum().reshape(1).float()).sum()
         return tokens / (self.parallelism.num_processes * self.config.gradient_accumulation_steps)
@@ -185,8 +188,8 @@ class UpdatePart:
         """The loss mask, the truncation warning, and the log-probs the update's forward provides where the
         rollout skipped the policy's scoring pass (:mod:`marl.algo.passes`)."""
         config, rollout = self.step.config, self.rollout
-        self.mask = loss_mask(rollout.response_mask, rollout.contains_stop, config)
-        truncated = truncation_warning(rollout.contains_stop, config, update)
+        self.mask = loss_mask(rollout.response_mask, rollout.contains_stop, self.step.loss)
+        truncated = truncation_warning(rollout.contains_stop, self.step.loss, update)
         if truncated is not None:
             warnings.warn(self.label + truncated, RuntimeWarning, stacklevel=4)
         self.provide = rollout.logprobs is None
@@ -278,7 +281,13 @@ def _backward(part: UpdatePart, rows: torch.Tensor, num_items: torch.Tensor | No
         if part.provide:
             part.rollout.logprobs[rows] = old.float()
         policy, loss = policy_loss(
-            config, new_logprobs, old, batch.ref_logprobs, part.advantages[rows], part.mask[rows], num_items
+            step.loss,
+            new_logprobs,
+            old,
+            batch.ref_logprobs,
+            part.advantages[rows],
+            part.mask[rows],
+            num_items,
         )
         # Every process runs every backward pass (gradients are averaged inside it); the gradients of a step
         # with a non-finite loss are thrown away by the caller.

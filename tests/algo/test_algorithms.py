@@ -9,7 +9,7 @@ from transformers import HfArgumentParser
 
 from marl import RLOOConfig
 from marl.algo.from_trl import rloo_config_from_trl
-from marl.algo.selection import check_algorithm, policy_loss
+from marl.algo.selection import LossSettings, check_algorithm, policy_loss
 from marl.config.algorithms import PRESETS
 from marl.errors import ConfigError
 
@@ -91,7 +91,7 @@ def test_the_sequence_path_of_policy_loss_is_todays_loss_bit_for_bit():
     new, old, ref = (-torch.rand(4, 3, generator=generator) for _ in range(3))
     mask, advantages = torch.rand(4, 3, generator=generator) < 0.8, torch.randn(4, generator=generator)
     config = RLOOConfig(token_level_kl=True)
-    record, loss = policy_loss(config, new, old, ref, advantages, mask)
+    record, loss = policy_loss(LossSettings.from_config(config), new, old, ref, advantages, mask)
     today = clipped_policy_loss(masked_sum(new, mask), masked_sum(old, mask), advantages, config.cliprange)
     k3 = token_level_k3_kl(new, ref, mask)
     assert torch.equal(loss, today.loss + config.kl_coef * k3.sum(dim=1).mean())

@@ -35,7 +35,7 @@ from marl.algo.metrics import (
     rollout_metrics,
     update_metrics,
 )
-from marl.algo.selection import policy_loss, shape_rollout
+from marl.algo.selection import LossSettings, policy_loss, shape_rollout
 from marl.config import RLOOConfig
 from marl.rewards.weighted import weighted_total
 from marl.rollout.prompts import Prompt, PromptBatch
@@ -318,7 +318,9 @@ def test_kl_and_entropy_equal_what_trl_grpo_trainer_logs(
     )
     stats = UpdateStats()
     for new, old, ref, entropy, advantages, mask in batches:
-        out, _ = policy_loss(config, new, old, ref, advantages, mask, num_items=mask.sum())
+        out, _ = policy_loss(
+            LossSettings.from_config(config), new, old, ref, advantages, mask, num_items=mask.sum()
+        )
         stats.add(out, entropy, mask, mask)
     ours = update_metrics(sum_over_processes(stats, Accelerator(cpu=True)))
     for name in ("kl", "entropy"):
@@ -330,7 +332,9 @@ def test_no_kl_is_logged_without_a_kl_term_in_the_loss():
     new, old, ref, entropy, advantages, mask = micro_batch(0)
     stats = UpdateStats()
     config = RLOOConfig(algorithm="grpo", kl_coef=0.0)
-    out, _ = policy_loss(config, new, old, ref, advantages, mask, num_items=mask.sum())
+    out, _ = policy_loss(
+        LossSettings.from_config(config), new, old, ref, advantages, mask, num_items=mask.sum()
+    )
     stats.add(out, entropy, mask)
     assert "kl" not in update_metrics(sum_over_processes(stats, Accelerator(cpu=True)))
 
@@ -396,7 +400,9 @@ def test_metrics_over_processes_equal_the_metrics_of_the_whole_batch_on_one_proc
     for stats, seed in ((first, 0), (first, 1), (second, 2), (second, 3)):
         new, old, ref, entropy, advantages, mask = micro_batch(seed)
         config = RLOOConfig(algorithm="grpo", kl_coef=0.1)
-        out, _ = policy_loss(config, new, old, ref, advantages, mask, num_items=mask.sum())
+        out, _ = policy_loss(
+            LossSettings.from_config(config), new, old, ref, advantages, mask, num_items=mask.sum()
+        )
         stats.add(out, entropy, mask)
     batches = [micro_batch(seed) for seed in range(4)]
     expected = [

@@ -1,0 +1,123 @@
+"""Whole TRL runs: a ``GRPOTrainer`` (and an ``RLOOTrainer``) of a few steps with marl's reward function ends
+with the same policy adapter and logs the same rewards as the same run with TRL's separately loaded reward
+model (same seed), up to float rounding: with several generation steps per generation, several weighted
+reward functions under ``normalize_then_sum``, gradient checkpointing, and a KL term (TRL then adds its
+``"ref"`` adapter beside the reward adapter). The reward adapter stays frozen and outside the optimizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from marl.integrations.trl import reward_adapter_function
+
+from support.trl_reward import grpo_config, policy_model, random_reward_adapter, separate_reward_model
+
+PROMPTS = [
+    "the movie was",
+    "a dull",
+    "review of the film:",
+    "good",
+    "an honest",
+    "the plot",
+    "write a",
+    "bad",
+]
+# The scores agree to float rounding (observed <= 1.5e-8 in the logged means). Through the group-normalised
+# advantages and AdamW's normalised steps that rounding reaches the adapter tensors: observed up to 2.3e-6,
+# and 4.1e-5 with steps_per_generation=2, whose second step clips some tokens' ratios. Each AdamW step moves a
+# tensor by up to the learning rate (5e-3): a different reward shows at that scale.
+ADAPTER_TOLERANCE = 2e-4
+REWARD_TOLERANCE = 1e-5
+
+
+def length_reward(completions, **kwargs):
+    return [len(completion) / 10 for completion in completions]
+
+
+def run(base_dir, adapter_dir, output_dir, *, with_marl: bool, trainer_kind: str = "grpo", **settings):
+    """A TRL run with the adapter as marl's reward function (``with_marl``) or as TRL's separate reward
+    model; returns the final policy tensors, the logged rewards and the trainer."""
+    from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    policy = policy_model(base_dir)
+    if with_marl:
+        reward, processing_class = reward_adapter_function(policy, adapter_dir, tokenizer), None
+    else:
+        reward, processing_class = separate_reward_model(base_dir, adapter_dir), tokenizer
+    extra = settings.pop("extra_rewards", [])
+    arguments = dict(max_steps=3, learning_rate=5e-3, **settings)
+    trainer_class, config_class = (GRPOTrainer, None) if trainer_kind == "grpo" else (RLOOTrainer, RLOOConfig)
+    config = grpo_config(output_dir, config_class, **arguments)
+    trainer = trainer_class(
+        model=policy,
+        reward_funcs=[reward, *extra],
+        reward_processing_classes=[processing_class, *[None] * len(extra)],
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    adapter = {name: p.detach().clone() for name, p in policy.named_parameters() if ".default." in name}
+    names = trainer.reward_func_names
+    logged = [
+        [entry["reward"], *(entry[f"rewards/{name}/mean"] for name in names)]
+        for entry in trainer.state.log_history
+        if "reward" in entry
+    ]
+    return adapter, torch.tensor(logged), trainer
+
+
+VARIANTS = {
+    "plain": {},
+    "steps_per_generation": {"steps_per_generation": 2},
+    "weighted_normalize_then_sum": {
+        "extra_rewards": [length_reward],
+        "reward_weights": [1.0, 0.5],
+        "multi_objective_aggregation": "normalize_then_sum",
+    },
+    "checkpointing_and_kl": {"gradient_checkpointing": True, "beta": 0.04},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_grpo_run_ends_as_the_run_with_the_separate_reward_model(variant, tiny_llama_dir, tmp_path):
+    adapter_dir = random_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    settings = VARIANTS[variant]
+    theirs, their_rewards, _ = run(
+        tiny_llama_dir, adapter_dir, tmp_path / "theirs", with_marl=False, **dict(settings)
+    )
+    ours, our_rewards, trainer = run(
+        tiny_llama_dir, adapter_dir, tmp_path / "ours", with_marl=True, **settings
+    )
+    assert our_rewards.shape == their_rewards.shape and len(our_rewards) >= 2  # a log per generation
+    torch.testing.assert_close(our_rewards, their_rewards, rtol=0, atol=REWARD_TOLERANCE)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=ADAPTER_TOLERANCE, msg=name)
+    start = policy_model(tiny_llama_dir)
+    moved = max((tensor - start.get_parameter(name)).abs().max() for name, tensor in ours.items())
+    assert moved > 1e-3  # the policy trained
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    for name, parameter in model.named_parameters():
+        assert (id(parameter) in optimized) == (".default." in name), name
+        assert parameter.requires_grad == (".default." in name), name
+    if settings.get("beta"):
+        assert set(model.peft_config) == {"default", "ref", "reward"}
+
+
+def test_an_rloo_run_ends_as_the_run_with_the_separate_reward_model(tiny_llama_dir, tmp_path):
+    adapter_dir = random_reward_adapter(tiny_llama_dir, tmp_path / "reward")
+    theirs, their_rewards, _ = run(
+        tiny_llama_dir, adapter_dir, tmp_path / "theirs", with_marl=False, trainer_kind="rloo"
+    )
+    ours, our_rewards, _ = run(
+        tiny_llama_dir, adapter_dir, tmp_path / "ours", with_marl=True, trainer_kind="rloo"
+    )
+    torch.testing.assert_close(our_rewards, their_rewards, rtol=0, atol=REWARD_TOLERANCE)
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=ADAPTER_TOLERANCE, msg=name)
