@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from marl.algo.normalized_advantages import unbiased_std
+
 ZERO_SPREAD_METRIC = "objective/zero_spread_groups"
 # The watch warns when more than this share of the groups is flat ...
 ZERO_SPREAD_LIMIT = 0.5
@@ -47,6 +49,23 @@ def flat_groups(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     lowest = torch.where(judged, grouped, torch.full_like(grouped, torch.inf)).amin(dim=0)
     flat = counted & (highest == lowest)
     return flat.sum(dim=0), counted.sum(dim=0)
+
+
+def zero_std_groups(rewards: torch.Tensor, k: int) -> tuple[float, float]:
+    """TRL 1.16's zero-std groups (its ``frac_reward_zero_std``): how many prompt groups of ``rewards``
+    (``[B]``, NaN where not judged) have a standard deviation of their judged rewards that ``torch.isclose``
+    finds 0 (TRL's ``nanstd``: a group with fewer than two judged rewards has none, and does not count), and
+    how many groups there are.
+
+    Example:
+        >>> nan = float("nan")
+        >>> # k-major, 3 prompts: prompt 0 got 1, 1, 1; prompt 1 0, 0, 4; prompt 2 one judged reward
+        >>> zero_std_groups(torch.tensor([1.0, 0.0, nan, 1.0, 0.0, 2.0, 1.0, 4.0, nan]), k=3)
+        (1.0, 3.0)
+    """
+    grouped = rewards.reshape(k, -1)
+    std = unbiased_std(grouped, ~torch.isnan(grouped), dim=0)
+    return float(torch.isclose(std, torch.zeros_like(std)).sum()), float(grouped.shape[1])
 
 
 class ZeroSpreadWatch:

@@ -18,12 +18,14 @@ import torch
 
 
 class PolicyLoss(NamedTuple):
-    """Output of :func:`clipped_policy_loss`; every field except ``loss`` is detached, shape ``[B]``."""
+    """Output of :func:`clipped_policy_loss`; every field except ``loss`` is detached, shape ``[B]``, except
+    ``kl``: the per-token KL term ``[B, T]`` the loss adds (before its coefficient), ``None`` without one."""
 
     loss: torch.Tensor
     ratio: torch.Tensor
     log_ratio: torch.Tensor
     clipped: torch.Tensor
+    kl: torch.Tensor | None = None
 
 
 def clipped_policy_loss(

@@ -27,6 +27,20 @@ terms not counted). It is exact for ``rloo`` and for ``per_reward``; under ``sum
 leaves out that each group is divided by its own std. Not logged for an estimator that does not split by
 source (``reinforce_pp``).
 
+Beside marl's names, the trainer logs TRL 1.16 ``GRPOTrainer``'s names where marl computes the same quantity
+(:data:`TRL_ROLLOUT_METRICS`, :data:`TRL_UPDATE_METRICS`), on TRL's definitions: a completion's length counts
+its valid tokens (through the stop token); ``completions/clipped_ratio`` is the share that reached the length
+limit without a stop token, the ``*_terminated_length`` metrics are over the others (all 0 when none ended, as
+TRL logs them); ``reward`` and ``reward_std`` are the mean and unbiased standard deviation of the weighted raw
+reward (before any missing-EOS penalty or normalisation) over the judged completions, ``rewards/<name>/mean``
+and ``/std`` each source's over the completions it judged (NaN where fewer than one or two: TRL's ``nanstd``);
+``frac_reward_zero_std`` is the share of the prompt groups whose judged raw rewards have a standard deviation
+of 0 (:func:`marl.algo.group_spread.zero_std_groups`). ``kl`` and ``entropy`` come from the update: for each
+micro-batch step, the mean over every process's loss tokens of the per-token KL term the loss adds (the k3
+estimate, times the ratio with ``use_bias_correction_kl``; logged only where the KL is in the loss) and of the
+policy's entropy, then the mean over the update's micro-batch steps, as TRL averages the values its loss logs.
+Minima and maxima are taken over processes (:data:`REDUCTION`), the rest from sums.
+
 Example:
     >>> stats = RolloutStats(kl=2.0, entropy=6.0, non_score_reward=-0.1, rlhf_reward=1.9, scores=2.0,
     ...                      num_eos=1.0, completions=2.0, kl_completions=2.0, judged=1.0,
@@ -34,6 +48,8 @@ Example:
     >>> metrics = rollout_metrics(stats, ["sentiment"])
     >>> metrics["rewards/sentiment"], metrics["objective/scores"], metrics["objective/unjudged"]
     (1.5, 2.0, 1.0)
+    >>> metrics["rewards/sentiment/mean"], metrics["completions/clipped_ratio"]
+    (1.5, 1.0)
 """
 
 from __future__ import annotations
@@ -44,10 +60,47 @@ from typing import Any
 
 import torch
 
-from marl.algo.group_spread import ZERO_SPREAD_METRIC, flat_groups
+from marl.algo.group_spread import ZERO_SPREAD_METRIC, flat_groups, zero_std_groups
 from marl.algo.losses import PolicyLoss
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import masked_sum
+
+# Field metadata key: how :func:`marl.train.parallel.sum_over_processes` combines a record's field over
+# processes, "min" or "max" (unset: the sum).
+REDUCTION = "reduction"
+# TRL 1.16 GRPOTrainer's names for what marl's rollout metrics compute (``rewards/<name>/mean`` and ``/std``
+# beside them, per reward source); ``update_metrics`` adds TRL_UPDATE_METRICS.
+TRL_ROLLOUT_METRICS = (
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+)
+TRL_UPDATE_METRICS = ("kl", "entropy")
+
+
+def lowest(default: float = math.inf) -> Any:
+    """A record field that processes combine by their minimum (``default``: a process that has none)."""
+    return field(default=default, metadata={REDUCTION: "min"})
+
+
+def highest(default: float = -math.inf) -> Any:
+    """A record field that processes combine by their maximum (``default``: a process that has none)."""
+    return field(default=default, metadata={REDUCTION: "max"})
+
+
+def _empty() -> torch.Tensor:
+    return torch.zeros(0)
+
+
+def _append(values: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return torch.cat([values.to(value.device), value.detach().float().reshape(1)])
 
 
 @dataclass
@@ -71,6 +124,21 @@ class RolloutStats:
     spread_groups: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     # [S] Σ|A_s| of each source's part of the advantage (empty when the advantage does not split by source)
     source_advantage_sums: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    # completion lengths (valid tokens), and those of the completions that ended at a stop token
+    length_sum: float = 0.0
+    length_min: float = lowest()
+    length_max: float = highest()
+    terminated: float = 0.0
+    terminated_length_sum: float = 0.0
+    terminated_length_min: float = lowest()
+    terminated_length_max: float = highest()
+    # the weighted raw reward (before penalty and normalisation) over the judged completions: Σ r and Σ r²
+    reward_sum: float = 0.0
+    reward_squares: float = 0.0
+    source_squares: torch.Tensor = field(default_factory=_empty)  # [S] Σ r² of each source's scores
+    # prompt groups whose judged raw rewards have a standard deviation of 0, and groups (counted with ``k``)
+    zero_std_groups: float = 0.0
+    groups: float = 0.0
 
     @classmethod
     def of(cls, rollout: Any, shaped: ShapedRewards, k: int | None = None) -> RolloutStats:
@@ -79,10 +147,16 @@ class RolloutStats:
         prompt) the flat groups are counted too."""
         source_judged = ~torch.isnan(rollout.source_scores)
         flat = spread = torch.zeros(0)
+        zero_std = groups = 0.0
         if k is not None:
             judged_scores = torch.where(shaped.judged, shaped.scores, torch.nan).unsqueeze(1)
             flat, spread = flat_groups(torch.cat([judged_scores, rollout.source_scores], dim=1), k)
+            zero_std, groups = zero_std_groups(rollout.scores, k)
         parts = shaped.source_advantages
+        lengths = rollout.response_mask.sum(dim=1).double()
+        terminated = lengths[rollout.contains_stop]
+        rewards = torch.where(shaped.judged, rollout.scores.double(), 0.0)
+        sources = torch.where(source_judged, rollout.source_scores.double(), 0.0)
 
         def judged_sum(values: torch.Tensor) -> torch.Tensor:
             return torch.where(shaped.judged, values, torch.zeros_like(values)).sum()
@@ -102,6 +176,18 @@ class RolloutStats:
             flat_groups=flat,
             spread_groups=spread,
             source_advantage_sums=torch.zeros(0) if parts is None else parts.abs().sum(dim=0),
+            length_sum=lengths.sum(),
+            length_min=lengths.min(),
+            length_max=lengths.max(),
+            terminated=terminated.numel(),
+            terminated_length_sum=terminated.sum(),
+            terminated_length_min=terminated.min() if terminated.numel() else math.inf,
+            terminated_length_max=terminated.max() if terminated.numel() else -math.inf,
+            reward_sum=rewards.sum(),
+            reward_squares=(rewards**2).sum(),
+            source_squares=(sources**2).sum(dim=0),
+            zero_std_groups=zero_std,
+            groups=groups,
         )
 
 
@@ -120,10 +206,27 @@ class UpdateStats:
     tokens: float | torch.Tensor = 0.0
     first_ratio: float | torch.Tensor = 0.0
     first_completions: float | torch.Tensor = 0.0
+    # [M] per micro-batch step: Σ of the entropy and of the loss's per-token KL term (empty: no KL in the
+    # loss) over the loss tokens, and the loss tokens (TRL's ``entropy`` and ``kl``)
+    step_entropy: torch.Tensor = field(default_factory=_empty)
+    step_kl: torch.Tensor = field(default_factory=_empty)
+    step_tokens: torch.Tensor = field(default_factory=_empty)
     _first_seen: bool = field(default=False, repr=False, compare=False)
 
-    def add(self, policy: PolicyLoss, entropy: torch.Tensor, mask: torch.Tensor) -> None:
-        """Add one micro-batch: its policy-loss output and per-token entropies with their validity mask."""
+    def add(
+        self,
+        policy: PolicyLoss,
+        entropy: torch.Tensor,
+        mask: torch.Tensor,
+        loss_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Add one micro-batch: its policy-loss output and per-token entropies with their validity mask, and
+        the tokens its loss saw (``loss_mask``; default ``mask``)."""
+        loss_mask = mask if loss_mask is None else loss_mask
+        self.step_entropy = _append(self.step_entropy, masked_sum(entropy.float(), loss_mask).sum())
+        self.step_tokens = _append(self.step_tokens, loss_mask.sum())
+        if policy.kl is not None:
+            self.step_kl = _append(self.step_kl, masked_sum(policy.kl.float(), loss_mask).sum())
         count = policy.ratio.numel()
         self.approxkl += (0.5 * policy.log_ratio**2).sum()
         self.clipped += policy.clipped.sum()
@@ -173,6 +276,7 @@ def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, f
     return {
         **per_source,
         **kl,
+        **trl_rollout_metrics(stats, source_names),
         "objective/entropy": stats.entropy / count,
         "objective/non_score_reward": judged_mean(stats.non_score_reward),
         "objective/rlhf_reward": judged_mean(stats.rlhf_reward),
@@ -182,8 +286,74 @@ def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, f
     }
 
 
+def unbiased_std_of_sums(total: float, squares: float, count: float) -> float:
+    """The standard deviation with Bessel's correction of ``count`` values from their sum and sum of squares
+    (NaN for fewer than two values, as TRL's ``nanstd``).
+
+    Example:
+        >>> unbiased_std_of_sums(total=4.0, squares=10.0, count=2.0)  # 1 and 3
+        1.4142135623730951
+    """
+    if count < 2:
+        return math.nan
+    return math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
+
+
+def trl_rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, float]:
+    """TRL 1.16 GRPOTrainer's rollout metrics (:data:`TRL_ROLLOUT_METRICS` and ``rewards/<name>/mean|std``)
+    from sums, minima and maxima over all processes; see the module docstring for their definitions.
+
+    Example:
+        >>> stats = RolloutStats(kl=0.0, entropy=0.0, non_score_reward=0.0, rlhf_reward=4.0, scores=4.0,
+        ...     num_eos=1.0, completions=2.0, kl_completions=0.0, judged=2.0, source_sums=torch.tensor([4.0]),
+        ...     source_counts=torch.tensor([2.0]), length_sum=9.0, length_min=3.0, length_max=6.0,
+        ...     terminated=1.0, terminated_length_sum=3.0, terminated_length_min=3.0,
+        ...     terminated_length_max=3.0,
+        ...     reward_sum=4.0, reward_squares=10.0, source_squares=torch.tensor([10.0]))
+        >>> metrics = trl_rollout_metrics(stats, ["accuracy"])
+        >>> metrics["completions/mean_length"], metrics["completions/clipped_ratio"], metrics["reward"]
+        (4.5, 0.5, 2.0)
+        >>> round(metrics["reward_std"], 4), round(metrics["rewards/accuracy/std"], 4)
+        (1.4142, 1.4142)
+    """
+    count, ended = stats.completions, stats.terminated
+    metrics = {
+        "completions/mean_length": stats.length_sum / count,
+        "completions/min_length": stats.length_min,
+        "completions/max_length": stats.length_max,
+        "completions/clipped_ratio": (count - ended) / count,
+        # TRL logs 0 for all three when no completion ended
+        "completions/mean_terminated_length": stats.terminated_length_sum / ended if ended else 0.0,
+        "completions/min_terminated_length": stats.terminated_length_min if ended else 0.0,
+        "completions/max_terminated_length": stats.terminated_length_max if ended else 0.0,
+    }
+    for index, name in enumerate(source_names):
+        judged, total = float(stats.source_counts[index]), float(stats.source_sums[index])
+        metrics[f"rewards/{name}/mean"] = total / judged if judged > 0 else math.nan
+        squares = float(stats.source_squares[index]) if len(stats.source_squares) else math.nan
+        metrics[f"rewards/{name}/std"] = unbiased_std_of_sums(total, squares, judged)
+    judged = stats.judged
+    metrics["reward"] = stats.reward_sum / judged if judged > 0 else math.nan
+    metrics["reward_std"] = unbiased_std_of_sums(stats.reward_sum, stats.reward_squares, judged)
+    if stats.groups > 0:
+        metrics["frac_reward_zero_std"] = stats.zero_std_groups / stats.groups
+    return metrics
+
+
+def step_mean(totals: torch.Tensor, tokens: torch.Tensor) -> float:
+    """The mean over micro-batch steps of each step's token mean (``totals / max(tokens, 1)``), as TRL 1.16's
+    ``log`` averages the values its ``_compute_loss`` logs once per micro-batch.
+
+    Example:
+        >>> step_mean(torch.tensor([2.0, 9.0]), torch.tensor([1.0, 3.0]))
+        2.5
+    """
+    return float((totals / tokens.clamp(min=1.0)).mean())
+
+
 def update_metrics(stats: UpdateStats) -> dict[str, float]:
-    """The ``policy/*``, ``loss/*`` and ``val/ratio*`` means of an update, from sums over all processes.
+    """The ``policy/*``, ``loss/*`` and ``val/ratio*`` means of an update, from sums over all processes, and
+    TRL's ``entropy`` and (where the KL is in the loss) ``kl``.
 
     Example:
         >>> update_metrics(UpdateStats(ratio=4.0, ratio_squared=4.0, completions=4.0, tokens=1.0,
@@ -200,6 +370,8 @@ def update_metrics(stats: UpdateStats) -> dict[str, float]:
         "val/ratio": ratio,
         "val/ratio_var": max(stats.ratio_squared / count - ratio**2, 0.0),
         "val/ratio_first": stats.first_ratio / stats.first_completions,
+        "entropy": step_mean(stats.step_entropy, stats.step_tokens),
+        **({"kl": step_mean(stats.step_kl, stats.step_tokens)} if len(stats.step_kl) else {}),
     }
 
 

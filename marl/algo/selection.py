@@ -259,6 +259,7 @@ def policy_loss(
         if settings.kl_coef != 0:  # with kl_coef 0 no reference pass ran (marl.algo.passes)
             k3 = token_level_k3_kl(new_logprobs, ref_logprobs, mask)
             loss = loss + settings.kl_coef * k3.sum(dim=1).mean()
+            out = out._replace(kl=k3.detach())
         return out, loss
     out = token_policy_loss(
         new_logprobs,

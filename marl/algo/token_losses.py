@@ -99,7 +99,8 @@ def token_policy_loss(
 
     Returns a :class:`marl.algo.losses.PolicyLoss`; its per-completion fields (detached, ``[B]``) are the
     sequence ratio ``exp(Σ_t log-ratio)`` and its log, as for the sequence loss, and ``clipped``, the fraction
-    of the completion's valid tokens whose clipped branch is active (TRL's low and high clip).
+    of the completion's valid tokens whose clipped branch is active (TRL's low and high clip); ``kl``, with
+    ``beta != 0``, the per-token KL term (times the ratio with ``bias_correction_kl``) before ``beta``.
 
     Example:
         >>> new = torch.tensor([[-1.0, -2.0]], requires_grad=True)
@@ -125,11 +126,13 @@ def token_policy_loss(
     unclipped = ratio * column
     clipped_branch = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * column
     per_token = -torch.min(unclipped, clipped_branch)
+    kl_term = None
     if beta != 0.0:
         if ref_logprobs is None:
             raise ValueError("beta != 0 puts the k3 KL in the loss: pass ref_logprobs")
         kl = token_level_k3_kl(new_logprobs, ref_logprobs, mask)
-        per_token = per_token + beta * (kl * ratio if bias_correction_kl else kl)
+        kl_term = kl * ratio if bias_correction_kl else kl
+        per_token = per_token + beta * kl_term
     loss = aggregate_token_losses(
         per_token, mask, loss_type, max_completion_length=max_completion_length, num_items=num_items
     )
@@ -138,5 +141,9 @@ def token_policy_loss(
         clipped = _masked_total(is_clipped.expand(mask.shape).float(), mask) / mask.sum(dim=1).clamp(min=1)
         sequence_log_ratio = log_ratio.sum(dim=1)
     return PolicyLoss(
-        loss=loss, ratio=sequence_log_ratio.exp(), log_ratio=sequence_log_ratio, clipped=clipped
+        loss=loss,
+        ratio=sequence_log_ratio.exp(),
+        log_ratio=sequence_log_ratio,
+        clipped=clipped,
+        kl=None if kl_term is None else kl_term.detach(),
     )

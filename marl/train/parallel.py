@@ -39,6 +39,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+from marl.algo.metrics import REDUCTION
 from marl.errors import ConfigError
 from marl.model.adapters import save_adapter
 from marl.model.generation import any_process
@@ -332,8 +333,10 @@ def same_device(first: torch.device, second: torch.device, current_cuda_index: i
 
 
 def sum_over_processes(record: Record, accelerator: Any) -> Record:
-    """``record`` with every number (and every 1-D tensor, elementwise) summed over processes, in ONE
-    collective; numbers come back as Python floats, tensors as float64 CPU tensors.
+    """``record`` with every number (and every 1-D tensor, elementwise) summed over processes, except the
+    fields whose metadata names another reduction (:data:`marl.algo.metrics.REDUCTION`: ``"min"`` or
+    ``"max"``), in ONE collective (a gather of every process's :func:`record_values`); numbers come back as
+    Python floats, tensors as float64 CPU tensors.
 
     Example:
         >>> from types import SimpleNamespace
@@ -342,21 +345,65 @@ def sum_over_processes(record: Record, accelerator: Any) -> Record:
         >>> sum_over_processes(UpdateStats(ratio=torch.tensor(2.0), completions=2), one_process).ratio
         2.0
     """
-    fields = [item for item in dataclasses.fields(record) if item.init and not item.name.startswith("_")]
-    pieces = [
-        torch.as_tensor(getattr(record, item.name), dtype=torch.float64).to(accelerator.device).reshape(-1)
-        for item in fields
-    ]
-    values = torch.cat(pieces)
+    fields = _reduced_fields(record)
+    sizes = [torch.as_tensor(getattr(record, item.name)).numel() for item in fields]
+    values = record_values(record, accelerator.device)
     if accelerator.num_processes > 1:
-        values = accelerator.reduce(values, reduction="sum")
+        each_process = accelerator.gather(values).reshape(accelerator.num_processes, -1)
+        reductions = [
+            item.metadata.get(REDUCTION, "sum")
+            for item, size in zip(fields, sizes, strict=True)
+            for _ in range(size)
+        ]
+        values = combine_processes(each_process, reductions)
     values = values.cpu()
     summed, offset = {}, 0
-    for item, piece in zip(fields, pieces, strict=True):
-        part = values[offset : offset + piece.numel()]
-        offset += piece.numel()
+    for item, size in zip(fields, sizes, strict=True):
+        part = values[offset : offset + size]
+        offset += size
         value = getattr(record, item.name)
         summed[item.name] = (
             part if isinstance(value, torch.Tensor) and value.dim() > 0 else float(part.item())
         )
     return type(record)(**summed)
+
+
+def _reduced_fields(record: Any) -> list[dataclasses.Field]:
+    return [item for item in dataclasses.fields(record) if item.init and not item.name.startswith("_")]
+
+
+def record_values(record: Any, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The values of ``record`` (a dataclass of numbers and 1-D tensors), field after field, as one float64
+    vector on ``device``: what :func:`sum_over_processes` gathers from each process.
+
+    Example:
+        >>> from marl.algo.metrics import UpdateStats
+        >>> record_values(UpdateStats(approxkl=1.0, step_tokens=torch.tensor([3.0, 4.0])))[[0, -2, -1]]
+        tensor([1., 3., 4.], dtype=torch.float64)
+    """
+    return torch.cat(
+        [
+            torch.as_tensor(getattr(record, item.name), dtype=torch.float64).to(device).reshape(-1)
+            for item in _reduced_fields(record)
+        ]
+    )
+
+
+def combine_processes(each_process: torch.Tensor, reductions: Sequence[str]) -> torch.Tensor:
+    """Every process's values ``[processes, n]`` combined column by column: summed, or the minimum or the
+    maximum where ``reductions`` (one a column) says ``"min"`` or ``"max"``.
+
+    Example:
+        >>> combine_processes(torch.tensor([[1.0, 4.0, 2.0], [3.0, 5.0, 0.0]]), ["sum", "min", "max"])
+        tensor([4., 4., 2.])
+    """
+    unknown = sorted(set(reductions) - {"sum", "min", "max"})
+    if unknown:
+        raise ValueError(
+            f"a record field asks for the reduction {unknown[0]!r}: use 'min' or 'max' (or none)"
+        )
+    combined = each_process.sum(dim=0)
+    for kind, values in (("min", each_process.amin(dim=0)), ("max", each_process.amax(dim=0))):
+        chosen = torch.tensor([reduction == kind for reduction in reductions], device=combined.device)
+        combined = torch.where(chosen, values, combined)
+    return combined

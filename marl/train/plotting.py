@@ -7,6 +7,7 @@ are no curves (:func:`training_curves_note`).
 from __future__ import annotations
 
 import json
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
@@ -40,22 +41,45 @@ PANELS: tuple[Panel, ...] = (
     ),
 )
 SOURCE_PREFIX, SHARE_PREFIX, FLAT_PREFIX = "rewards/", "advantage_share/", "zero_spread_groups/"
+# TRL's per-source names logged beside marl's rewards/<name> (marl.algo.metrics.trl_rollout_metrics)
+TRL_SOURCE_STATISTICS = ("mean", "std")
 PANELS_PER_ROW = 4
+PANEL_WIDTH_INCHES, PANEL_HEIGHT_INCHES, TITLE_FONT_SIZE = 4.2, 3.4, 10
+# Characters of a title line that fit a panel's width at TITLE_FONT_SIZE (tests/train/test_curves.py measures
+# the drawn titles); longer titles wrap.
+TITLE_CHARACTERS = 46
 
 
 def source_names(records: list[dict[str, float]]) -> list[str]:
-    """The reward sources a run logged (``rewards/<name>``), in the order it logged them.
+    """The reward sources a run logged (``rewards/<name>``), in the order it logged them; TRL's names of their
+    mean and std logged beside them (``rewards/<name>/mean``, ``/std``) are not sources.
 
     Example:
-        >>> source_names([{"rewards/tone": 1.0, "rewards/topic": 0.5, "objective/kl": 0.1}])
+        >>> source_names([{"rewards/tone": 1.0, "rewards/tone/mean": 1.0, "rewards/tone/std": 0.2,
+        ...                "rewards/topic": 0.5, "objective/kl": 0.1}])
         ['tone', 'topic']
     """
     names: dict[str, None] = {}
     for record in records:
-        names.update(
-            {key.removeprefix(SOURCE_PREFIX): None for key in record if key.startswith(SOURCE_PREFIX)}
-        )
+        logged = [key.removeprefix(SOURCE_PREFIX) for key in record if key.startswith(SOURCE_PREFIX)]
+        names.update({name: None for name in logged})
+        for name in logged:
+            base, _, statistic = name.rpartition("/")
+            if statistic in TRL_SOURCE_STATISTICS and base in logged:
+                names.pop(name, None)
     return list(names)
+
+
+def wrapped_title(title: str, width: int = TITLE_CHARACTERS) -> str:
+    """``title`` broken into lines of at most ``width`` characters (a longer word keeps its own line), so
+    that the titles of panels side by side do not run into each other.
+
+    Example:
+        >>> print(wrapped_title("reward source 'length_on_the_completion': mean score (unweighted)"))
+        reward source 'length_on_the_completion': mean
+        score (unweighted)
+    """
+    return textwrap.fill(title, width, break_long_words=False, break_on_hyphens=False)
 
 
 def rlhf_panel(settings: Mapping[str, Any] | None) -> Panel | None:
@@ -172,11 +196,36 @@ def plot_training_curves(metrics_file: str | Path, output_file: str | Path, titl
     records = read_metrics_file(metrics_file)
     if not records:
         raise ValueError(f"{metrics_file} has no records: the run logged no update")
-    panels = logged_panels(records, run_settings_of(metrics_file))
+    figure = training_curves_figure(records, run_settings_of(metrics_file), title)
+    output_file = Path(output_file)
+    output_file.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output_file, dpi=110)
+    plt.close(figure)
+    return output_file
+
+
+def training_curves_figure(
+    records: list[dict[str, float]], settings: Mapping[str, Any] | None = None, title: str | None = None
+) -> Any:
+    """The matplotlib figure of :func:`plot_training_curves` for ``records`` (the run's settings decide the
+    RLHF-reward panel); the caller closes it.
+
+    Example:
+        >>> figure = training_curves_figure([{"episode": 8.0, "objective/scores": 1.0}])
+        >>> [axis.get_title() for axis in figure.axes]
+        ['reward: weighted sum of the sources (Σ w·r)']
+        >>> pyplot().close(figure)
+    """
+    plt = pyplot()
+    panels = logged_panels(records, settings)
     columns = min(len(panels), PANELS_PER_ROW)
     rows = -(-len(panels) // columns)
     figure, axes = plt.subplots(
-        rows, columns, figsize=(4.2 * columns, 3.4 * rows), constrained_layout=True, squeeze=False
+        rows,
+        columns,
+        figsize=(PANEL_WIDTH_INCHES * columns, PANEL_HEIGHT_INCHES * rows),
+        constrained_layout=True,
+        squeeze=False,
     )
     for axis in axes.flat[len(panels) :]:
         axis.set_visible(False)
@@ -190,13 +239,9 @@ def plot_training_curves(metrics_file: str | Path, output_file: str | Path, titl
                 )
         if any(legend for _, legend in lines):
             axis.legend(fontsize=8)
-        axis.set_title(panel_title, fontsize=10)
+        axis.set_title(wrapped_title(panel_title), fontsize=TITLE_FONT_SIZE)
         axis.set_xlabel("episode (completions)")
         axis.grid(alpha=0.3)
     if title:
         figure.suptitle(title, fontsize=11)
-    output_file = Path(output_file)
-    output_file.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output_file, dpi=110)
-    plt.close(figure)
-    return output_file
+    return figure

@@ -294,5 +294,5 @@ def _backward(part: UpdatePart, rows: torch.Tensor, num_items: torch.Tensor | No
         finite = bool(torch.isfinite(loss))
         step.parallelism.backward(loss / config.gradient_accumulation_steps)
     with torch.no_grad():
-        part.stats.add(policy, entropy, batch.response_mask)
+        part.stats.add(policy, entropy, batch.response_mask, part.mask[rows])
     return finite

@@ -98,8 +98,14 @@ def test_rollout_metrics_log_flat_groups_and_each_sources_share_of_the_advantage
         reward_weights=weights,
         centring=advantage_centring("rloo"),
     )
+    ended = torch.ones(6).bool()
     rollout = SimpleNamespace(
-        logprobs=zero, response_mask=zero.bool(), contains_eos=torch.ones(6).bool(), source_scores=sources
+        logprobs=zero,
+        response_mask=zero.bool(),
+        contains_eos=ended,
+        contains_stop=ended,
+        scores=total,
+        source_scores=sources,
     )
     stats = sum_over_processes(RolloutStats.of(rollout, shaped, k=2), Accelerator(cpu=True))
     metrics = rollout_metrics(stats, ["tone", "length"])

@@ -47,6 +47,8 @@ def test_rollout_metrics_are_means_over_completions_and_per_source_over_judged_o
         logprobs=zero - 1.0,
         response_mask=torch.tensor([[True, True], [True, False]]),
         contains_eos=torch.tensor([True, False]),
+        contains_stop=torch.tensor([True, False]),
+        scores=torch.tensor([1.0, 3.0]),
         source_scores=torch.tensor([[1.0, math.nan], [3.0, 5.0]]),  # the second source judged one completion
     )
     stats = sum_over_processes(RolloutStats.of(rollout, shaped), Accelerator(cpu=True))
@@ -75,6 +77,8 @@ def test_reward_means_are_over_judged_completions_and_unjudged_ones_are_counted(
         logprobs=zero,
         response_mask=torch.ones(4, 1, dtype=torch.bool),
         contains_eos=torch.ones(4, dtype=torch.bool),
+        contains_stop=torch.ones(4, dtype=torch.bool),
+        scores=torch.tensor([1.0, math.nan, 3.0, 6.0]),
         source_scores=torch.tensor([[1.0], [math.nan], [3.0], [6.0]]),
     )
     metrics = rollout_metrics(

@@ -1,6 +1,7 @@
 """The training curves say what a run's ``objective/rlhf_reward`` is to that run: read from the
 ``rloo_config.json`` beside its ``metrics.jsonl``, the panel is the reward trained on where the KL is folded
-into the reward, score − β·KL (not a reward) where the KL is in the loss, and left out at β = 0."""
+into the reward, score − β·KL (not a reward) where the KL is in the loss, and left out at β = 0. With several
+reward sources, the panels' titles fit their panels."""
 
 from __future__ import annotations
 
@@ -79,3 +80,33 @@ def test_without_the_runs_settings_the_panel_does_not_claim_a_placement(tmp_path
     assert run_settings_of(tmp_path / METRICS_FILE) is None
     (title,) = [title for title, lines in logged_panels(records) if lines[0][0] == RLHF_METRIC]
     assert "kl_coef" not in title and "β" not in title and "reward =" not in title
+
+
+def test_panel_titles_of_several_reward_sources_do_not_run_into_each_other():
+    from marl.train.plotting import pyplot, source_names, training_curves_figure
+
+    names = ["length_of_the_completion", "politeness_of_the_reply", "accuracy_against_the_answer"]
+    records = [
+        {
+            "episode": float(episode),
+            "objective/scores": 1.0,
+            "objective/kl": 0.1,
+            "objective/zero_spread_groups": 0.2,
+            **{f"rewards/{name}{suffix}": 0.5 for name in names for suffix in ("", "/mean", "/std")},
+            **{f"advantage_share/{name}": 1 / 3 for name in names},
+        }
+        for episode in (8, 16)
+    ]
+    assert source_names(records) == names  # TRL's rewards/<name>/mean and /std are not sources
+    figure = training_curves_figure(records)
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    visible = [axis for axis in figure.axes if axis.get_visible()]
+    assert len(visible) == 7  # weighted sum, three sources, shares, KL, flat groups
+    boxes = [axis.title.get_window_extent(renderer) for axis in visible]
+    slot = figure.bbox.width / 4  # four panels a row
+    for index, box in enumerate(boxes):
+        assert box.width <= slot, visible[index].get_title()
+        for other in boxes[index + 1 :]:
+            assert not box.overlaps(other), visible[index].get_title()
+    pyplot().close(figure)

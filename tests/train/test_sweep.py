@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel
-from marl.algo.metrics import UpdateStats
+from marl.algo.metrics import TRL_ROLLOUT_METRICS, UpdateStats
 from marl.apps.cli import parse_train_rloo_args, train_rloo_main
 from marl.config.sweep import parse_sweep
 from marl.errors import ConfigError
@@ -58,6 +58,7 @@ def test_a_sweep_of_one_policy_is_its_own_run_bit_for_bit(tiny_llama_dir, tmp_pa
     member = tmp_path / "sweep" / "learning_rate=1e-2"
     solo, swept = read_metrics(tmp_path / "solo"), read_metrics(member)
     assert len(solo) == 3 and swept == solo
+    assert set(TRL_ROLLOUT_METRICS) | {"entropy"} <= set(swept[0])  # TRL's names in the member's record too
     assert (member / ADAPTER).read_bytes() == (tmp_path / "solo" / ADAPTER).read_bytes()
     assert (tmp_path / "sweep" / SUMMARY_FILE).is_file() and (tmp_path / "sweep" / CURVES_FILE).is_file()
 

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOTrainer
+from marl.algo.metrics import TRL_ROLLOUT_METRICS
 from marl.errors import ConfigError, DataError
 from marl.rollout.collect import collect_rollout
 from marl.rollout.prompts import Prompt
@@ -42,6 +43,9 @@ RLOO_METRICS = {
     # the default sampler keeps the log-probs it drew with (tests/rollout/test_sampler_logprobs.py)
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",
+    # TRL 1.16 GRPOTrainer's names (no `kl`: this run's KL is in the reward, not the loss)
+    *TRL_ROLLOUT_METRICS,
+    "entropy",
 }
 
 
@@ -70,7 +74,18 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
     assert records == history
     assert [record["update"] for record in records] == [1, 2, 3]
     for record in records:
-        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps", "rewards/count_e"}
+        count_e_names = {"rewards/count_e", "rewards/count_e/mean", "rewards/count_e/std"}
+        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps"} | count_e_names
+        # TRL's names agree with marl's own: the stop token is the EOS, every completion is judged, and the
+        # missing-EOS penalty of 1 separates the raw reward from objective/scores
+        assert record["completions/clipped_ratio"] == pytest.approx(1 - record["val/num_eos_tokens"] / 16)
+        lengths = [record[f"completions/{stat}_length"] for stat in ("min", "mean", "max")]
+        assert 1 <= lengths[0] <= lengths[1] <= lengths[2] <= config.response_length
+        assert record["rewards/count_e/mean"] == record["rewards/count_e"]
+        assert record["objective/unjudged"] == 0
+        assert record["objective/scores"] == pytest.approx(
+            record["reward"] - record["completions/clipped_ratio"], abs=1e-6
+        )
         assert record["objective/entropy"] > 0
         assert record["policy/entropy_avg"] > 0
         assert 0 <= record["val/num_eos_tokens"] <= 16
@@ -95,6 +110,17 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
     first = json.loads(samples[0].read_text().splitlines()[0])
     assert set(first) == {"prompt", "completion", "score"}
     assert (tmp_path / "run" / "adapter_model.safetensors").is_file()
+
+
+def test_a_grpo_run_logs_trls_kl_and_entropy_metrics_every_update(tiny_llama_dir, tmp_path):
+    config = tiny_config(tmp_path / "run", algorithm="grpo", kl_coef=0.04, stop_token="eos")
+    history = build(tiny_llama_dir, config).train()
+    assert len(history) == 3
+    for record in history:
+        # the k3 KL term of the loss: 0 at the first micro-batch step (policy = reference), then not negative
+        assert record["kl"] >= 0 and record["entropy"] > 0
+        assert set(TRL_ROLLOUT_METRICS) <= set(record)
+    assert history[-1]["kl"] > 0  # the policy moved away from the reference
 
 
 def test_warmup_steps_count_updates_as_in_trls_rloo(tiny_llama_dir, tmp_path):

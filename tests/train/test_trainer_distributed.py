@@ -15,17 +15,18 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     import datasets, torch
     from transformers import AutoTokenizer
-    from marl import RLOOConfig, RLOOTrainer
+    from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
     from marl.train import sharding
 
     torch.set_num_threads(1)
     model_dir, output_dir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
-    seen = []
+    seen, lengths = [], []
 
-    def reward_fn(prompts, completions, log_metric, **kwargs):
+    def reward_fn(prompts, completions, completion_ids, log_metric, **kwargs):
         # an offset per process: the gathered mean of the scores shows whether both processes were counted
         seen.extend(prompts)
+        lengths.append([len(ids) for ids in completion_ids])  # this process's completions of the update
         log_metric("rank", float(rank))  # logged as the mean over both processes, as TRL averages it
         if rank == 1:
             log_metric("rank_1_only", 7.0)  # a name one process logs: the other must not wait for it
@@ -44,7 +45,7 @@ SCRIPT = textwrap.dedent(
     trainer.train()
     weights = torch.cat([sharding.full(p).detach().flatten() for p in model.policy_parameters()])
     report = {"rank": rank, "world": trainer.accelerator.num_processes, "prompts": sorted(set(seen)),
-              "weights": weights.tolist(), "episode": trainer.episode}
+              "weights": weights.tolist(), "episode": trainer.episode, "lengths": lengths}
     with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
         json.dump(report, handle)
     """
@@ -74,6 +75,11 @@ def test_two_process_cpu_run(tiny_llama_dir, tmp_path):
         assert 45 < record["objective/scores"] < 60
         assert 0 <= record["val/num_eos_tokens"] <= 16
         assert record["rank"] == 0.5 and record["rank_1_only"] == 7.0  # what reward functions logged
+        # TRL's names over both processes: the reward's spread spans the offset, lengths are every process's
+        assert record["reward_std"] > 40
+        both = reports[0]["lengths"][record["update"] - 1] + reports[1]["lengths"][record["update"] - 1]
+        assert record["completions/min_length"] == min(both) and record["completions/max_length"] == max(both)
+        assert record["completions/mean_length"] == pytest.approx(sum(both) / len(both))
     assert (output_dir / "adapter_model.safetensors").is_file()
 
 
@@ -105,7 +111,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     import json, math, os, sys
     import datasets, torch
     from transformers import AutoTokenizer
-    from marl import RLOOConfig, RLOOTrainer
+    from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
     from marl.algo.losses import clipped_policy_loss
     from marl.algo.shaping import shape_rewards
     from marl.algo.tensors import masked_sum
