@@ -40,10 +40,10 @@ def dataset_name_field(help_prefix: str = "Prompts"):
 def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple[list[int], str]:
     """Token ids and text of one prompt: plain text as it is, a conversation through the chat template.
 
-    A conversation is a list of ``{"role", "content"}`` messages, rendered with a generation prompt; one that
-    ends in an assistant message is rendered with that message left open, to be continued (TRL's rule for
-    such prompts). Training and evaluation both tokenize through this function, so their prompts look the
-    same to the model.
+    A conversation is a list of ``{"role", "content"}`` messages, rendered by TRL's own
+    ``apply_chat_template`` as TRL's trainers render a prompt: with a generation prompt, or, when it ends in
+    an assistant message, with that message left open, to be continued. Training and evaluation both
+    tokenize through this function, so their prompts look the same to the model.
 
     Example:
         >>> ids, text = tokenize_prompt(tokenizer, [{"role": "user", "content": "Hi"}])  # doctest: +SKIP
@@ -63,10 +63,14 @@ def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple
             f"{where} is a conversation but the tokenizer has no chat template; set "
             "tokenizer.chat_template or use plain-text prompts"
         )
-    continued = prompt[-1]["role"] == "assistant"
-    text = tokenizer.apply_chat_template(
-        prompt, add_generation_prompt=not continued, continue_final_message=continued, tokenize=False
-    )
+    from trl.data_utils import apply_chat_template  # TRL's own rendering of a prompt-only example
+
+    try:
+        text = apply_chat_template({"prompt": prompt}, tokenizer)["prompt"]
+    except ValueError as error:  # TRL refuses a prompt whose last message is neither user, tool nor assistant
+        raise DataError(
+            f"{where}: {error}; end the conversation with a user message (an assistant one to continue it)"
+        ) from error
     return tokenizer(text, add_special_tokens=False)["input_ids"], text
 
 
@@ -78,7 +82,10 @@ def is_conversation(prompt: Any) -> bool:
         >>> is_conversation([{"role": "user", "content": "Hi"}]), is_conversation("Hi")
         (True, False)
     """
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+    from trl.data_utils import is_conversational
+
+    # TRL's test reads the first message; an empty list has none (TRL's would raise on it)
+    return isinstance(prompt, list) and bool(prompt) and is_conversational({"prompt": prompt})
 
 
 def reward_model_text(
@@ -99,11 +106,13 @@ def reward_model_text(
     """
     if not is_conversation(prompt):
         return prompt + completion
+    from trl.data_utils import apply_chat_template
+
     if isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
-    return tokenizer.apply_chat_template(
-        list(prompt) + list(completion), tokenize=False, **(chat_template_kwargs or {})
-    )
+    # TRL's trainers render {"messages": prompt + completion} for a reward model with this very function
+    example = {"messages": list(prompt) + list(completion)}
+    return apply_chat_template(example, tokenizer, **(chat_template_kwargs or {}))["text"]
 
 
 def reward_model_ids(
@@ -125,13 +134,11 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
                 [0, 1]]))
     """
     import torch
+    from trl.trainer.utils import pad  # TRL's own padding of its trainers' prompts
 
-    width = max(len(ids) for ids in sequences)
-    input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, ids in enumerate(sequences):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids) :] = 1
+    rows = [torch.tensor(ids, dtype=torch.long) for ids in sequences]
+    input_ids = pad(rows, padding_value=pad_token_id, padding_side="left")
+    attention_mask = pad([torch.ones_like(row) for row in rows], padding_value=0, padding_side="left")
     return input_ids, attention_mask
 
 
