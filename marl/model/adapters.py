@@ -104,14 +104,13 @@ def adapter_weights_file(directory: Path, *, allow_pickle: bool, role: str) -> P
 
 
 def load_adapter_state(weights_file: Path) -> dict[str, torch.Tensor]:
-    """The tensors of an adapter weights file, on CPU; a damaged file is named in the error."""
-    import torch
-    from safetensors.torch import load_file
+    """The tensors of an adapter folder's weights file (:func:`adapter_weights_file`: found, and a pickle only
+    where allowed), on CPU, read by PEFT's own ``load_peft_weights``; a damaged file is named in the error."""
+    from peft import load_peft_weights
 
     try:
-        if weights_file.suffix == ".safetensors":
-            return load_file(str(weights_file), device="cpu")
-        return torch.load(weights_file, map_location="cpu", weights_only=True)
+        # the folder holds this file (checked): PEFT reads it and never looks for one on a hub
+        return load_peft_weights(str(weights_file.parent), device="cpu")
     except Exception as error:
         raise AdapterError(
             f"cannot read the adapter weights {weights_file} ({type(error).__name__}: {error}); the file is "
