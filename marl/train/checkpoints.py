@@ -340,8 +340,10 @@ def check_resumable(
     path, state = saved.path, saved.trainer_state
     if state["world_size"] != world_size:
         raise CheckpointError(
-            f"{path} was written by {state['world_size']} processes but this run has {world_size}; "
-            f"resume with the same number of processes: {_relaunch(path, state['world_size'])}"
+            f"{path} was written by {state['world_size']} processes but this run has {world_size}; each "
+            "process samples from its own random stream, so on another number of processes the rest of the "
+            "run would not be the one this checkpoint continues. Resume with the same number of processes: "
+            f"{_relaunch(path, state['world_size'])}"
         )
     if (state["batch_size"], state["num_total_batches"]) != planned:
         raise CheckpointError(
