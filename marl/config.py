@@ -24,6 +24,7 @@ from marl.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
 from marl.cpu_allocator import cpu_allocator_field
 from marl.cpu_threads import check_threads, threads_field
 from marl.errors import ConfigError
+from marl.keep_settings import check_save_settings, save_minutes_field
 from marl.model_settings import (
     DEFAULT_LORA_ALPHA,
     DEFAULT_LORA_R,
@@ -278,6 +279,7 @@ class RLOOConfig:
         default=10, metadata={"help": "Sample tables printed and saved over the run; 0 disables them."}
     )
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every this many updates; 0 disables."})
+    save_minutes: float = save_minutes_field()
     save_total_limit: int | None = field(
         default=None, metadata={"help": "Keep at most this many checkpoints (oldest removed first)."}
     )
@@ -345,13 +347,9 @@ class RLOOConfig:
             fail(
                 f"report_to={self.report_to} mixes 'none' with trackers", "Use either 'none' or tracker names"
             )
-        if self.num_sample_generations < 0 or self.save_steps < 0:
-            fail("num_sample_generations and save_steps must be >= 0", "Use 0 to disable them")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            fail(
-                f"save_total_limit={self.save_total_limit} must be >= 1",
-                "Leave it unset to keep all checkpoints",
-            )
+        if self.num_sample_generations < 0:
+            fail("num_sample_generations must be >= 0", "Use 0 to disable the sample tables")
+        check_save_settings(self.save_steps, self.save_minutes, self.save_total_limit)
 
     @property
     def has_stop_token(self) -> bool:

@@ -127,6 +127,7 @@ SHARED_FIELDS: dict[str, str] = {
     "report_to": _RUN,
     "num_sample_generations": _RUN,
     "save_steps": _RUN + ": every checkpoint holds every policy at the same update (for resuming)",
+    "save_minutes": _RUN + ": every checkpoint holds every policy at the same update (for resuming)",
     "save_total_limit": _RUN,
 }
 

@@ -27,6 +27,7 @@ LAYERS = [
         "marl.algorithms",
         "marl.stop_settings",
         "marl.sweep_settings",
+        "marl.keep_settings",
     ),
     ("marl.data",),
     ("marl.model",),

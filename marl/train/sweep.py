@@ -348,6 +348,7 @@ class SweepTrainer:
             if plan.checkpoint is not None:
                 trainer._load_checkpoint(plan.checkpoint)
         resumed_update = first.state.update
+        first.save_schedule.start()
         start = (time.perf_counter(), first.episode)
         title = progress_description(first.config)
         with tqdm(
@@ -374,7 +375,7 @@ class SweepTrainer:
                     scores.append(f"{trainer._report(rollout, own, stats, start)['objective/scores']:.3f}")
                 progress.update(1)
                 progress.set_postfix({"episode": first.episode, "score": "/".join(scores)})
-                if first.config.save_steps and first.state.update % first.config.save_steps == 0:
+                if first.checkpoint_due():  # every policy at the same update
                     for trainer in trainers:
                         trainer._save_checkpoint()
         if first.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train

@@ -146,6 +146,7 @@ class RLOOTrainer:
         self.state = TrainerState()
         self.log_history: list[dict[str, float]] = []
         self.output_dir = Path(config.output_dir)
+        self.save_schedule = checkpoints.SaveSchedule(config.save_steps, config.save_minutes)
         if self.parallelism.device.type == "cpu":
             use_cpu_allocator(config.cpu_allocator)
 
@@ -292,6 +293,14 @@ class RLOOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
 
+    def checkpoint_due(self) -> bool:
+        """Whether the update just finished ends with a checkpoint (by updates or by time, the main process's
+        clock deciding for every process)."""
+        parallelism = self.parallelism
+        return self.save_schedule.due(
+            self.state.update, lambda late: parallelism.any_process(parallelism.is_main_process and late)
+        )
+
     def _save_checkpoint(self) -> None:
         checkpoints.save_checkpoint(
             self.output_dir,
@@ -373,6 +382,7 @@ class RLOOTrainer:
         if plan.checkpoint is not None:
             self._load_checkpoint(plan.checkpoint)
         resumed_update = self.state.update
+        self.save_schedule.start()
 
         start = (time.perf_counter(), self.episode)
         # Closed also when an update fails, so that the error message starts on a line of its own.
@@ -393,7 +403,7 @@ class RLOOTrainer:
                 metrics = self._report(rollout, shaped, update_stats, start)
                 progress.update(1)
                 progress.set_postfix(progress_postfix(metrics, self.episode))
-                if config.save_steps and self.state.update % config.save_steps == 0:
+                if self.checkpoint_due():
                     self._save_checkpoint()
         if self.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train
             self._start_writing(plan, resumed_update)
