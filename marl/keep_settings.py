@@ -1,4 +1,5 @@
-"""The settings that keep a run from losing its work: checkpoints by updates and by time.
+"""The settings that keep a run from losing its work: checkpoints by updates and by time, and which batch
+settings only decide memory (what an out-of-memory retry and ``--fit`` may change).
 
 Settings layer (beside :mod:`marl.config`): the fields' defaults and help, and their checks, in one place.
 A checkpoint is written every ``save_steps`` updates and, besides, at the end of the first update that ends
@@ -55,3 +56,16 @@ def check_save_settings(save_steps: int, save_minutes: float, save_total_limit: 
         raise ConfigError(
             f"--save_total_limit={save_total_limit} must be >= 1. Leave it unset to keep all checkpoints"
         )
+
+
+def micro_batch_changes_the_loss(loss_type: str | None) -> bool:
+    """Whether the update's result depends on the micro-batch size at a fixed effective batch: only for
+    ``bnpo``, whose loss is the mean over each micro-batch's tokens. Every other loss averages rows (or
+    divides by a count fixed for the optimizer step), so a smaller micro-batch with proportionally more
+    accumulation steps gives the same step up to floating-point rounding.
+
+    Example:
+        >>> micro_batch_changes_the_loss("bnpo"), micro_batch_changes_the_loss("grpo")
+        (True, False)
+    """
+    return loss_type == "bnpo"

@@ -21,6 +21,7 @@ from marl.rollout import stops
 from marl.rollout.prompts import Prompt
 from marl.rollout.samplers import SamplerSettings, get_sampler
 from marl.rollout.static_sampler import StaticSampler
+from marl.train.phase_guard import is_measurement
 
 from support.families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance, position_ids_from_mask
 from support.runs import build, tiny_config
@@ -147,9 +148,7 @@ def test_quantized_bases_draw_the_same_tokens_as_the_transformers_sampler(quanti
 
 def metrics(directory) -> list[dict]:
     records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
-    for record in records:
-        record.pop("eps")
-    return records
+    return [{key: value for key, value in record.items() if not is_measurement(key)} for record in records]
 
 
 def test_training_with_the_static_sampler_reproduces_the_transformers_sampler_and_resumes(

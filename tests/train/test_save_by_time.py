@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from marl.train.phase_guard import is_measurement
+
 from support.runs import build, tiny_config
 
 MINUTE = 60.0
@@ -15,7 +17,7 @@ MINUTE = 60.0
 
 def read_metrics(output_dir):
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{key: value for key, value in record.items() if key != "eps"} for record in records]
+    return [{key: value for key, value in record.items() if not is_measurement(key)} for record in records]
 
 
 class Crash(KeyboardInterrupt):

@@ -16,7 +16,8 @@ from marl import MultiAdapterModel, RLOOTrainer
 from marl.errors import ConfigError, DataError
 from marl.rollout.collect import collect_rollout
 from marl.rollout.prompts import Prompt
-from marl.train.trainer import JUDGED_EVAL_ROWS
+from marl.train.phase_guard import PHASES, is_measurement
+from marl.train.sample_tables import JUDGED_EVAL_ROWS
 
 from support.runs import PROMPTS, abstain_on_every_fourth, build, count_e, prompt_dataset, tiny_config
 
@@ -40,6 +41,10 @@ RLOO_METRICS = {
     "lr",
     "episode",
 }
+
+
+def measured_out(record: dict) -> dict:
+    return {key: value for key, value in record.items() if not is_measurement(key)}
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
@@ -67,7 +72,9 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
     assert records == history
     assert [record["update"] for record in records] == [1, 2, 3]
     for record in records:
-        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps", "rewards/count_e"}
+        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps", "rewards/count_e"} | {
+            f"memory/{phase}_peak_mb" for phase in PHASES
+        }
         assert record["objective/entropy"] > 0
         assert record["policy/entropy_avg"] > 0
         assert 0 <= record["val/num_eos_tokens"] <= 16
@@ -203,9 +210,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_llama_dir, tmp_path):
     resumed = read_metrics(resumed_dir)
     assert [record["update"] for record in resumed] == [1, 2, 3, 4]
     for expected, actual in zip(uninterrupted, resumed, strict=True):
-        expected.pop("eps")
-        actual.pop("eps")
-        assert actual == expected
+        assert measured_out(actual) == measured_out(expected)
 
 
 def test_resume_errors_are_clear(tiny_llama_dir, tmp_path):
@@ -230,9 +235,7 @@ def test_resume_with_no_checkpoint_yet_starts_from_the_beginning(tiny_llama_dir,
     build(tiny_llama_dir, tiny_config(stopped, total_episodes=32)).train(resume_from_checkpoint=True)
     assert "no checkpoint yet: the run starts from the beginning" in capsys.readouterr().err
     full, restarted = read_metrics(tmp_path / "full"), read_metrics(stopped)
-    for record in [*full, *restarted]:
-        record.pop("eps")
-    assert restarted == full
+    assert [measured_out(record) for record in restarted] == [measured_out(record) for record in full]
     assert (stopped / "adapter_model.safetensors").read_bytes() == (
         tmp_path / "full" / "adapter_model.safetensors"
     ).read_bytes()
