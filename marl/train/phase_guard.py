@@ -26,10 +26,11 @@ processes an out-of-memory error is not retried: the other processes wait in a c
 never reaches.
 
 Test hook: ``MARL_TEST_OUT_OF_MEMORY=PHASE:N`` raises torch's own ``OutOfMemoryError`` at the N-th forward
-pass of PHASE counted over the run (once); ``PHASE:always`` at every forward pass of PHASE.
+pass of PHASE counted over the run (once); ``PHASE:N+`` at that one and every later one (the smallest size
+fails too).
 
 Example:
-    >>> halved_chunk_rows(64, k=4), halved_chunk_rows(6, k=4), halved_chunk_rows(4, k=4)
+    >>> halved_chunk_rows(64, k=4), halved_chunk_rows(12, k=4), halved_chunk_rows(6, k=4)
     (32, 4, None)
 """
 
@@ -130,13 +131,14 @@ def update_size(configs: list[Any]) -> Resizable:
     )
 
 
-def _parse_test_hook(text: str) -> tuple[str, int | None] | None:
+def _parse_test_hook(text: str) -> tuple[str, int, bool] | None:
+    """``PHASE:N`` or ``PHASE:N+`` as (phase, N, whether every later forward pass fails too)."""
     if not text:
         return None
     phase, _, at = text.partition(":")
-    if phase not in PHASES or not (at == "always" or at.isdigit()):
-        raise ConfigError(f"{TEST_HOOK}={text!r}: use PHASE:N or PHASE:always, PHASE one of {PHASES}")
-    return phase, None if at == "always" else int(at)
+    if phase not in PHASES or not at.removesuffix("+").isdigit():
+        raise ConfigError(f"{TEST_HOOK}={text!r}: use PHASE:N or PHASE:N+, PHASE one of {PHASES}")
+    return phase, int(at.removesuffix("+")), at.endswith("+")
 
 
 @dataclass
@@ -162,7 +164,7 @@ class PhaseGuard:
     peaks: dict[str, int] = field(default_factory=dict)
     largest: dict[str, int] = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
-    _hook: tuple[str, int | None] | None = field(default=None, init=False)
+    _hook: tuple[str, int, bool] | None = field(default=None, init=False)
     _forwards: dict[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -207,11 +209,11 @@ class PhaseGuard:
         if self._hook is None or self._hook[0] != phase:
             yield
             return
-        at = self._hook[1]
+        _, at, onwards = self._hook
 
         def maybe_fail(module: Any, args: Any) -> None:
             self._forwards[phase] = self._forwards.get(phase, 0) + 1
-            if at is None or self._forwards[phase] == at:
+            if self._forwards[phase] == at or (onwards and self._forwards[phase] > at):
                 raise torch.OutOfMemoryError(f"{TEST_HOOK}: forward pass {self._forwards[phase]} of {phase}")
 
         handle = self.embeddings.register_forward_pre_hook(maybe_fail)

@@ -285,11 +285,14 @@ class RLOOTrainer:
             save_total_limit=self.config.save_total_limit,
         )
 
-    def _checkpoint_before_stopping(self, error: PhaseMemoryError, resumed_update: int) -> None:
-        """Save the last completed update, unless it is saved already (or none was done), and name it in
-        ``error``."""
+    def _checkpoint_before_stopping(
+        self, error: PhaseMemoryError, resumed_update: int, update_start: dict[str, Any]
+    ) -> None:
+        """Save the last completed update (the guard put back the policy's state; ``update_start``: the random
+        state it ended with), unless it is saved already or none was done, and name it in ``error``."""
         folder = self.output_dir / run_dir.checkpoint_name(self.state.update)
         if self.state.update > resumed_update and not folder.exists():
+            checkpoints.set_rng_state(update_start)
             self._save_checkpoint()
         error.checkpoint = str(folder) if folder.exists() else None
 
@@ -367,12 +370,14 @@ class RLOOTrainer:
             disable=not parallelism.is_local_main_process,
         ) as progress:
             while self.state.update < sizes.num_total_batches:
+                # a run out of memory at its smallest sizes checkpoints the update before with this state
+                update_start = checkpoints.rng_state() if self.phases.retry else None
                 try:
                     rollout = self._rollout()
                     shaped = self._shaped_rewards(rollout)
                     update_stats = self._update_unless_unjudged(rollout, shaped)
                 except PhaseMemoryError as error:
-                    self._checkpoint_before_stopping(error, resumed_update)
+                    self._checkpoint_before_stopping(error, resumed_update, update_start)
                     raise
                 shaped = complete_for_metrics(rollout, shaped, self.scorer, config.kl_coef)
                 self.state.update += 1
