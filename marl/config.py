@@ -24,7 +24,7 @@ from marl.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
 from marl.cpu_allocator import cpu_allocator_field
 from marl.cpu_threads import check_threads, threads_field
 from marl.errors import ConfigError
-from marl.keep_settings import check_save_settings, save_minutes_field
+from marl.keep_settings import check_keep_settings, fit_field, fit_memory_field, save_minutes_field
 from marl.model_settings import (
     DEFAULT_LORA_ALPHA,
     DEFAULT_LORA_R,
@@ -190,6 +190,8 @@ class RLOOConfig:
         default=64,
         metadata={"help": "Rows per chunk of the rollout's generation and no-grad forward passes."},
     )
+    fit: str = fit_field()
+    fit_memory_gb: float | None = fit_memory_field()
 
     # --- optimisation ---
     learning_rate: float = field(
@@ -349,7 +351,7 @@ class RLOOConfig:
             )
         if self.num_sample_generations < 0:
             fail("num_sample_generations must be >= 0", "Use 0 to disable the sample tables")
-        check_save_settings(self.save_steps, self.save_minutes, self.save_total_limit)
+        check_keep_settings(self)
 
     @property
     def has_stop_token(self) -> bool:

@@ -146,6 +146,7 @@ class RLOOTrainer:
         self.log_history: list[dict[str, float]] = []
         self.output_dir = Path(config.output_dir)
         self.save_schedule = checkpoints.SaveSchedule(config.save_steps, config.save_minutes)
+        self.fit_record: dict[str, Any] | None = None  # what --fit auto chose (marl.plan.fit), when it ran
         self.phases = guard_for(self)  # measures each phase, and retries it smaller when memory runs out
         if self.parallelism.device.type == "cpu":
             use_cpu_allocator(config.cpu_allocator)
@@ -326,7 +327,8 @@ class RLOOTrainer:
                 self.config, self.model, self.policy, self.parallelism.num_processes, dataset
             )
             run_dir.write_run_config(
-                self.output_dir, settings | {"rewards": run_dir.reward_record(self.reward)}
+                self.output_dir,
+                settings | {"rewards": run_dir.reward_record(self.reward), "fit_chosen": self.fit_record},
             )
         if self.config.trackers:
             self.accelerator.init_trackers(run_dir.TRACKER_DIR, config=run_dir.tracker_config(self.config))

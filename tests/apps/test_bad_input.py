@@ -339,6 +339,8 @@ CASES = [
     Case(RLOO, ["--save_steps", "-1"], r"--save_steps=-1 must be >= 0"),
     Case(RLOO, ["--save_minutes", "-5"], r"--save_minutes=-5.0 must be >= 0 \(0 turns"),
     Case(RLOO, ["--save_total_limit", "0"], r"save_total_limit=0 must be >= 1"),
+    Case(RLOO, ["--fit", "always"], r"--fit 'always' is not one of \('auto', 'off'\): pass --fit auto"),
+    Case(RLOO, ["--fit_memory_gb", "0"], r"--fit_memory_gb 0.0 must be a positive number of GB"),
     Case(RLOO, ["--seed", "-1"], r"--seed=-1 is out of range"),
     Case(RLOO, ["--seed", "5000000000"], r"--seed=5000000000 is out of range"),
     Case(RLOO, ["--threads", "-1"], r"--threads=-1 must be >= 0 \(0: follow the free cores"),
