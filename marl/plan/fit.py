@@ -210,11 +210,14 @@ def out_of_memory_advice(trainer: Any, memory_gb: float | None = None) -> str:
 
 def least_free_memory_gb(device: Any) -> float:
     """The free memory of the CUDA ``device`` in GB, the least over the run's processes (so that every
-    process plans the same budget and chooses the same settings)."""
+    process plans the same budget and chooses the same settings). Under a cap on this process's allocator
+    (``torch.cuda.set_per_process_memory_fraction``), what the cap leaves, if less."""
     import torch
     import torch.distributed as distributed
 
-    free = torch.tensor([float(torch.cuda.mem_get_info(device)[0])], device=device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    capped = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
+    free = torch.tensor([float(min(torch.cuda.mem_get_info(device)[0], capped))], device=device)
     if distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1:
         distributed.all_reduce(free, op=distributed.ReduceOp.MIN)
     return float(free.item()) / 1e9
