@@ -13,7 +13,10 @@ One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
 3. update (:class:`marl.train.update.PolicyUpdate`): PPO-clip epochs of optimizer steps, returning an
    :class:`~marl.algo.metrics.UpdateStats`;
 4. metrics (:mod:`marl.algo.metrics`, summed over processes in one collective), sample tables;
-5. checkpoint (:mod:`marl.train.checkpoints`, :mod:`marl.train.run_dir`).
+5. checkpoint, by updates or by time (:mod:`marl.train.checkpoints`, :mod:`marl.train.run_dir`).
+
+Sampling, scoring and the update each run under :class:`marl.train.phase_guard.PhaseGuard`: measured, and
+retried at half their size when memory runs out.
 
 Leave-one-out groups never span processes: every process samples all ``k`` completions of its own prompts.
 Every collective goes through the run's :class:`marl.train.parallel.Parallelism` (``--parallelism``).
