@@ -272,6 +272,12 @@ class PolicySnapshot:
         step.sampler.policy_weights_changed()
 
 
+def restore_all(snapshots: list[PolicySnapshot]) -> None:
+    """Undo what an update did to each policy of a sweep (one snapshot per policy)."""
+    for snapshot in snapshots:
+        snapshot.restore()
+
+
 def _to_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)

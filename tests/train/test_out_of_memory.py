@@ -158,3 +158,32 @@ def test_the_command_stops_with_one_line_and_its_own_exit_code_and_resumes(tmp_p
     resumed = run_cli(world, [*words, "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (run / ADAPTER).read_bytes() == (tmp_path / "reference" / ADAPTER).read_bytes()
+
+
+def test_a_sweeps_update_out_of_memory_is_run_again_for_every_policy(tiny_llama_dir, tmp_path, monkeypatch):
+    """Two policies: update 1 fails at the second mini-batch's first micro-batch (the first policy's: 2 per
+    micro-batch step), after both policies stepped once; both are put back and update with half the
+    micro-batch, and end as a sweep started at that size."""
+    from transformers import AutoTokenizer
+
+    from marl.sweep_settings import parse_sweep
+    from marl.train.sweep import SweepTrainer, build_sweep_model
+
+    from support.runs import count_e, prompt_dataset
+
+    def sweep(folder, **settings):
+        config = tiny_config(folder, model_name_or_path=str(tiny_llama_dir), **SETTINGS, **settings)
+        members = parse_sweep(["learning_rate=1e-2,2e-2"], config)
+        model = build_sweep_model([member.config for member in members])
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+        return SweepTrainer(members, model, tokenizer, prompt_dataset(), reward_funcs=count_e)
+
+    monkeypatch.setenv(TEST_HOOK, "update:5")
+    survived = sweep(tmp_path / "survived")
+    survived.train()
+    assert [run.config.per_device_train_batch_size for run in survived.trainers] == [2, 2]
+    monkeypatch.delenv(TEST_HOOK)
+    sweep(tmp_path / "started", per_device_train_batch_size=2, gradient_accumulation_steps=4).train()
+    for member in ("learning_rate=1e-2", "learning_rate=2e-2"):
+        first, second = adapter(tmp_path / "survived" / member), adapter(tmp_path / "started" / member)
+        assert largest_difference(first, second) <= 1e-5
