@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -83,7 +84,7 @@ class Resizable:
 
 
 def sampling_size(sampler: Any, k: int) -> Resizable:
-    import dataclasses
+    """The sampler's rows per chunk (``rows_per_pass`` of its settings)."""
 
     def halve() -> bool:
         rows = halved_chunk_rows(sampler.settings.rows_per_pass, k)
@@ -95,6 +96,8 @@ def sampling_size(sampler: Any, k: int) -> Resizable:
 
 
 def scoring_size(scorer: Any, reward: Any, k: int) -> Resizable:
+    """The scorer's rows per chunk, and those of the reward sources that chunk (reward adapters)."""
+
     def halve() -> bool:
         rows = halved_chunk_rows(scorer.rows_per_pass, k)
         if rows is None:
