@@ -43,3 +43,39 @@ class RunFolderError(MarlError, FileExistsError):
 
 class CheckpointError(MarlError, ValueError):
     """A checkpoint that cannot be resumed from: damaged, incomplete, or written by another run setting."""
+
+
+# The exit code of a run that ran out of memory at the smallest size of a phase: not 2 (bad input), not 1 (a
+# bug), so that a script can tell "needs a larger card or smaller settings" from the others.
+OUT_OF_MEMORY_EXIT_CODE = 3
+
+
+class PhaseMemoryError(MarlError, MemoryError):
+    """A phase of the run ran out of memory at every size tried (:mod:`marl.train.phase_guard`).
+
+    Attributes:
+        phase: ``sampling``, ``scoring`` or ``update``.
+        tried: the sizes tried, as flags, first to last.
+        checkpoint: where the last completed update was saved (set by the trainer), if anywhere.
+        advice: what ``marl plan`` advises (set by the command).
+    """
+
+    exit_code = OUT_OF_MEMORY_EXIT_CODE
+
+    def __init__(self, phase: str, tried: list[str], reason: str) -> None:
+        super().__init__(phase, tried, reason)
+        self.phase, self.tried, self.reason = phase, tried, reason
+        self.checkpoint: str | None = None
+        self.advice: str = ""
+
+    def __str__(self) -> str:
+        kept = (
+            f"the last completed update is in {self.checkpoint}; resume with --resume_from_checkpoint latest"
+            if self.checkpoint
+            else "no update was completed since the last checkpoint; --resume_from_checkpoint latest goes on"
+        )
+        advice = self.advice or "marl plan with the same flags and --memory_gb lists settings that fit"
+        return (
+            f"out of memory in the {self.phase} phase at every size tried ({'; '.join(self.tried)}): "
+            f"{self.reason}. {kept} and smaller settings. {advice}"
+        )

@@ -7,6 +7,7 @@
 # 2. the benchmark's GPU setups against TRL (examples/benchmarks/vs_trl.py --setup gpu: Qwen2.5-0.5B- and
 #    1.5B-shaped bases built from a config with a tokenizer the benchmark trains, bf16 and 4-bit; it needs
 #    marl's requirements and this repository). About an hour on an H200 (a run takes about a minute).
+# 3. --fit auto and the out-of-memory retry (examples/benchmarks/fit_check.py), also with --quick.
 # --quick fits a short GPU session (about 10 minutes, estimated): the graph sampler's capture tests in bf16, and one run
 # each of marl's graph and eager decodes and TRL's RLOOTrainer at both shapes in bf16.
 # Without CUDA it says so and exits 0 without running anything: the CPU suite (README, "Development") covers the rest.
@@ -55,6 +56,11 @@ else
 fi
 "$PYTHON" examples/benchmarks/vs_trl.py --setup gpu "${bench[@]}" --output "$bench_output"
 bench_status=$?
+# --fit auto under a cap below the typed settings' plan, and a real out-of-memory error after update 1 retried
+# at half the micro-batch (a few minutes; its CPU dry run is tests/test_benchmark_fit_check.py)
+fit_output="${output%.md}-fit.md"
+"$PYTHON" examples/benchmarks/fit_check.py --work "$(mktemp -d)" --output "$fit_output"
+fit_status=$?
 
 {
     echo "# GPU check, $(date +%F)"
@@ -74,6 +80,8 @@ for key, value in {**m(), **v()}.items(): print(f'{key}: {value}')"
     echo '```'
     echo
     echo "## Benchmark (exit status $bench_status): see $(basename "$bench_output")"
+    echo
+    echo "## --fit auto and the out-of-memory retry (exit status $fit_status): see $(basename "$fit_output")"
 } > "$output"
 echo "gpu-check: results written to $output"
-exit $(( tests_status || bench_status ))
+exit $(( tests_status || bench_status || fit_status ))

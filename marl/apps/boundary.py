@@ -2,8 +2,10 @@
 
 Input the user can fix (a :class:`marl.errors.MarlError`: bad flags, files, data, adapters, models,
 checkpoints, user functions) ends the program with one line on stderr and exit code 2, the code argparse uses
-for bad flags. ``--debug`` (or ``MARL_DEBUG=1``) shows its traceback too. Ctrl-C ends it with one line saying
-what was kept and how to go on, and exit code 130. Any other exception is a bug and keeps its traceback.
+for bad flags; a run out of memory at the smallest size of a phase (:class:`marl.errors.PhaseMemoryError`)
+with one line too and exit code 3. ``--debug`` (or ``MARL_DEBUG=1``) shows its traceback too. Ctrl-C ends it
+with one line saying what was kept and how to go on, and exit code 130. Any other exception is a bug and keeps
+its traceback.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def error_boundary(
             if _debugging(words):
                 raise
             print(f"{prog}: error: {error}", file=sys.stderr)
-            raise SystemExit(INPUT_ERROR_EXIT_CODE) from None
+            # a run out of memory at its smallest sizes has its own code (marl.errors.OUT_OF_MEMORY_EXIT_CODE)
+            raise SystemExit(getattr(error, "exit_code", INPUT_ERROR_EXIT_CODE)) from None
         except BaseException as error:
             # Under a launcher, a process waiting in a collective when Ctrl-C comes may see another process
             # leave first (a "connection closed" error) before its own KeyboardInterrupt: that is Ctrl-C too.

@@ -27,6 +27,7 @@ from marl.apps.train_rloo import (
     parse_train_rloo_args,
     train_arguments,
 )
+from marl.errors import PhaseMemoryError
 
 # The names tests, examples and users import from here (the console script's module).
 __all__ = [
@@ -76,7 +77,13 @@ def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-r
     with error_boundary(prog, words, interrupted):
         script, config = parse_train_rloo_args(words, prog)
         trainer = build_rloo_trainer(script, config, command=f"{prog} {shlex.join(words)}")
-        trainer.train(**train_arguments(script))
+        try:
+            trainer.train(**train_arguments(script))
+        except PhaseMemoryError as error:  # one line, with what marl plan advises for this card
+            from marl.plan.fit import out_of_memory_advice
+
+            error.advice = out_of_memory_advice(trainer)
+            raise
     return trainer
 
 

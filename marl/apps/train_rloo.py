@@ -6,6 +6,7 @@ the registry names of the config (right after parsing), then the output folder a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -181,6 +182,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
 
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
+    from marl.plan.fit import fit_run
     from marl.rewards import RewardParts, plan_rewards
     from marl.train.launch import check_sharded_launch
     from marl.train.trainer import RLOOTrainer
@@ -191,6 +193,11 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     # state would set itself up as a single process and the trainer would refuse the mismatch).
     state = PartialState(cpu=not torch.cuda.is_available())
     check_sharded_launch(config.parallelism, state.num_processes)  # before the model loads
+    # --fit auto: the memory settings chosen from the plan, before the model loads (they decide how it loads)
+    fit = fit_run(config, train_dataset, state.device, state.num_processes, [m.config for m in members])
+    if fit is not None and state.is_main_process:
+        for line in fit.lines():
+            print(f"marl: {line}", file=sys.stderr)
     if members:
         from marl.train.sweep import SweepTrainer, build_sweep_model
 
@@ -207,6 +214,8 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         reward_funcs=rewards.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size)),
         dataset_source=dataset_record(script),
     )
+    for run in trainer.trainers if members else [trainer]:
+        run.fit_record = None if fit is None else fit.record()  # rloo_config.json records what --fit chose
     if state.is_main_process:
         console = Console()
         if command:
@@ -226,6 +235,9 @@ def memory_card_with_plan(trainer: Any) -> Any:
     runs = getattr(trainer, "trainers", [trainer])  # a sweep's policies, each as a run
     plan = plan_for_trainer(runs[0], policies=len(runs))
     peaks = {phase.name: phase.total for phase in plan.phases if phase.name != "load"}
+    # the run logs its measured peaks beside these; max_memory_allocated does not see the CUDA runtime
+    outside = plan.target.runtime_bytes if plan.target.device == "cuda" else 0
+    trainer.phases.planned = {name: peak - outside for name, peak in peaks.items()}
     card = trainer.model.memory_report([run.policy for run in runs])
     return dataclasses.replace(card, predicted_peaks=peaks)
 

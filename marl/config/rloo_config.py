@@ -22,6 +22,7 @@ from marl.config.algorithms import algorithm_field, check_algorithm_settings, re
 from marl.config.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
 from marl.config.checks import check_fields, check_seed
 from marl.config.device import device_field
+from marl.config.keep import check_keep_settings, fit_field, fit_memory_field, save_minutes_field
 from marl.config.model import (
     DEFAULT_LORA_ALPHA,
     DEFAULT_LORA_R,
@@ -182,6 +183,8 @@ class RLOOConfig:
         default=64,
         metadata={"help": "Rows per chunk of the rollout's generation and no-grad forward passes."},
     )
+    fit: str = fit_field()
+    fit_memory_gb: float | None = fit_memory_field()
 
     # --- optimisation ---
     learning_rate: float = field(
@@ -271,6 +274,7 @@ class RLOOConfig:
         default=10, metadata={"help": "Sample tables printed and saved over the run; 0 disables them."}
     )
     save_steps: int = field(default=500, metadata={"help": "Checkpoint every this many updates; 0 disables."})
+    save_minutes: float = save_minutes_field()
     save_total_limit: int | None = field(
         default=None, metadata={"help": "Keep at most this many checkpoints (oldest removed first)."}
     )
@@ -340,13 +344,9 @@ class RLOOConfig:
             fail(
                 f"report_to={self.report_to} mixes 'none' with trackers", "Use either 'none' or tracker names"
             )
-        if self.num_sample_generations < 0 or self.save_steps < 0:
-            fail("num_sample_generations and save_steps must be >= 0", "Use 0 to disable them")
-        if self.save_total_limit is not None and self.save_total_limit < 1:
-            fail(
-                f"save_total_limit={self.save_total_limit} must be >= 1",
-                "Leave it unset to keep all checkpoints",
-            )
+        if self.num_sample_generations < 0:
+            fail("num_sample_generations must be >= 0", "Use 0 to disable the sample tables")
+        check_keep_settings(self)
 
     @property
     def has_stop_token(self) -> bool:

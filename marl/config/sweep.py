@@ -127,6 +127,9 @@ SHARED_FIELDS: dict[str, str] = {
     "report_to": _RUN,
     "num_sample_generations": _RUN,
     "save_steps": _RUN + ": every checkpoint holds every policy at the same update (for resuming)",
+    "fit": _RUN + ": the settings it chooses are the loop's, the same for every policy",
+    "fit_memory_gb": _RUN,
+    "save_minutes": _RUN + ": every checkpoint holds every policy at the same update (for resuming)",
     "save_total_limit": _RUN,
 }
 

@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from peft import LoraConfig
 
-from marl.model import adapters, build, records
+# process_memory reads the process's memory after the imports above, before any model loads: the baseline of
+# the measured peaks the run logs beside its memory plan.
+from marl.model import adapters, build, process_memory, records  # noqa: F401
 from marl.model.forward import (
     ForwardPasses,
     enable_gradient_checkpointing,

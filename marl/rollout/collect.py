@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +44,7 @@ def collect_rollout(
     trainer_state: Any = None,
     policies: Sequence[str] | None = None,
     passes: ScoringPasses | None = None,
+    run_phase: Callable[[str, Callable[[], Any]], Any] = lambda phase, work: work(),
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
     and reference log-probs where the algorithm reads them (``passes``, default ``scorer.passes``), and their
@@ -52,14 +53,32 @@ def collect_rollout(
 
     ``policies`` (one per prompt): the rows of several policies, sampled in one batched decode
     (``sampler.sample_routed``) and scored in the same passes, each row under its own policy
-    (:meth:`marl.rollout.scoring.Scorer.rows_view`); :func:`split_rollout` gives each policy its rows."""
+    (:meth:`marl.rollout.scoring.Scorer.rows_view`); :func:`split_rollout` gives each policy its rows.
+
+    ``run_phase(name, work)`` runs the ``"sampling"`` and the ``"scoring"`` work (the trainer's
+    :class:`marl.train.phase_guard.PhaseGuard` measures each and retries it smaller when memory runs out)."""
     batch = sampler.batch(prompts)
-    samples = sampler.sample(batch, k) if policies is None else sampler.sample_routed(batch, k, policies)
+    samples = run_phase(
+        "sampling",
+        lambda: sampler.sample(batch, k) if policies is None else sampler.sample_routed(batch, k, policies),
+    )
     # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring (measured on SmolLM2 in
     # 4-bit: scoring's peak 900 MiB with it, 790 without; a trim takes milliseconds).
     release_freed_memory()
-    row_policies = None if policies is None else [policies[i] for i in samples.prompt_index.tolist()]
     passes = scorer.passes if passes is None else passes
+    return run_phase("scoring", lambda: _scored(samples, scorer, reward, trainer_state, policies, passes))
+
+
+def _scored(
+    samples: Samples,
+    scorer: Scorer,
+    reward: WeightedRewards,
+    trainer_state: Any,
+    policies: Sequence[str] | None,
+    passes: ScoringPasses,
+) -> Rollout:
+    """``samples`` with their log-probs and scores (see :func:`collect_rollout`)."""
+    row_policies = None if policies is None else [policies[i] for i in samples.prompt_index.tolist()]
     # Where every policy drew the same prompts (a grid on one seed), the passes that are the same for every
     # policy (the reward, and the reference where it is the base) compute each prompt once for all of them.
     # (Only where the longer packed sequences are packed too: not past a sliding attention window.)

@@ -19,8 +19,10 @@ import json
 import os
 import random
 import shutil
+import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +48,44 @@ SCHEDULER_FILE = "scheduler.pt"
 SCALER_FILE = "scaler.pt"
 # The fields of trainer_state.json that resuming reads.
 TRAINER_STATE_FIELDS = ("update", "skipped_optimizer_steps", "world_size", "batch_size", "num_total_batches")
+
+
+@dataclass
+class SaveSchedule:
+    """When a run checkpoints: after every ``steps``-th update (0: never by updates) and after the first
+    update that ends ``minutes`` or more after the last checkpoint (0: never by time), counted from
+    :meth:`start`. ``clock`` gives seconds (``time.monotonic``; a test passes its own).
+
+    Under several processes the main process's clock decides and every process follows it (one collective
+    per update), so that every process takes part in the same checkpoints.
+
+    Example:
+        >>> now = iter([0.0, 300.0, 700.0, 800.0]).__next__
+        >>> schedule = SaveSchedule(steps=0, minutes=10, clock=now)
+        >>> schedule.start()
+        >>> [schedule.due(update, lambda late: late) for update in (1, 2, 3)]
+        [False, True, False]
+    """
+
+    steps: int
+    minutes: float
+    clock: Callable[[], float] = time.monotonic
+    last: float = field(default=0.0, init=False)
+
+    def start(self) -> None:
+        self.last = self.clock()
+
+    def due(self, update: int, main_process_says: Callable[[bool], bool]) -> bool:
+        """Whether to checkpoint after ``update``; ``main_process_says(flag)`` is the main process's
+        ``flag`` on every process (e.g. ``lambda f: parallelism.any_process(is_main and f)``)."""
+        by_steps = self.steps > 0 and update % self.steps == 0
+        if self.minutes <= 0:
+            return by_steps
+        now = self.clock()
+        by_time = main_process_says(now - self.last >= self.minutes * 60)
+        if by_steps or by_time:
+            self.last = now
+        return by_steps or by_time
 
 
 def rng_state_file(process_index: int) -> str:

@@ -56,7 +56,7 @@ from marl.algo.shaping import ShapedRewards
 from marl.config.rloo_config import RLOOConfig
 from marl.config.sweep import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember
 from marl.cpu.allocator import release_freed_memory
-from marl.errors import CheckpointError, ConfigError
+from marl.errors import CheckpointError, ConfigError, PhaseMemoryError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.model.routing import routing_problem
 from marl.rewards.weighted import weighted_total
@@ -65,6 +65,8 @@ from marl.rollout.prompts import prompts_for_update
 from marl.rollout.records import Rollout
 from marl.rollout.samplers import get_sampler
 from marl.train import run_dir
+from marl.train.checkpoints import rng_state
+from marl.train.phase_guard import PolicySnapshot, guard_for, restore_all
 from marl.train.progress import progress_description
 from marl.train.reward_state import reward_trainer_state
 from marl.train.sweep_report import finish_sweep
@@ -212,6 +214,8 @@ class SweepTrainer:
             )
             for config in configs
         ]
+        # the first trainer's guard runs the sweep's phases; a smaller micro-batch is every policy's
+        self.trainers[0].phases = guard_for(self.trainers[0], configs)
         every = [scoring_passes(config) for config in configs]
         self.passes = ScoringPasses(
             policy=any(passes.policy for passes in every), reference=any(passes.reference for passes in every)
@@ -257,6 +261,7 @@ class SweepTrainer:
             state,
             policies,
             self.passes,
+            run_phase=first.phases.run,
         )
         parts = split_rollout(rollout, len(self.trainers))
         for trainer, part in zip(self.trainers, parts, strict=True):
@@ -273,15 +278,21 @@ class SweepTrainer:
         """The policies' updates in one loop; a policy none of whose completions was judged skips its
         steps."""
         results: list[UpdateStats | None] = [None] * len(self.trainers)
-        parts, judged = [], []
+        parts, judged = [], []  # each judged policy's UpdatePart fields
         for index, (trainer, rollout, own) in enumerate(zip(self.trainers, rollouts, shaped, strict=True)):
             if trainer.parallelism.any_process(bool(own.judged.any())):
                 judged.append(index)
-                parts.append(UpdatePart(trainer.policy_update, rollout, own.advantages, self._label(index)))
+                parts.append((trainer.policy_update, rollout, own.advantages, self._label(index)))
                 continue
             trainer.skip_unjudged_update(self._label(index))
         if parts:
-            done = run_together(parts, update=self.state.update + 1)
+            guard = self.trainers[0].phases
+            snapshots = [PolicySnapshot(step, rollout) for step, rollout, *_ in parts] if guard.retry else []
+            done = guard.run(  # new parts for every attempt: a failed one's sums are dropped
+                "update",
+                lambda: run_together([UpdatePart(*part) for part in parts], update=self.state.update + 1),
+                restore=lambda: restore_all(snapshots),
+            )
             for index, (stats, skipped) in zip(judged, done, strict=True):
                 results[index] = stats
                 self.trainers[index].state.skipped_optimizer_steps += skipped
@@ -348,6 +359,7 @@ class SweepTrainer:
             if plan.checkpoint is not None:
                 trainer._load_checkpoint(plan.checkpoint)
         resumed_update = first.state.update
+        first.save_schedule.start()
         start = (time.perf_counter(), first.episode)
         title = progress_description(first.config)
         with tqdm(
@@ -357,12 +369,15 @@ class SweepTrainer:
             disable=not first.parallelism.is_local_main_process,
         ) as progress:
             while first.state.update < first.sizes.num_total_batches:
-                rollouts = self._rollouts()
-                shaped = [
-                    trainer._shaped_rewards(rollout)
-                    for trainer, rollout in zip(trainers, rollouts, strict=True)
-                ]
-                update_stats = self._update(rollouts, shaped)
+                update_start = rng_state() if first.phases.retry else None
+                try:
+                    rollouts = self._rollouts()
+                    shaped = list(map(RLOOTrainer._shaped_rewards, trainers, rollouts))
+                    update_stats = self._update(rollouts, shaped)
+                except PhaseMemoryError as error:  # every policy's last completed update is checkpointed
+                    for trainer in trainers:
+                        trainer._checkpoint_before_stopping(error, resumed_update, update_start)
+                    raise
                 scores = []
                 for trainer, plan, rollout, own, stats in zip(
                     trainers, plans, rollouts, shaped, update_stats, strict=True
@@ -374,7 +389,7 @@ class SweepTrainer:
                     scores.append(f"{trainer._report(rollout, own, stats, start)['objective/scores']:.3f}")
                 progress.update(1)
                 progress.set_postfix({"episode": first.episode, "score": "/".join(scores)})
-                if first.config.save_steps and first.state.update % first.config.save_steps == 0:
+                if first.checkpoint_due():  # every policy at the same update
                     for trainer in trainers:
                         trainer._save_checkpoint()
         if first.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train

@@ -13,7 +13,10 @@ One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
 3. update (:class:`marl.train.update.PolicyUpdate`): PPO-clip epochs of optimizer steps, returning an
    :class:`~marl.algo.metrics.UpdateStats`;
 4. metrics (:mod:`marl.algo.metrics`, summed over processes in one collective), sample tables;
-5. checkpoint (:mod:`marl.train.checkpoints`, :mod:`marl.train.run_dir`).
+5. checkpoint, by updates or by time (:mod:`marl.train.checkpoints`, :mod:`marl.train.run_dir`).
+
+Sampling, scoring and the update each run under :class:`marl.train.phase_guard.PhaseGuard`: measured, and
+retried at half their size when memory runs out.
 
 Leave-one-out groups never span processes: every process samples all ``k`` completions of its own prompts.
 Every collective goes through the run's :class:`marl.train.parallel.Parallelism` (``--parallelism``).
@@ -48,22 +51,21 @@ from marl.algo.selection import shape_rollout
 from marl.algo.shaping import ShapedRewards
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
-from marl.data.prompts import prompt_text
+from marl.errors import PhaseMemoryError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
 from marl.rollout.prompts import prompts_for_update
 from marl.rollout.records import Rollout
 from marl.train import checkpoints, run_dir
 from marl.train.build import build_training_parts
+from marl.train.phase_guard import PolicySnapshot, guard_for
 from marl.train.plotting import training_curves_note
 from marl.train.progress import progress_description, progress_postfix
 from marl.train.reward_state import reward_function_metrics, reward_trainer_state
+from marl.train.sample_tables import sample_table
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
 PROCESS_SEED_STRIDE = 100_003
-SAMPLE_TABLE_ROWS = 8
-# Held-out prompts a judge scores at each sample table: enough for a readable curve, cheap next to an update.
-JUDGED_EVAL_ROWS = 32
 
 
 @dataclass
@@ -146,6 +148,9 @@ class RLOOTrainer:
         self.state = TrainerState()
         self.log_history: list[dict[str, float]] = []
         self.output_dir = Path(config.output_dir)
+        self.save_schedule = checkpoints.SaveSchedule(config.save_steps, config.save_minutes)
+        self.fit_record: dict[str, Any] | None = None  # what --fit auto chose (marl.plan.fit), when it ran
+        self.phases = guard_for(self)  # measures each phase, and retries it smaller when memory runs out
         if self.parallelism.device.type == "cpu":
             use_cpu_allocator(config.cpu_allocator)
 
@@ -169,7 +174,9 @@ class RLOOTrainer:
         config, process = self.config, self.parallelism.process_index
         prompts = prompts_for_update(self.train_prompts, self.state.update, process, self.sizes, config.seed)
         state = reward_trainer_state(self)  # reward functions get it as trainer_state, as under TRL
-        return collect_rollout(self.sampler, self.scorer, prompts, config.rloo_k, self.reward, state)
+        return collect_rollout(
+            self.sampler, self.scorer, prompts, config.rloo_k, self.reward, state, run_phase=self.phases.run
+        )
 
     def _shaped_rewards(self, rollout: Rollout) -> ShapedRewards:
         """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
@@ -178,7 +185,13 @@ class RLOOTrainer:
 
     def _update(self, rollout: Rollout, advantages: torch.Tensor) -> UpdateStats:
         """The policy update on ``rollout``; returns this process's sums for the policy metrics."""
-        stats, skipped = self.policy_update.run(rollout, advantages, update=self.state.update + 1)
+        # what the update changes is copied first, so that an update out of memory can start over smaller
+        snapshot = PolicySnapshot(self.policy_update, rollout) if self.phases.retry else None
+        stats, skipped = self.phases.run(
+            "update",
+            lambda: self.policy_update.run(rollout, advantages, update=self.state.update + 1),
+            restore=None if snapshot is None else snapshot.restore,
+        )
         self.state.skipped_optimizer_steps += skipped
         release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout
         return stats
@@ -213,7 +226,7 @@ class RLOOTrainer:
         metrics.update(reward_function_metrics(rollout, metrics))  # what reward functions gave log_metric
         metrics.update(sampler_gap_metrics(rollout, self.parallelism))
         sample_now = self.sample_every and (self.state.update - 1) % self.sample_every == 0
-        metrics.update(self._sample_table(rollout) if sample_now else {})
+        metrics.update(sample_table(self, rollout) if sample_now else {})
         judged_now = sample_now and self.judge is not None  # the same on every process
         if (
             judged_now
@@ -237,6 +250,7 @@ class RLOOTrainer:
                 "skipped_optimizer_steps": float(self.state.skipped_optimizer_steps),
                 "lr": self.policy_update.last_learning_rate,
                 "episode": float(self.episode),
+                **self.phases.metrics(),  # this process's measured peaks beside the plan's
             }
         )
         return metrics
@@ -248,50 +262,15 @@ class RLOOTrainer:
         if self.parallelism.is_main_process:
             run_dir.append_metrics(self.output_dir, record)
 
-    def _judged_prompt_text(self, index: int) -> str:
-        """What `marl evaluate` gives its judge of a held-out prompt: a conversation's last message, not the
-        chat template's rendering."""
-        row = self.eval_dataset[index]
-        return prompt_text(row["prompt"]) if "prompt" in row else self.eval_prompts[index].text
-
-    def _sample_table(self, rollout: Rollout) -> dict[str, float]:
-        """Save a table of sample completions: of held-out prompts when given (sampled without disturbing the
-        training RNG), else of this rollout. Returns the held-out means to log (none without a judge). With a
-        sharded base every process samples with the main one (each forward pass gathers the layers)."""
-        if not self.parallelism.is_main_process and not (
-            self.parallelism.shards_base and self.eval_prompts is not None
-        ):
-            return {}
-        held_out = {}
-        if self.eval_prompts is not None:
-            rows = JUDGED_EVAL_ROWS if self.judge is not None else SAMPLE_TABLE_ROWS
-            devices = [self.parallelism.device] if self.parallelism.device.type == "cuda" else []
-            with torch.random.fork_rng(devices=devices):
-                samples = self.sampler.sample(self.sampler.batch(self.eval_prompts[:rows]), k=1)
-            with torch.no_grad(), self.parallelism.autocast():
-                batch = self.scorer.scoring_batch(samples, reward_trainer_state(self))
-                scores, extra = self.reward.score(batch).total.tolist(), batch.reward_log.extra
-            if not self.parallelism.is_main_process:
-                return {}
-            if self.judge is not None:
-                texts = [
-                    self._judged_prompt_text(index) + completion
-                    for index, completion in enumerate(samples.completions)
-                ]
-                held_out = {
-                    "eval/score": float(torch.tensor(scores).nanmean()),
-                    "eval/judge_score": sum(self.judge(texts)) / len(texts),
-                }
-        else:
-            samples, scores = rollout, rollout.scores.tolist()
-            extra = rollout.reward_log.extra if rollout.reward_log is not None else {}
-        rows = run_dir.sample_rows(samples.prompt_texts, samples.completions, scores, extra)[
-            :SAMPLE_TABLE_ROWS
-        ]
-        run_dir.write_sample_table(self.output_dir, self.state.update, rows)
-        return held_out
-
     # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_due(self) -> bool:
+        """Whether the update just finished ends with a checkpoint (by updates or by time, the main process's
+        clock deciding for every process)."""
+        parallelism = self.parallelism
+        return self.save_schedule.due(
+            self.state.update, lambda late: parallelism.any_process(parallelism.is_main_process and late)
+        )
 
     def _save_checkpoint(self) -> None:
         checkpoints.save_checkpoint(
@@ -310,6 +289,17 @@ class RLOOTrainer:
             },
             save_total_limit=self.config.save_total_limit,
         )
+
+    def _checkpoint_before_stopping(
+        self, error: PhaseMemoryError, resumed_update: int, update_start: dict[str, Any]
+    ) -> None:
+        """Save the last completed update (the guard put back the policy's state; ``update_start``: the random
+        state it ended with), unless it is saved already or none was done, and name it in ``error``."""
+        folder = self.output_dir / run_dir.checkpoint_name(self.state.update)
+        if self.state.update > resumed_update and not folder.exists():
+            checkpoints.set_rng_state(update_start)
+            self._save_checkpoint()
+        error.checkpoint = str(folder) if folder.exists() else None
 
     def _load_checkpoint(self, path: Path) -> None:
         state = checkpoints.load_checkpoint(
@@ -341,7 +331,8 @@ class RLOOTrainer:
                 self.config, self.model, self.policy, self.parallelism.num_processes, dataset
             )
             run_dir.write_run_config(
-                self.output_dir, settings | {"rewards": run_dir.reward_record(self.reward)}
+                self.output_dir,
+                settings | {"rewards": run_dir.reward_record(self.reward), "fit_chosen": self.fit_record},
             )
         if self.config.trackers:
             self.accelerator.init_trackers(run_dir.TRACKER_DIR, config=run_dir.tracker_config(self.config))
@@ -360,7 +351,7 @@ class RLOOTrainer:
         ``output_dir``. Nothing in ``output_dir`` changes before the first update is done (see
         :mod:`marl.train.run_dir`). On CPU with a fixed seed a resumed run logs exactly the metrics an
         uninterrupted
-        run logs (except ``eps``, which measures time).
+        run logs (except ``eps`` and the measured peaks: :func:`marl.train.phase_guard.is_measurement`).
 
         Example:
             >>> history = trainer.train()  # doctest: +SKIP
@@ -374,6 +365,7 @@ class RLOOTrainer:
         if plan.checkpoint is not None:
             self._load_checkpoint(plan.checkpoint)
         resumed_update = self.state.update
+        self.save_schedule.start()
 
         start = (time.perf_counter(), self.episode)
         # Closed also when an update fails, so that the error message starts on a line of its own.
@@ -384,9 +376,15 @@ class RLOOTrainer:
             disable=not parallelism.is_local_main_process,
         ) as progress:
             while self.state.update < sizes.num_total_batches:
-                rollout = self._rollout()
-                shaped = self._shaped_rewards(rollout)
-                update_stats = self._update_unless_unjudged(rollout, shaped)
+                # a run out of memory at its smallest sizes checkpoints the update before with this state
+                update_start = checkpoints.rng_state() if self.phases.retry else None
+                try:
+                    rollout = self._rollout()
+                    shaped = self._shaped_rewards(rollout)
+                    update_stats = self._update_unless_unjudged(rollout, shaped)
+                except PhaseMemoryError as error:
+                    self._checkpoint_before_stopping(error, resumed_update, update_start)
+                    raise
                 shaped = complete_for_metrics(rollout, shaped, self.scorer, config.kl_coef)
                 self.state.update += 1
                 if self.state.update == resumed_update + 1:
@@ -394,13 +392,16 @@ class RLOOTrainer:
                 metrics = self._report(rollout, shaped, update_stats, start)
                 progress.update(1)
                 progress.set_postfix(progress_postfix(metrics, self.episode))
-                if config.save_steps and self.state.update % config.save_steps == 0:
+                if self.checkpoint_due():
                     self._save_checkpoint()
         if self.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train
             self._start_writing(plan, resumed_update)
 
         parallelism.save_policy_adapter(self.model, self.output_dir, self.policy)
         if parallelism.is_main_process:
+            summary = self.phases.summary()
+            if summary is not None:
+                print(summary, file=sys.stderr)
             curves = training_curves_note(
                 self.output_dir / run_dir.METRICS_FILE, self.output_dir / run_dir.CURVES_FILE
             )

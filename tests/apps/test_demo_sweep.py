@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from marl.apps.cli import demo_main
+from marl.train.phase_guard import is_measurement
 
 ADAPTER = "adapter_model.safetensors"
 # Two updates of 8 completions (2 prompts × k=4) of 8 tokens, 3 held-out prompts: the demo's path, short.
@@ -23,9 +24,7 @@ SHORT = [
 
 def metrics(folder: Path) -> list[dict]:
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    for record in records:
-        record.pop("eps", None)  # measures time
-    return records
+    return [{key: value for key, value in record.items() if not is_measurement(key)} for record in records]
 
 
 def completions(folder: Path, model: str) -> list[str]:

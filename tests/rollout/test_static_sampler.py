@@ -22,6 +22,7 @@ from marl.rollout import stops
 from marl.rollout.prompts import Prompt
 from marl.rollout.samplers import SamplerSettings, get_sampler
 from marl.rollout.static_sampler import StaticSampler
+from marl.train.phase_guard import is_measurement
 
 from support.families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance, position_ids_from_mask
 from support.runs import build, tiny_config
@@ -150,10 +151,11 @@ def metrics(directory) -> list[dict]:
     """The logged records without the time, and without the sampler/trainer log-prob gap, which a sampler
     that keeps its log-probs logs and ``generate`` does not (test_sampler_logprobs.py)."""
     records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
-    for record in records:
-        for name in ("eps", SAMPLER_GAP_MEAN, SAMPLER_GAP_MAX):
-            record.pop(name, None)
-    return records
+    gaps = (SAMPLER_GAP_MEAN, SAMPLER_GAP_MAX)
+    return [
+        {key: value for key, value in record.items() if not is_measurement(key) and key not in gaps}
+        for record in records
+    ]
 
 
 def test_training_with_the_static_sampler_reproduces_the_transformers_sampler_and_resumes(

@@ -129,3 +129,19 @@ def test_ctrl_c_in_evaluate_and_train_reward_is_one_line(world, tmp_path):
     result = run_cli(world, reward, Kill(needle="config.json", signal=signal.SIGINT))
     line = interrupted_line(result, "marl train-reward")
     assert line.startswith("marl train-reward: interrupted: before the adapter was saved")
+
+
+def test_killed_while_writing_a_time_checkpoint_resumes_from_the_one_before(world, tmp_path):
+    """No checkpoints by update count, one by time after every update (a minute is a few microseconds here):
+    SIGKILL while checkpoint-4 is written leaves checkpoint-3, a time checkpoint, and the resumed run ends as
+    the uninterrupted run ends."""
+    output_dir = tmp_path / "run"
+    words = [*command(world, output_dir), "--save_steps", "0", "--save_minutes", "1e-7"]
+    killed = run_cli(world, words, Kill(needle=".checkpoint-4.tmp"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (output_dir / "checkpoint-3").is_dir()
+    resumed = run_cli(world, [*words, "--resume_from_checkpoint", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    adapter = "adapter_model.safetensors"
+    assert (output_dir / adapter).read_bytes() == (world["reference"] / adapter).read_bytes()
+    assert metrics_without_eps(output_dir) == metrics_without_eps(world["reference"])

@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from marl.train.phase_guard import is_measurement
+
 from support.processes import run_two_processes
 
 SCRIPT = textwrap.dedent(
@@ -41,7 +43,7 @@ SCRIPT = textwrap.dedent(
 
 def metrics(folder):
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return [{key: value for key, value in record.items() if key != "eps"} for record in records]
+    return [{key: value for key, value in record.items() if not is_measurement(key)} for record in records]
 
 
 @pytest.mark.slow

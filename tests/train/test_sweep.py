@@ -23,6 +23,7 @@ from marl.apps.cli import parse_train_rloo_args, train_rloo_main
 from marl.config.sweep import parse_sweep
 from marl.errors import ConfigError
 from marl.rollout.scoring import Scorer
+from marl.train.phase_guard import is_measurement
 from marl.train.sweep import SweepTrainer, build_sweep_model
 from marl.train.sweep_report import CURVES_FILE, SUMMARY_FILE
 from marl.train.trainer import RLOOTrainer
@@ -36,9 +37,7 @@ ADAPTER = "adapter_model.safetensors"
 
 def read_metrics(folder: Path) -> list[dict]:
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    for record in records:
-        record.pop("eps")  # measures time
-    return records
+    return [{key: value for key, value in record.items() if not is_measurement(key)} for record in records]
 
 
 def sweep(model_dir: Path, specs: list[str], output_dir: Path, **settings) -> SweepTrainer:

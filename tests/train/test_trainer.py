@@ -17,7 +17,8 @@ from marl.algo.metrics import TRL_ROLLOUT_METRICS
 from marl.errors import ConfigError, DataError
 from marl.rollout.collect import collect_rollout
 from marl.rollout.prompts import Prompt
-from marl.train.trainer import JUDGED_EVAL_ROWS
+from marl.train.phase_guard import PHASES, is_measurement
+from marl.train.sample_tables import JUDGED_EVAL_ROWS
 
 from support.runs import PROMPTS, abstain_on_every_fourth, build, count_e, prompt_dataset, tiny_config
 
@@ -49,6 +50,10 @@ RLOO_METRICS = {
 }
 
 
+def measured_out(record: dict) -> dict:
+    return {key: value for key, value in record.items() if not is_measurement(key)}
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -75,7 +80,8 @@ def test_first_microbatch_ratio_is_one_and_metrics_are_complete(tiny_llama_dir, 
     assert [record["update"] for record in records] == [1, 2, 3]
     for record in records:
         count_e_names = {"rewards/count_e", "rewards/count_e/mean", "rewards/count_e/std"}
-        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps"} | count_e_names
+        peaks = {f"memory/{phase}_peak_mb" for phase in PHASES}
+        assert set(record) == RLOO_METRICS | {"update", "skipped_optimizer_steps"} | count_e_names | peaks
         # TRL's names agree with marl's own: the stop token is the EOS, every completion is judged, and the
         # missing-EOS penalty of 1 separates the raw reward from objective/scores
         assert record["completions/clipped_ratio"] == pytest.approx(1 - record["val/num_eos_tokens"] / 16)
@@ -232,9 +238,7 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_llama_dir, tmp_path):
     resumed = read_metrics(resumed_dir)
     assert [record["update"] for record in resumed] == [1, 2, 3, 4]
     for expected, actual in zip(uninterrupted, resumed, strict=True):
-        expected.pop("eps")
-        actual.pop("eps")
-        assert actual == expected
+        assert measured_out(actual) == measured_out(expected)
 
 
 def test_resume_errors_are_clear(tiny_llama_dir, tmp_path):
@@ -259,9 +263,7 @@ def test_resume_with_no_checkpoint_yet_starts_from_the_beginning(tiny_llama_dir,
     build(tiny_llama_dir, tiny_config(stopped, total_episodes=32)).train(resume_from_checkpoint=True)
     assert "no checkpoint yet: the run starts from the beginning" in capsys.readouterr().err
     full, restarted = read_metrics(tmp_path / "full"), read_metrics(stopped)
-    for record in [*full, *restarted]:
-        record.pop("eps")
-    assert restarted == full
+    assert [measured_out(record) for record in restarted] == [measured_out(record) for record in full]
     assert (stopped / "adapter_model.safetensors").read_bytes() == (
         tmp_path / "full" / "adapter_model.safetensors"
     ).read_bytes()

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 # trained (a sweep names each member's folder and policy): never shown as a difference.
 IGNORED_SETTINGS = frozenset(
     {"output_dir", "logging_dir", "run_name", "resume_from_checkpoint", "overwrite_output_dir", "dataset",
-     "launcher", "model", "policy_adapter_name"}
+     "launcher", "model", "policy_adapter_name", "fit", "fit_memory_gb", "fit_chosen"}
 )  # fmt: skip
 
 
