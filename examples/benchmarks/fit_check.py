@@ -80,7 +80,7 @@ def cap(device: str, tensor_bytes: float) -> None:
     import torch
 
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, tensor_bytes / total), device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, tensor_bytes / total), torch.cuda.current_device())
 
 
 def free(trainer=None) -> None:
@@ -132,7 +132,7 @@ def run_checks(work: Path, dry_run: bool) -> dict:
 
     # B: typed settings that fit; after update 1 the cap comes down between the update at micro and micro // 2
     if not dry_run:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     update_full = plan_of(words(work, model, shape, "b"), device, prompt_tokens).phase("update").total
     update_half = plan_of(
         words(work, model, shape, "b"), device, prompt_tokens,

@@ -215,6 +215,10 @@ def least_free_memory_gb(device: Any) -> float:
     import torch
     import torch.distributed as distributed
 
+    # torch's per-process memory functions want the card's index: "cuda" alone (accelerate's device on one
+    # GPU) is the current card
+    device = torch.device(device)
+    device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     capped = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_reserved(device)
     free = torch.tensor([float(min(torch.cuda.mem_get_info(device)[0], capped))], device=device)
