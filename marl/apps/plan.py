@@ -73,7 +73,8 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
     from marl.config.device import Device, describe_choices, resolve_device_settings
     from marl.model.memory import format_bytes
     from marl.plan.advice import advise
-    from marl.plan.planner import PlanTarget, load_model_config, plan_memory
+    from marl.plan.planner import load_model_config, plan_memory
+    from marl.plan.records import PlanTarget
     from marl.plan.report import advice_text
 
     # The run's own defaults for that device (train-rloo chooses the same on it), unless given.

@@ -235,9 +235,10 @@ def memory_card_with_plan(trainer: Any) -> Any:
     runs = getattr(trainer, "trainers", [trainer])  # a sweep's policies, each as a run
     plan = plan_for_trainer(runs[0], policies=len(runs))
     peaks = {phase.name: phase.total for phase in plan.phases if phase.name != "load"}
-    # the run logs its measured peaks beside these; max_memory_allocated does not see the CUDA runtime
+    # the run logs its measured peaks beside these (a sweep's phases run under its first policy's guard);
+    # max_memory_allocated does not see the CUDA runtime
     outside = plan.target.runtime_bytes if plan.target.device == "cuda" else 0
-    trainer.phases.planned = {name: peak - outside for name, peak in peaks.items()}
+    runs[0].phases.planned = {name: peak - outside for name, peak in peaks.items()}
     card = trainer.model.memory_report([run.policy for run in runs])
     return dataclasses.replace(card, predicted_peaks=peaks)
 

@@ -19,7 +19,7 @@ model.
 Example:
     >>> from transformers import LlamaConfig
     >>> from marl.config import RLOOConfig
-    >>> from marl.plan.planner import PlanTarget
+    >>> from marl.plan.records import PlanTarget
     >>> model = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     ...     num_attention_heads=4, vocab_size=256)
     >>> config = RLOOConfig(rloo_k=4, per_device_train_batch_size=8, response_length=16)

@@ -35,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import warnings
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 
+from marl.config.device import DEVICE_FIELDS, Device, resolve_device_settings
 from marl.errors import ConfigError
 from marl.plan.parts import (
     SweepShape,
@@ -115,6 +117,11 @@ def plan_memory(
     from marl.model.forward import enable_gradient_checkpointing
     from marl.plan.systems import SYSTEMS, check_plannable
 
+    if any(getattr(config, name) is None for name in DEVICE_FIELDS):
+        # a config built in Python, its device settings not chosen yet: planned as a run on target.device
+        # chooses them (marl.config.device), on a copy
+        config = copy.copy(config)
+        resolve_device_settings(config, Device.named(target.device))
     layout = SYSTEMS[system]
     sweep = SweepShape(policies)
     if sweep.policies > 1 and system != "marl":

@@ -120,7 +120,10 @@ def test_bf16_autocast_on_cuda_is_planned_and_nowhere_else(config_only, tmp_path
     inputs kept in bf16 (a smaller update on a bf16 base than without autocast). On CPU, where marl runs
     float32, the flag changes nothing."""
     model_config = load_model_config(str(config_only))
-    config = tiny_rloo_config(tmp_path, quantization="4bit")
+    # the device settings given, so that the CUDA plans differ by --bf16 alone (unset, CUDA would choose bf16)
+    config = tiny_rloo_config(
+        tmp_path, quantization="4bit", bf16=False, fp16=False, gradient_checkpointing=False
+    )
     cuda = PlanTarget(device="cuda", prompt_length=24)
     plain = plan_memory(config, model_config, cuda)
     mixed = plan_memory(with_changes(config, bf16=True), model_config, cuda)
