@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import inspect
 import math
 import numbers
@@ -283,21 +282,23 @@ def call_arguments(
 
 
 def is_async(function: Callable[..., Any]) -> bool:
-    """Whether calling ``function`` gives a coroutine (``async def``, or an object whose ``__call__`` is).
+    """Whether calling ``function`` gives a coroutine: TRL's own ``is_async_callable`` (``async def``, a
+    ``functools.partial`` of one, or an object whose ``__call__`` is).
 
     Example:
+        >>> import functools
         >>> async def judge(completions, **kwargs): ...
-        >>> is_async(judge), is_async(len)
-        (True, False)
+        >>> is_async(judge), is_async(functools.partial(judge, completions=[])), is_async(len)
+        (True, True, False)
     """
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
-        getattr(function, "__call__", None)  # noqa: B004 -- a callable object's method, not callable()
-    )
+    from trl.trainer.utils import is_async_callable
+
+    return is_async_callable(function)
 
 
 def callable_name(function: Callable[..., Any]) -> str:
-    """The name a reward function's metric carries, as TRL names it (``trl.trainer.utils.get_callable_name``):
-    a ``functools.partial`` by the function it wraps, a callable object by its class.
+    """The name a reward function's metric carries: TRL's own ``get_callable_name`` (a ``functools.partial``
+    by the function it wraps, a callable object by its class).
 
     Example:
         >>> import functools
@@ -305,9 +306,9 @@ def callable_name(function: Callable[..., Any]) -> str:
         >>> callable_name(functools.partial(functools.partial(accuracy, answer="2"))), callable_name(len)
         ('accuracy', 'len')
     """
-    while isinstance(function, functools.partial):
-        function = function.func
-    return getattr(function, "__name__", type(function).__name__)
+    from trl.trainer.utils import get_callable_name
+
+    return get_callable_name(function)
 
 
 def _raise_as_user_error(error: Exception, where: str) -> None:

@@ -197,6 +197,24 @@ def test_async_functions_of_one_batch_are_awaited_together():
     assert outputs == [[1.0], [1.0]] and overlap == [2, 2]
 
 
+def test_a_partial_of_an_async_callable_object_is_awaited_as_trl_awaits_it():
+    """TRL's is_async_callable unwraps a functools.partial before it reads the object's ``__call__``: such a
+    reward is awaited, not taken for a list."""
+    import functools
+
+    from marl.rewards.calls import RewardCall, run_reward_functions
+
+    class Scaled:
+        async def __call__(self, completions, scale, **kwargs):
+            await asyncio.sleep(0)
+            return [scale * len(completion) for completion in completions]
+
+    outputs = run_reward_functions(
+        [functools.partial(Scaled(), scale=2.0)], RewardCall(["p"], ["abc"]), ["s"]
+    )
+    assert outputs == [[6.0]]
+
+
 def logging_reward(completions, log_extra, log_metric, **kwargs):
     """A reward function using TRL's logging keywords: a column for the completions table, two metrics."""
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
