@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU table of issue 61 in one command for a short GPU session (about 9 minutes):
+# The GPU table of issue 61 in one command for a short time on a GPU (about 9 minutes):
 #   bash scripts/gpu-sequence.sh OUTPUT_DIR [--stages A,B] [--budget-s SECONDS]
 # 1. installs the wheels carried in .whl/ (python scripts/gpu_wheels.py download, run beforehand where a
 #    package index is reachable) into /tmp/site, offline, ahead of the machine's own packages;

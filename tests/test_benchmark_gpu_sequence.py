@@ -1,4 +1,4 @@
-"""The GPU sequence of issue 61 (examples/benchmarks/gpu_sequence.py) cannot rot between GPU sessions: its
+"""The GPU sequence of issue 61 (examples/benchmarks/gpu_sequence.py) cannot rot between GPU runs: its
 steps resume where a results file left off, every step's command parses to the issue's shapes, and a
 ``--dry-run`` of the whole sequence runs every step on tiny models on the CPU (slow)."""
 

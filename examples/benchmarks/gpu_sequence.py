@@ -15,8 +15,8 @@ Stages, most important first (the order of the issue):
     sweep-4        4 policies on one base, ``--sampler graph``, against one ``graph`` run (``sweep.py``)
     0.5b-bf16-x3, 1.5b-bf16-x3   two more runs of every bf16 system (3 in all)
 
-A GPU session gives this about 9 minutes: ``--budget-s`` stops before a process whose estimate
-(:attr:`Stage.seconds`) would not end in time, and stops a process that overruns. The next session resumes
+One call of this on a GPU has about 9 minutes: ``--budget-s`` stops before a process whose estimate
+(:attr:`Stage.seconds`) would not end in time, and stops a process that overruns. The next run resumes
 with the first system not done: ``--resume FILE`` (default: the newest ``benchmarks/results/*-gpu-sequence
 .json``) names what is done. ``--dry-run`` runs exactly this sequence on tiny models on the CPU.
 
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
             subprocess.run(command(stage, system, work_dir, args.dry_run), timeout=limit, check=False)
         except subprocess.TimeoutExpired:
             print(f"gpu sequence: {stage.name} {system} stopped at the budget", flush=True)
-        if not report_file.is_file():  # stopped before its first block: not done, the next session retries
+        if not report_file.is_file():  # stopped before its first block: not done, the next run retries
             break
         entry = system_entry(json.loads(report_file.read_text()), stage, system)
         entry["date"] = date
@@ -279,7 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--work-dir", default="/tmp/marl-gpu-sequence", help="built models, logs")
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds this command may run")
-    parser.add_argument("--resume", default=None, help="results JSON of earlier sessions (default: newest)")
+    parser.add_argument("--resume", default=None, help="results JSON of earlier runs (default: newest)")
     parser.add_argument(
         "--stages", default=None, help="comma list: only these stages (default: all, in order)"
     )
