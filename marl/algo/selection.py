@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,7 @@ from marl.algo.advantages import (
 from marl.algo.losses import PolicyLoss, clipped_policy_loss, token_level_k3_kl
 from marl.algo.normalized_advantages import SCALE_REWARDS
 from marl.algo.reward_normalization import advantage_centring, reward_normalization
+from marl.algo.sampler_correction import RatioStats, SamplerCorrection, counted_ratios, ratio_metrics
 from marl.algo.shaping import ShapedRewards, shape_rewards
 from marl.algo.tensors import Gather, masked_sum
 from marl.algo.token_losses import (
@@ -155,6 +156,7 @@ class LossSettings:
         kl_coef: the KL term's weight in the loss; 0 unless the run puts its KL in the loss
             (``kl_placement='loss'``: in the reward it is part of the advantages instead).
         response_length: the longest completion (``dr_grpo``'s normaliser, and the truncation warning).
+        sampler_correction: the importance-sampling correction of the sampler's log-probs (``None``: off).
 
     Example:
         >>> from marl.config import RLOOConfig
@@ -172,6 +174,7 @@ class LossSettings:
     bias_correction_kl: bool
     response_length: int
     mask_truncated_completions: bool
+    sampler_correction: SamplerCorrection | None = None
 
     @classmethod
     def from_config(cls, config: RLOOConfig) -> LossSettings:
@@ -184,6 +187,7 @@ class LossSettings:
             bias_correction_kl=bool(config.use_bias_correction_kl),
             response_length=config.response_length,
             mask_truncated_completions=config.mask_truncated_completions,
+            sampler_correction=SamplerCorrection.from_config(config),
         )
 
 
@@ -202,6 +206,20 @@ def loss_mask(
     if not settings.mask_truncated_completions:
         return response_mask
     return response_mask & contains_stop.unsqueeze(1)
+
+
+def sampler_correction_metrics(
+    rollout: Rollout, settings: LossSettings, parallelism: Any
+) -> dict[str, float]:
+    """TRL's ``sampling/importance_sampling_ratio/*`` of an updated ``rollout`` (its ``logprobs`` are the
+    trainer's: scored, or provided by the update) over its loss tokens on every process (``parallelism``'s
+    ``sum_over_processes``); empty where the correction is off."""
+    correction = settings.sampler_correction
+    if correction is None or rollout.sampled_logprobs is None or rollout.logprobs is None:
+        return {}
+    mask = loss_mask(rollout.response_mask, rollout.contains_stop, settings)
+    ratios = counted_ratios(correction.ratio(rollout.logprobs, rollout.sampled_logprobs, mask), mask)
+    return ratio_metrics(parallelism.sum_over_processes(RatioStats.of(ratios)))
 
 
 def truncation_warning(contains_stop: torch.Tensor, settings: LossSettings, update: int) -> str | None:
@@ -237,13 +255,15 @@ def policy_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     num_items: torch.Tensor | float | None = None,
+    sampled_logprobs: torch.Tensor | None = None,
 ) -> tuple[PolicyLoss, torch.Tensor]:
     """One micro-batch's policy loss and the loss to back-propagate (before the division by the accumulation
     steps), KL term included when ``kl_placement='loss'``: the sequence loss of TRL v0.21's RLOO with its
     ``kl_coef · Σ_t k3`` per completion, or :func:`marl.algo.token_losses.token_policy_loss` with
     ``beta = kl_coef``. ``num_items``: the ``dapo`` normaliser. The sequence loss's record leaves its KL term
     out (as the ``loss/policy_avg`` metric always did); a token-level loss's record holds the loss it
-    back-propagates.
+    back-propagates. With the sampler correction on, each token's term is weighted by its ratio of
+    ``old_logprobs`` (the trainer's, at sampling time) to ``sampled_logprobs`` (the sampler's).
 
     Example:
         >>> from marl.config import RLOOConfig
@@ -261,6 +281,12 @@ def policy_loss(
             loss = loss + settings.kl_coef * k3.sum(dim=1).mean()
             out = out._replace(kl=k3.detach())
         return out, loss
+    correction = settings.sampler_correction
+    sampler_ratio = None
+    if correction is not None:
+        if sampled_logprobs is None:
+            raise ValueError("the sampler correction is on: pass the sampler's log-probs")
+        sampler_ratio = correction.ratio(old_logprobs, sampled_logprobs, mask)
     out = token_policy_loss(
         new_logprobs,
         old_logprobs,
@@ -275,5 +301,6 @@ def policy_loss(
         bias_correction_kl=settings.bias_correction_kl,
         max_completion_length=settings.response_length,
         num_items=num_items,
+        sampler_ratio=sampler_ratio,
     )
     return out, out.loss

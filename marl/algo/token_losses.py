@@ -7,7 +7,8 @@ Per token ``t`` of completion ``b`` (valid tokens only, mask ``m``):
 
 * ratio ``ρ = exp(log π − log π_old)`` per token, or ``exp(Σ_t m·(log π − log π_old) / max(Σ_t m, 1))`` per
   sequence (GSPO), broadcast to its tokens;
-* ``ℓ_bt = −min(ρ·A_b, clip(ρ, 1 − ε, 1 + ε_high)·A_b) + β·k3_bt`` with ``k3 = exp(r − n) − (r − n) − 1``
+* ``ℓ_bt = −w_bt·min(ρ·A_b, clip(ρ, 1 − ε, 1 + ε_high)·A_b) + β·k3_bt``, ``w`` the sampler correction's
+  ratio (:mod:`marl.algo.sampler_correction`; 1 without it) with ``k3 = exp(r − n) − (r − n) − 1``
   (``r``, ``n`` the reference and policy log-probs), multiplied by ``ρ`` when ``bias_correction_kl`` (TRL's
   ``use_bias_correction_kl``: it changes the gradient even where ``ρ = 1``);
 * aggregation: ``grpo`` the mean over completions of each completion's token mean; ``bnpo`` the mean over
@@ -93,6 +94,7 @@ def token_policy_loss(
     bias_correction_kl: bool = True,
     max_completion_length: int | None = None,
     num_items: torch.Tensor | float | None = None,
+    sampler_ratio: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """The clipped token-level loss of ``loss_type`` on per-token log-probs ``[B, T]``, advantages ``[B]``
     and the valid-token mask ``[B, T]`` (see the module docstring for the definition).
@@ -101,6 +103,8 @@ def token_policy_loss(
     sequence ratio ``exp(Σ_t log-ratio)`` and its log, as for the sequence loss, and ``clipped``, the fraction
     of the completion's valid tokens whose clipped branch is active (TRL's low and high clip); ``kl``, with
     ``beta != 0``, the per-token KL term (times the ratio with ``bias_correction_kl``) before ``beta``.
+    ``sampler_ratio`` (``[B, T]`` or ``[B, 1]``, no gradient): the sampler correction's weight of each
+    token's clipped term, applied before the KL term is added, as TRL 1.16 applies its vLLM correction.
 
     Example:
         >>> new = torch.tensor([[-1.0, -2.0]], requires_grad=True)
@@ -126,6 +130,8 @@ def token_policy_loss(
     unclipped = ratio * column
     clipped_branch = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * column
     per_token = -torch.min(unclipped, clipped_branch)
+    if sampler_ratio is not None:
+        per_token = per_token * sampler_ratio
     kl_term = None
     if beta != 0.0:
         if ref_logprobs is None:

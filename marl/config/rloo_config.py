@@ -33,6 +33,13 @@ from marl.config.model import (
     policy_lora_config,
     reward_adapter_folders,
 )
+from marl.config.sampler_correction import (
+    check_sampler_correction,
+    clip_max_field,
+    clip_min_field,
+    correction_field,
+    mode_field,
+)
 from marl.config.stops import check_stop_settings, has_stop_token, resolve_stop_token
 from marl.cpu.allocator import cpu_allocator_field
 from marl.cpu.threads import check_threads, threads_field
@@ -214,6 +221,10 @@ class RLOOConfig:
     epsilon_high: float | None = algorithm_field("epsilon_high")
     importance_sampling_level: str | None = algorithm_field("importance_sampling_level")
     mask_truncated_completions: bool | None = algorithm_field("mask_truncated_completions")
+    vllm_importance_sampling_correction: bool = correction_field()
+    vllm_importance_sampling_mode: str = mode_field()
+    vllm_importance_sampling_clip_max: float | None = clip_max_field()
+    vllm_importance_sampling_clip_min: float | None = clip_min_field()
     temperature: float = field(
         default=0.7, metadata={"help": "Sampling temperature; log-probs use the same temperature."}
     )
@@ -321,6 +332,7 @@ class RLOOConfig:
                 "warmup_steps must be >= 0 and warmup_ratio in [0, 1)", "Fix --warmup_steps / --warmup_ratio"
             )
         check_algorithm_settings(self)
+        check_sampler_correction(self)
         if self.temperature <= 0:
             fail(
                 f"temperature={self.temperature} must be > 0 (sampling is required)",

@@ -47,7 +47,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sampler_gap_metrics, update_metrics
-from marl.algo.selection import shape_rollout
+from marl.algo.selection import sampler_correction_metrics, shape_rollout
 from marl.algo.shaping import ShapedRewards
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
@@ -225,6 +225,7 @@ class RLOOTrainer:
         metrics = self._metrics(RolloutStats.of(rollout, shaped, self.config.rloo_k), update_stats, start)
         metrics.update(reward_function_metrics(rollout, metrics))  # what reward functions gave log_metric
         metrics.update(sampler_gap_metrics(rollout, self.parallelism))
+        metrics.update(sampler_correction_metrics(rollout, self.policy_update.loss, self.parallelism))
         sample_now = self.sample_every and (self.state.update - 1) % self.sample_every == 0
         metrics.update(sample_table(self, rollout) if sample_now else {})
         judged_now = sample_now and self.judge is not None  # the same on every process

@@ -288,6 +288,7 @@ def _backward(part: UpdatePart, rows: torch.Tensor, num_items: torch.Tensor | No
             part.advantages[rows],
             part.mask[rows],
             num_items,
+            batch.sampled_logprobs,
         )
         # Every process runs every backward pass (gradients are averaged inside it); the gradients of a step
         # with a non-finite loss are thrown away by the caller.
