@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from marl.errors import ConfigError
 from marl.registry import Registry
 from marl.rollout.graph_sampler import GraphSampler
 from marl.rollout.sampler_settings import SamplerSettings
@@ -72,6 +73,28 @@ def register_sampler(name: str, factory: SamplerFactory) -> None:
         >>> del SAMPLERS["mine"]
     """
     SAMPLERS.register(name, factory)
+
+
+def check_keeps_logprobs(name: str, sampler: Any) -> None:
+    """Refuse ``sampler`` (the factory registered as ``name``, or the sampler it built for the model) where it
+    keeps no log-probs (its ``keeps_logprobs``; unset: none), which the sampler correction reads.
+
+    Example:
+        >>> check_keeps_logprobs("static", StaticSampler)
+        >>> check_keeps_logprobs("transformers", TransformersSampler)
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --vllm_importance_sampling_correction reads the log-prob the sampler drew ...
+    """
+    if getattr(sampler, "keeps_logprobs", False):
+        return
+    reason = getattr(sampler, "fallback_reason", None)
+    raise ConfigError(
+        "--vllm_importance_sampling_correction reads the log-prob the sampler drew each token with, but "
+        f"--sampler {name!r} keeps none{f' for this model ({reason})' if reason else ''}. Use --sampler "
+        "static or graph (a registered sampler: set keeps_logprobs = True on it where it keeps them), or "
+        "drop --vllm_importance_sampling_correction"
+    )
 
 
 def get_sampler(name: str) -> SamplerFactory:

@@ -39,11 +39,15 @@ class StaticSampler(TransformersSampler):
 
     Attributes:
         fallback_reason: why this model samples with ``generate`` instead (``None``: it does not).
+        keeps_logprobs: True, except where the model samples with ``generate``.
     """
+
+    keeps_logprobs = True
 
     def __init__(self, model: MultiAdapterModel, tokenizer: Any, settings: SamplerSettings) -> None:
         super().__init__(model, tokenizer, settings)
         self.fallback_reason = static_decode_problem(model.peft_model.get_base_model())
+        self.keeps_logprobs = self.fallback_reason is None
         if self.fallback_reason is not None:
             logger.warning("--sampler static samples with generate for this model: %s", self.fallback_reason)
 

@@ -50,9 +50,12 @@ class TransformersSampler:
         eos_token_ids: every end-of-sequence id of the model (``contains_eos``).
         stacked_routing: how rows of several policies are routed (``stacked`` of
             :meth:`marl.MultiAdapterModel.routed`; ``None``: the device's default).
+        keeps_logprobs: whether the samples carry the log-prob each token was drawn with (``generate``
+            does not); the sampler correction reads them.
     """
 
     stacked_routing: bool | None = None
+    keeps_logprobs: bool = False
 
     def __init__(self, model: MultiAdapterModel, tokenizer: Any, settings: SamplerSettings) -> None:
         self.model = model

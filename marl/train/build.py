@@ -31,7 +31,7 @@ from marl.errors import ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rewards import CheckedJudge, WeightedRewards, build_rewards
 from marl.rollout.prompts import Prompt, context_length, prepare_prompts
-from marl.rollout.samplers import Sampler, SamplerSettings, get_sampler
+from marl.rollout.samplers import Sampler, SamplerSettings, check_keeps_logprobs, get_sampler
 from marl.rollout.scoring import Scorer
 from marl.train.parallel import Parallelism, get_parallelism
 from marl.train.update import PolicyUpdate
@@ -73,7 +73,9 @@ def check_components(config: RLOOConfig) -> None:
         marl.errors.ConfigError: --advantage_estimator 'ppo' is not a registered advantage estimator; ...
     """
     check_algorithm(config)  # the estimator's name, the loss and their combinations
-    get_sampler(config.sampler)
+    factory = get_sampler(config.sampler)
+    if config.vllm_importance_sampling_correction:  # the sampler correction reads the sampler's log-probs
+        check_keeps_logprobs(config.sampler, factory)
     get_parallelism(config.parallelism)
 
 
@@ -157,6 +159,8 @@ def build_training_parts(
             synced_processes=parallelism.shards_base,
         ),
     )
+    if config.vllm_importance_sampling_correction:  # a sampler may fall back to generate for this model
+        check_keeps_logprobs(config.sampler, sampler)
     optimizer, scheduler = parallelism.prepare(*_optimizer_and_schedule(config, sizes, parameters))
     return TrainingParts(
         judge=judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge"),
