@@ -16,7 +16,10 @@ An epoch of TRL is every prompt once with its ``num_generations`` completions; m
 counts completions, so it is multiplied by ``k``. ``GRPOConfig.multi_objective_aggregation`` becomes
 ``reward_normalization``: ``"sum_then_normalize"`` → ``sum``, ``"normalize_then_sum"`` → ``per_reward`` with
 ``scale_rewards="group"`` (TRL's ``normalize_then_sum`` divides each reward by its group std whatever
-``scale_rewards`` says).
+``scale_rewards`` says). TRL's importance-sampling correction of vLLM samples keeps its names in marl (the
+sampler is marl's own decode): its mode and bounds carry over; the correction itself stays off, as TRL
+applies it only with ``use_vllm`` (refused); ``vllm_importance_sampling_correction=True`` as an override
+turns it on for marl's sampler with TRL's mode and bounds.
 
 Example:
     >>> from trl import GRPOConfig
@@ -66,6 +69,9 @@ SAME_MEANING = {
     "importance_sampling_level": "importance_sampling_level",
     "use_bias_correction_kl": "use_bias_correction_kl",
     "normalize_advantages": "normalize_advantage",
+    "vllm_importance_sampling_mode": "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max": "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min": "vllm_importance_sampling_clip_min",
 }
 # TRL 1.16's RLOOTrainer divides the advantages by their nan-aware std + 1e-4 (TRL v0.21: std + 1e-8).
 TRL_RLOO_ADVANTAGE_EPSILON = 1e-4

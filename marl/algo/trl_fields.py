@@ -160,9 +160,7 @@ _IRRELEVANT = {
         """
         vllm_mode vllm_model_impl vllm_enable_sleep_mode vllm_structured_outputs_regex vllm_server_base_url
         vllm_server_host vllm_server_port vllm_server_timeout vllm_group_port vllm_gpu_memory_utilization
-        vllm_max_model_length vllm_tensor_parallel_size vllm_importance_sampling_correction
-        vllm_importance_sampling_mode vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min
-        vllm_importance_sampling_cap""",
+        vllm_max_model_length vllm_tensor_parallel_size vllm_importance_sampling_cap""",
     ),
     **_all(
         IRRELEVANT,
@@ -187,7 +185,13 @@ GRPO_ONLY = {
         CONVERTED,
         "same meaning under the same name",
         """
-        loss_type scale_rewards importance_sampling_level use_bias_correction_kl""",
+        loss_type scale_rewards importance_sampling_level use_bias_correction_kl
+        vllm_importance_sampling_mode vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min""",
+    ),
+    "vllm_importance_sampling_correction": FieldOutcome(
+        CONVERTED,
+        "TRL applies it only with use_vllm, which is refused: marl's stays off, as TRL's is without vLLM; "
+        "pass vllm_importance_sampling_correction=True as an override to correct marl's sampler",
     ),
     "multi_objective_aggregation": FieldOutcome(
         CONVERTED, "reward_normalization: sum_then_normalize → sum, normalize_then_sum → per_reward (GDPO)"

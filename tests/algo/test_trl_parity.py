@@ -74,8 +74,9 @@ def loss_inputs(seed: int):
     return new, old, ref, advantages, mask
 
 
-def trl_loss(trainer, new, old, ref, advantages, mask, kind):
-    """TRL's ``_compute_loss``, its per-token log-prob method returning ``new`` (a leaf that needs grad)."""
+def trl_loss(trainer, new, old, ref, advantages, mask, kind, **extra_inputs):
+    """TRL's ``_compute_loss``, its per-token log-prob method returning ``new`` (a leaf that needs grad);
+    ``extra_inputs`` join its inputs (the sampler correction's ``importance_sampling_ratio``)."""
     leaf = new.clone().requires_grad_(True)
     trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (leaf, torch.zeros_like(leaf), None)
     ids = torch.ones(ROWS, LENGTH, dtype=torch.long)
@@ -91,6 +92,7 @@ def trl_loss(trainer, new, old, ref, advantages, mask, kind):
         inputs.update(old_per_token_logps=old, ref_per_token_logps=ref)
     else:  # TRL's RLOO keeps the summed old log-prob per completion
         inputs["old_logps"] = (old * mask).sum(dim=1)
+    inputs.update(extra_inputs)
     trainer.model.eval()
     loss = trainer._compute_loss(trainer.model, inputs)
     loss.backward()
