@@ -15,6 +15,8 @@ from trl import GRPOConfig
 from trl import RLOOConfig as TRLRLOOConfig
 
 from marl.algo.from_trl import rloo_config_from_trl
+from marl.algo.sampler_correction import SamplerCorrection
+from marl.algo.selection import LossSettings
 from marl.algo.trl_fields import CONVERTED, IRRELEVANT, REFUSED, field_table
 from marl.errors import ConfigError
 
@@ -128,6 +130,23 @@ CONVERTED_CASES = {
         {"importance_sampling_level": "sequence"},
     ),
     "use_bias_correction_kl": ({"use_bias_correction_kl": False}, {"use_bias_correction_kl": False}),
+    # TRL applies its correction only with use_vllm (refused): off, as TRL's is; mode and bounds carry over
+    "vllm_importance_sampling_correction": (
+        {"vllm_importance_sampling_correction": True},
+        {"vllm_importance_sampling_correction": False},
+    ),
+    "vllm_importance_sampling_mode": (
+        {"vllm_importance_sampling_mode": "token_truncate"},
+        {"vllm_importance_sampling_mode": "token_truncate"},
+    ),
+    "vllm_importance_sampling_clip_max": (
+        {"vllm_importance_sampling_clip_max": 2.0},
+        {"vllm_importance_sampling_clip_max": 2.0},
+    ),
+    "vllm_importance_sampling_clip_min": (
+        {"vllm_importance_sampling_clip_min": 0.5},
+        {"vllm_importance_sampling_clip_min": 0.5},
+    ),
     "normalize_advantages": (
         {"normalize_advantages": True},
         {"normalize_advantage": True, "advantage_epsilon": 1e-4},
@@ -142,6 +161,18 @@ def test_a_converted_field_lands_where_it_should(class_name, name):
     assert {key: getattr(config, key) for key in expected} == expected
     if name == "num_train_epochs":
         assert config.num_train_epochs == 2.0 * config.rloo_k
+
+
+def test_trls_correction_settings_apply_to_marls_sampler_when_turned_on():
+    trl_config = CLASSES["GRPOConfig"](
+        **BASE,
+        vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_min=0.5,
+        vllm_importance_sampling_clip_max=2.0,
+    )
+    config = rloo_config_from_trl(trl_config, vllm_importance_sampling_correction=True)
+    correction = LossSettings.from_config(config).sampler_correction
+    assert correction == SamplerCorrection("token_mask", 0.5, 2.0)
 
 
 def test_trls_generation_structure_is_reproduced():
