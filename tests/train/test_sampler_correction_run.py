@@ -24,7 +24,7 @@ def policy_weights(trainer) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
-def test_a_corrected_run_ends_where_the_plain_run_does_when_the_sampler_agrees(tiny_llama_dir, tmp_path, mode):
+def test_a_corrected_run_ends_where_the_plain_run_does_if_the_sampler_agrees(tiny_llama_dir, tmp_path, mode):
     plain = build(tiny_llama_dir, tiny_config(tmp_path / "plain", **GRPO))
     plain_history = plain.train()
     corrected = build(
