@@ -1,6 +1,7 @@
 """The settings chosen for the device (:mod:`marl.config.device`): bf16 (fp16 on a card without bfloat16)
-and gradient checkpointing on a CUDA device as TRL's configs default them, nothing on a CPU, a given value
-always wins; train-rloo and marl plan choose by the same rule. The device is an input: these run on a CPU."""
+and gradient checkpointing on a CUDA device as TRL's configs default them, nothing on a CPU; the ``graph``
+sampler on a CUDA device, ``static`` on a CPU; a given value always wins; train-rloo and marl plan choose by
+the same rule. The device is an input: these run on a CPU."""
 
 from __future__ import annotations
 
@@ -38,12 +39,18 @@ def test_nothing_given_chooses_the_devices_defaults(device):
         "bf16": cuda and device.supports_bf16,
         "fp16": cuda and not device.supports_bf16,
         "gradient_checkpointing": cuda,
+        "sampler": "graph" if cuda else "static",
     }
-    assert all(reason.startswith("on" if values[name] else "off") for name, (_, reason) in chosen.items())
+    switches = {name: reason for name, (_, reason) in chosen.items() if name != "sampler"}
+    assert all(reason.startswith("on" if values[name] else "off") for name, reason in switches.items())
+    assert chosen["sampler"][1].startswith(values["sampler"] + ": ")
 
 
 @pytest.mark.parametrize("device", DEVICES, ids=["cuda-bf16", "cuda-fp16", "cpu"])
-@pytest.mark.parametrize("given", list(itertools.product([None, True, False], repeat=3)))
+@pytest.mark.parametrize(
+    "given",
+    list(itertools.product([None, True, False], [None, True, False], [None, True, False], [None, "static"])),
+)
 def test_a_given_value_always_wins_and_one_precision_at_most(device, given):
     if given[0] and given[1]:
         return  # bf16 and fp16 both given: RLOOConfig refuses that
@@ -78,6 +85,9 @@ def test_train_rloo_on_a_cuda_device_chooses_bf16_and_checkpointing_and_says_so(
     assert (config.bf16, config.fp16, config.gradient_checkpointing) == (False, True, True)
     _, on_cpu = parse_train_rloo_args(GRPO_4BIT, device="cpu")
     assert (on_cpu.bf16, on_cpu.fp16, on_cpu.gradient_checkpointing) == (False, False, False)
+    assert (config.sampler, on_cpu.sampler) == ("graph", "static")
+    _, given = parse_train_rloo_args([*GRPO_4BIT, "--sampler", "static"], device="cuda")
+    assert given.sampler == "static" and "sampler" not in given.chosen_for_device
 
 
 def test_flags_given_win_over_the_devices_choice():
@@ -86,7 +96,7 @@ def test_flags_given_win_over_the_devices_choice():
         device="cuda",
     )
     assert (config.bf16, config.fp16, config.gradient_checkpointing) == (False, False, False)
-    assert config.response_length == 64 and set(config.chosen_for_device) == {"fp16"}
+    assert config.response_length == 64 and set(config.chosen_for_device) == {"fp16", "sampler"}
     _, config = parse_train_rloo_args([*GRPO_4BIT, "--fp16"], device="cuda")  # a switch stands alone
     assert (config.bf16, config.fp16) == (False, True)
     assert config.chosen_for_device["bf16"] == "off: --fp16 is given"

@@ -228,15 +228,7 @@ class RLOOConfig:
     temperature: float = field(
         default=0.7, metadata={"help": "Sampling temperature; log-probs use the same temperature."}
     )
-    sampler: str = field(
-        default="static",
-        metadata={
-            "help": "What draws the completions: 'static' (a decode loop over a static KV cache, the same "
-            "tokens as 'transformers' for one seed), 'graph' (that decode in fixed row buckets, compiled and "
-            "captured in CUDA graphs on a GPU; the same tokens too), 'transformers' (generate on the "
-            "training model) or a name registered with marl.rollout.samplers.register_sampler."
-        },
-    )
+    sampler: str | None = device_field("sampler")
     response_length: int | None = algorithm_field("response_length")
     stop_token: str | None = field(
         default=None,

@@ -131,6 +131,15 @@ SHARED_FIELDS: dict[str, str] = {
     "fit_memory_gb": _RUN,
     "save_minutes": _RUN + ": every checkpoint holds every policy at the same update (for resuming)",
     "save_total_limit": _RUN,
+    **dict.fromkeys(
+        (
+            "vllm_importance_sampling_correction",
+            "vllm_importance_sampling_mode",
+            "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_clip_min",
+        ),
+        "the sampler correction is one setting for the whole sweep (not varied per policy yet)",
+    ),
 }
 
 # TRL's names of sweepable settings that marl names otherwise.

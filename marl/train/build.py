@@ -24,7 +24,7 @@ from marl.algo.group_spread import ZeroSpreadWatch
 from marl.algo.passes import scoring_passes
 from marl.algo.selection import LossSettings, advantage_estimator, check_algorithm
 from marl.config.batch_sizes import BatchSizes
-from marl.config.device import Device, resolve_device_settings
+from marl.config.device import DEVICE_TYPES, Device, device_sampler, resolve_device_settings
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.threads import apply_threads
 from marl.errors import ConfigError
@@ -73,9 +73,13 @@ def check_components(config: RLOOConfig) -> None:
         marl.errors.ConfigError: --advantage_estimator 'ppo' is not a registered advantage estimator; ...
     """
     check_algorithm(config)  # the estimator's name, the loss and their combinations
-    factory = get_sampler(config.sampler)
-    if config.vllm_importance_sampling_correction:  # the sampler correction reads the sampler's log-probs
-        check_keeps_logprobs(config.sampler, factory)
+    # an unset sampler is the device's (marl.config.device): every one of those is checked
+    for name in (
+        [config.sampler] if config.sampler is not None else sorted(set(map(device_sampler, DEVICE_TYPES)))
+    ):
+        factory = get_sampler(name)
+        if config.vllm_importance_sampling_correction:  # the sampler correction reads the sampler's log-probs
+            check_keeps_logprobs(name, factory)
     get_parallelism(config.parallelism)
 
 
@@ -96,6 +100,8 @@ def build_training_parts(
         >>> parts.sizes.num_total_batches, parts.parallelism.num_processes  # doctest: +SKIP
         (3, 1)
     """
+    # A config built in Python arrives with its device settings unset: chosen for the model's device.
+    resolve_device_settings(config, Device.named("cuda" if model.device.type == "cuda" else "cpu"))
     check_components(config)
     if judge is not None and (eval_dataset is None or config.num_sample_generations == 0):
         raise ConfigError(
@@ -107,8 +113,6 @@ def build_training_parts(
                 f"{what} {function!r} is not a function: a judge is called as judge(texts) -> scores, a "
                 "callback as callback(state, metrics) (not transformers.TrainerCallback objects)"
             )
-    # A config built in Python arrives with its device settings unset: chosen for the model's device.
-    resolve_device_settings(config, Device.named("cuda" if model.device.type == "cuda" else "cpu"))
     # On CPU torch's threads follow the free cores by default (config.threads), after every update and, at
     # the forward passes (every one runs the input embeddings), every second within it.
     governor = apply_threads(config.threads, model.device.type)

@@ -59,6 +59,7 @@ def model_continuer(
     ) -> list[str]:
         import torch
 
+        from marl.config.device import device_sampler
         from marl.config.rloo_config import RLOOConfig
         from marl.rollout.prompts import prepare_text_prompts
         from marl.rollout.samplers import SamplerSettings, get_sampler
@@ -77,7 +78,7 @@ def model_continuer(
         prompts = prepare_text_prompts(
             openings, tokenizer, "review openings", model=model, response_length=MAX_SAMPLED_TOKENS
         )
-        make_sampler = get_sampler(RLOOConfig.sampler)
+        make_sampler = get_sampler(device_sampler(model.device.type))
         sampled: list[str] = []
         for batch_index, start in enumerate(range(0, len(prompts), ROWS_PER_PASS)):
             batch_lengths = lengths[start : start + ROWS_PER_PASS]

@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from marl.algo.metrics import UpdateStats
 from marl.algo.passes import ScoringPasses, scoring_passes
 from marl.algo.shaping import ShapedRewards
+from marl.config.device import device_sampler
 from marl.config.rloo_config import RLOOConfig
 from marl.config.sweep import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember
 from marl.cpu.allocator import release_freed_memory
@@ -138,10 +139,11 @@ def check_sweep_model(configs: Sequence[RLOOConfig], model: MultiAdapterModel) -
             raise ConfigError(
                 f"several policies cannot share this model's passes: {problem}. Train them one after another"
             )
-        sampler = get_sampler(configs[0].sampler)
+        name = configs[0].sampler or device_sampler(model.device.type)  # unset: the device's (all route)
+        sampler = get_sampler(name)
         if not hasattr(sampler, "sample_routed"):
             raise ConfigError(
-                f"--sampler {configs[0].sampler} cannot sample the rows of several policies in one decode "
+                f"--sampler {name} cannot sample the rows of several policies in one decode "
                 "(it has no sample_routed): use --sampler static"
             )
 

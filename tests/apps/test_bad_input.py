@@ -321,6 +321,17 @@ CASES = [
     Case(RLOO, ["--loss_type", "cispo"], r"'cispo' is one of TRL 1.16's losses marl does not implement"),
     Case(RLOO, ["--loss_type", "ppo"], r"--loss_type 'ppo' is not a policy loss"),
     Case(RLOO, ["--importance_sampling_level", "sequence"], r"applies to token-level losses"),
+    Case(RLOO, ["--vllm_importance_sampling_mode", "token_clip"], r"'token_clip' is not one of \('token_trunc"),
+    Case(
+        RLOO,
+        ["--vllm_importance_sampling_clip_min", "3", "--vllm_importance_sampling_clip_max", "2"],
+        r"clip_min=3.0 is not below vllm_importance_sampling_clip_max=2.0",
+    ),
+    Case(
+        RLOO,
+        ["--vllm_importance_sampling_correction", "--algorithm", "grpo", "--sampler", "transformers"],
+        r"--sampler 'transformers' keeps none. Use --sampler static or graph",
+    ),
     Case(RLOO, ["--scale_rewards", "group"], r"estimator 'rloo' does not scale rewards"),
     Case(RLOO, ["--algorithm", "dapo", "--stop_token", "none"], r"mask_truncated_completions=true without a"),
     Case(

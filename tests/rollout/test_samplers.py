@@ -20,7 +20,7 @@ def test_an_unknown_sampler_is_refused_naming_the_flag_and_the_known_ones():
     ) as refused:
         get_sampler("nope")
     assert "register_sampler" in str(refused.value)
-    assert RLOOConfig(output_dir="x").sampler == "static"
+    assert RLOOConfig(output_dir="x").sampler is None  # chosen for the device (marl.config.device)
 
 
 class CountingSampler:

@@ -21,7 +21,6 @@ from marl.apps.evaluate.ranking import rank_and_report
 from marl.apps.evaluate.report import COMPLETIONS_FILE, RESULTS_FILE, results_table, write_results
 from marl.apps.evaluate.scores import generate_and_score, summarize, win_rate
 from marl.config.checks import check_fields, check_seed
-from marl.config.rloo_config import RLOOConfig
 from marl.cpu.threads import check_threads, threads_field
 from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError
@@ -110,10 +109,11 @@ class EvaluateArguments:
         default=None,
         metadata={"help": "Judge 'module:function' called as function(texts) -> numbers; unset: VADER."},
     )
-    sampler: str = field(
-        default=RLOOConfig.sampler,
+    sampler: str | None = field(
+        default=None,
         metadata={
-            "help": "Sampler by name, as train-rloo's --sampler (a name registered with register_sampler)."
+            "help": "Sampler by name, as train-rloo's --sampler (a name registered with register_sampler). "
+            "Default: as train-rloo chooses for the device (graph on a CUDA device, static on a CPU)."
         },
     )
     threads: int = threads_field()
@@ -276,7 +276,8 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     taken = fill_from_training_run(arguments, folders)
     if taken:
         print(f"as the training run did (its rloo_config.json): {taken}", file=sys.stderr)
-    get_sampler(arguments.sampler)  # an unknown name fails before any work
+    if arguments.sampler is not None:
+        get_sampler(arguments.sampler)  # an unknown name fails before any work
     judge = load_judge(arguments.judge)
     if arguments.judge is None:  # VADER is in the demo extra: without it, stop before the model loads
         check_gold_judge()

@@ -128,12 +128,13 @@ def generate_and_score(
     """Sample and measure completions of the base (``"base"``, adapters disabled) and, if ``with_policy``, of
     policy ``policy`` (default: the model's first policy), keyed ``"policy"``, and of its starting adapter
     (``"reference"``) when that is its KL reference. ``after_batch`` is called after every batch
-    (e.g. a :class:`marl.cpu.threads.FreeCoreThreads`). ``sampler`` names a registered sampler (default:
-    the one training uses by default, ``RLOOConfig.sampler``). ``reward_names``: the reward adapters that
-    score each completion (default: the model's first); ``reward_functions``: ``module:function`` specs of
-    reward functions, called as in training (:mod:`marl.rewards.calls`) with ``columns`` (each prompt's other
-    dataset columns) and a fresh ``transformers.TrainerState``. The first source fills ``reward_scores``;
-    with ``reward_names`` or a reward function, each source fills its entry of ``reward_scores_by_name``.
+    (e.g. a :class:`marl.cpu.threads.FreeCoreThreads`). ``sampler`` names a registered sampler (default: the
+    one training uses by default on the model's device, :func:`marl.config.device.device_sampler`).
+    ``reward_names``: the reward adapters that score each completion (default: the model's first);
+    ``reward_functions``: ``module:function`` specs of reward functions, called as in training
+    (:mod:`marl.rewards.calls`) with ``columns`` (each prompt's other dataset columns) and a fresh
+    ``transformers.TrainerState``. The first source fills ``reward_scores``; with ``reward_names`` or a reward
+    function, each source fills its entry of ``reward_scores_by_name``.
 
     ``policies``: several policies of the model, each sampled and measured as the one policy is, keyed by its
     name (instead of ``"policy"``), the base sampled once for all of them (instead of ``policy`` and
@@ -150,7 +151,7 @@ def generate_and_score(
     from transformers import TrainerState
 
     from marl.algo.tensors import masked_sum
-    from marl.config.rloo_config import RLOOConfig
+    from marl.config.device import device_sampler
     from marl.data.prompts import prompt_text
     from marl.model.records import BASE_VIEW, REFERENCE_VIEW
     from marl.rewards import RewardParts, RewardSetting, plan_rewards
@@ -163,7 +164,7 @@ def generate_and_score(
             raise ValueError("pass policies=[names] (one or more) alone: not with policy= or with_policy=")
         if "base" in policies or len(set(policies)) != len(policies):
             raise ValueError(f"policies {list(policies)}: each name once, and none named 'base'")
-    make_sampler = get_sampler(sampler or RLOOConfig.sampler)
+    make_sampler = get_sampler(sampler or device_sampler(model.device.type))
 
     def sampler_of(name: str | None):
         # Without a stop token the completions run to the length limit, as in an RLOO run without stop_token.
