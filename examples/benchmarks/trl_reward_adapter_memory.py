@@ -2,11 +2,16 @@
 TRL's separately loaded reward model (``AutoModelForSequenceClassification`` + ``PeftModel.from_pretrained``)
 and marl's reward function on the policy's own PeftModel (:mod:`marl.integrations.trl`).
 
-Each (quantization, way) is its own process, the two ways alternating: the bundled SmolLM2-135M-Instruct,
+Each (load, way) is its own process, the two ways alternating: the bundled SmolLM2-135M-Instruct,
 a LoRA policy, a random reward LoRA + score head written by this script, ``--steps`` GRPO steps of
 ``--prompts`` prompts x 2 completions of 16 tokens. Memory: the peak PSS above the PSS after the imports
 (``measure.MemorySampler``). The target (issue 59): marl's peak <= the separate model's peak minus 80% of
 the separate reward model's weight bytes (parameters and buffers as stored, counted in that run).
+
+The loads (``--loads``): ``none`` (fp32), ``4bit`` (NF4 computing in fp32), and ``bf16`` (the fp32
+checkpoint loaded in bf16 with ``bf16=True``, as a GPU user loads it). On a CPU transformers maps an fp32
+load's weights from the checkpoint file, so the separate model's copy shares the policy's pages; a 4-bit or
+bf16 load converts the weights, so each copy is its own memory.
 
 Usage::
 
@@ -26,7 +31,7 @@ import time
 from pathlib import Path
 
 WAYS = ("separate", "marl")
-QUANTIZATIONS = ("none", "4bit")
+LOADS = ("none", "4bit", "bf16")
 MIB = 2**20
 PROMPTS = [
     "The film",
@@ -54,10 +59,10 @@ def worker(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(2)
     sampler = MemorySampler()
-    quantized = args.quantization != "none"
-    options = {"dtype": torch.float32}
+    quantized = args.load == "4bit"
+    options = {"dtype": torch.bfloat16 if args.load == "bf16" else torch.float32}
     if quantized:
-        options["quantization_config"] = bitsandbytes_config(args.quantization, torch.float32)
+        options["quantization_config"] = bitsandbytes_config(args.load, torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.base)
     base = AutoModelForCausalLM.from_pretrained(args.base, **options)
     if quantized:
@@ -76,8 +81,8 @@ def worker(args: argparse.Namespace) -> dict:
         reward, processing_class = PeftModel.from_pretrained(classifier, args.adapter), tokenizer
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=True, report_to="none", num_generations=2,
-        per_device_train_batch_size=args.prompts * 2, max_completion_length=16, bf16=False, seed=0,
-        max_steps=args.steps, save_strategy="no", disable_tqdm=True, logging_steps=1,
+        per_device_train_batch_size=args.prompts * 2, max_completion_length=16, bf16=args.load == "bf16",
+        seed=0, max_steps=args.steps, save_strategy="no", disable_tqdm=True, logging_steps=1,
     )  # fmt: skip
     trainer = GRPOTrainer(
         model=policy,
@@ -131,25 +136,25 @@ def render(results: dict, command: str, seconds: float) -> str:
         "Peak PSS above the PSS after the imports, one process per run. Target: marl <= separate - 0.8 x the "
         "separate reward model's weight bytes.",
         "",
-        "| quantization | separate reward model (MiB) | marl reward function (MiB) | saved (MiB) "
+        "| load | separate reward model (MiB) | marl reward function (MiB) | saved (MiB) "
         "| reward model weights (MiB) | target met |",
         "|---|---|---|---|---|---|",
     ]
-    for quantization in QUANTIZATIONS:
-        separate, ours = results[quantization]["separate"], results[quantization]["marl"]
+    for load in results:
+        separate, ours = results[load]["separate"], results[load]["marl"]
         weights = separate["reward_model_bytes"] / MIB
         saved = separate["pss_above_imports_mib"] - ours["pss_above_imports_mib"]
         theirs_mib, ours_mib = separate["pss_above_imports_mib"], ours["pss_above_imports_mib"]
         met = ours_mib <= theirs_mib - 0.8 * weights
         lines.append(
-            f"| {quantization} | {theirs_mib:.0f} | {ours_mib:.0f} | {saved:.0f} | {weights:.0f} "
+            f"| {load} | {theirs_mib:.0f} | {ours_mib:.0f} | {saved:.0f} | {weights:.0f} "
             f"| {'yes' if met else 'no'} |"
         )
     lines += ["", "Logged rewards per step (the two ways score the same completions):", ""]
-    for quantization in QUANTIZATIONS:
+    for load in results:
         for way in WAYS:
-            rewards = ", ".join(f"{r:.4f}" for r in results[quantization][way]["rewards"])
-            lines.append(f"- {quantization}, {way}: {rewards}")
+            rewards = ", ".join(f"{r:.4f}" for r in results[load][way]["rewards"])
+            lines.append(f"- {load}, {way}: {rewards}")
     return "\n".join(lines) + "\n"
 
 
@@ -158,15 +163,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=2, help="prompts per step (2 completions each)")
     parser.add_argument("--output", type=Path, help="the markdown results file to write")
+    parser.add_argument(
+        "--loads",
+        default="none,4bit",
+        help=f"comma-separated loads of the base to run, of {', '.join(LOADS)}",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--load", choices=LOADS, help=argparse.SUPPRESS)
     parser.add_argument("--base", help=argparse.SUPPRESS)
     parser.add_argument("--adapter", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
+    loads = args.loads.split(",")
+    unknown = sorted(set(loads) - set(LOADS))
+    if unknown:
+        parser.error(f"--loads: unknown {', '.join(unknown)}; choose from {', '.join(LOADS)}")
     from marl.data.assets import EMBEDDED_MODEL_ID, resolve_model_path
 
     start = time.perf_counter()
@@ -174,14 +188,14 @@ def main() -> None:
     adapter = Path(tempfile.mkdtemp()) / "reward"
     write_adapter(base, adapter)
     results: dict = {}
-    for quantization in QUANTIZATIONS:
+    for load in loads:
         for way in WAYS:
-            command = [sys.executable, __file__, "--worker", "--way", way, "--quantization", quantization]
+            command = [sys.executable, __file__, "--worker", "--way", way, "--load", load]
             command += ["--base", base, "--adapter", str(adapter), "--steps", str(args.steps)]
             command += ["--prompts", str(args.prompts)]
             output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            results.setdefault(quantization, {})[way] = json.loads(output.strip().splitlines()[-1])
-            print(quantization, way, results[quantization][way], flush=True)
+            results.setdefault(load, {})[way] = json.loads(output.strip().splitlines()[-1])
+            print(load, way, results[load][way], flush=True)
     invocation = "python " + " ".join([Path(__file__).relative_to(Path.cwd()).as_posix(), *sys.argv[1:]])
     report = render(results, invocation, time.perf_counter() - start)
     if args.output:

@@ -39,21 +39,23 @@ CHATS = [
 CHAT_TEXTS = ["a lovely charming film", "awful bad worse"]
 
 
-def both_scores(base_dir, adapter_dir, tmp_path, prompts, texts, family=None, quantization=None):
+def both_scores(
+    base_dir, adapter_dir, tmp_path, prompts, texts, family=None, quantization=None, dtype=torch.float32
+):
     """Column 0: marl's reward function on the policy's PeftModel; column 1: TRL's separate reward model;
-    both computed by the trainer's own ``_calculate_rewards``."""
+    both computed by the trainer's own ``_calculate_rewards`` (bf16 mixed precision on a bf16 base)."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    policy = policy_model(base_dir, family, quantization)
+    policy = policy_model(base_dir, family, quantization, dtype=dtype)
     ours = reward_adapter_function(policy, adapter_dir, tokenizer)
-    theirs = separate_reward_model(base_dir, adapter_dir, quantization)
+    theirs = separate_reward_model(base_dir, adapter_dir, quantization, dtype)
     trainer = GRPOTrainer(
         model=policy,
         reward_funcs=[ours, theirs],
         reward_processing_classes=[None, tokenizer],
-        args=grpo_config(tmp_path / "run"),
+        args=grpo_config(tmp_path / "run", bf16=dtype == torch.bfloat16),
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,
     )
@@ -88,6 +90,21 @@ def test_4bit_scores_equal_trls_separate_4bit_reward_model(family_dir, tmp_path)
     scores = both_scores(base_dir, adapter, tmp_path, PROMPTS, TEXTS, quantization="4bit")
     tolerance = probe_tolerance(torch.float32) * (1 + scores[:, 1].abs().max())
     torch.testing.assert_close(scores[:, 0], scores[:, 1], rtol=0, atol=float(tolerance))
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "gemma2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16_bit_scores_equal_trls_separate_16_bit_reward_model(family, dtype, family_dir, tmp_path):
+    """A base loaded in 16 bits on both sides (as a GPU user loads it for ``bf16=True``; PEFT keeps every
+    LoRA tensor in float32). TRL's reward model applies its score head in the base's dtype, marl's in float32,
+    and the rows are padded on other sides: within marl's tolerance for 16-bit rounding (probe_tolerance;
+    observed up to 2.0e-3 in bf16 and 1.6e-4 in fp16 against 4.0e-2 and 5.0e-3)."""
+    base_dir = family_dir(family)
+    adapter = random_reward_adapter(base_dir, tmp_path / "reward", family)
+    scores = both_scores(base_dir, adapter, tmp_path, PROMPTS, TEXTS, family, dtype=dtype)
+    tolerance = probe_tolerance(dtype) * (1 + scores[:, 1].abs().max())
+    torch.testing.assert_close(scores[:, 0], scores[:, 1], rtol=0, atol=float(tolerance))
+    assert scores[:, 1].std() > 10 * (scores[:, 0] - scores[:, 1]).abs().max()  # rows differ beyond it
 
 
 @pytest.mark.slow

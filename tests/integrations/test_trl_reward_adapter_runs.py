@@ -1,8 +1,18 @@
 """Whole TRL runs: a ``GRPOTrainer`` (and an ``RLOOTrainer``) of a few steps with marl's reward function ends
 with the same policy adapter and logs the same rewards as the same run with TRL's separately loaded reward
 model (same seed), up to float rounding: with several generation steps per generation, several weighted
-reward functions under ``normalize_then_sum``, gradient checkpointing, and a KL term (TRL then adds its
-``"ref"`` adapter beside the reward adapter). The reward adapter stays frozen and outside the optimizer."""
+reward functions under ``normalize_then_sum``, gradient checkpointing, a KL term (TRL then adds its
+``"ref"`` adapter beside the reward adapter), and bf16 mixed precision. The reward adapter stays frozen and
+outside the optimizer.
+
+bf16 (``GRPOConfig(bf16=True)``, float32 weights): the policy's forward and backward passes run under
+accelerate's bf16 autocast in both runs alike; both rewards score in float32 (marl's passes bypass the
+prepared model's forward; TRL prepares only a ``PreTrainedModel`` reward, not a ``PeftModel``), so the runs
+agree to the float32 tolerances. fp16 is not run here: on a CPU accelerate turns ``fp16=True`` into no
+autocast and no loss scaling (``native_amp`` stays off), so it would repeat the float32 run. On a base loaded
+in 16 bits the scores differ by 16-bit rounding (``test_16_bit_scores_*``); through the advantages that
+reaches the adapter at the learning rate's scale (observed on a bf16 tiny Llama: 1.1e-2 after 3 steps of up to
+5e-3 each), where a run comparison says nothing."""
 
 from __future__ import annotations
 
@@ -43,11 +53,12 @@ def run(base_dir, adapter_dir, output_dir, *, with_marl: bool, trainer_kind: str
     from trl import GRPOTrainer, RLOOConfig, RLOOTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    policy = policy_model(base_dir)
+    dtype = settings.pop("base_dtype", torch.float32)
+    policy = policy_model(base_dir, dtype=dtype)
     if with_marl:
         reward, processing_class = reward_adapter_function(policy, adapter_dir, tokenizer), None
     else:
-        reward, processing_class = separate_reward_model(base_dir, adapter_dir), tokenizer
+        reward, processing_class = separate_reward_model(base_dir, adapter_dir, dtype=dtype), tokenizer
     extra = settings.pop("extra_rewards", [])
     arguments = dict(max_steps=3, learning_rate=5e-3, **settings)
     trainer_class, config_class = (GRPOTrainer, None) if trainer_kind == "grpo" else (RLOOTrainer, RLOOConfig)
@@ -80,6 +91,7 @@ VARIANTS = {
         "multi_objective_aggregation": "normalize_then_sum",
     },
     "checkpointing_and_kl": {"gradient_checkpointing": True, "beta": 0.04},
+    "bf16": {"bf16": True},
 }
 
 
@@ -106,6 +118,8 @@ def test_a_grpo_run_ends_as_the_run_with_the_separate_reward_model(variant, tiny
     for name, parameter in model.named_parameters():
         assert (id(parameter) in optimized) == (".default." in name), name
         assert parameter.requires_grad == (".default." in name), name
+    if settings.get("bf16"):  # the policy's passes ran under bf16 autocast (accelerate's on a CPU too)
+        assert trainer.accelerator.mixed_precision == "bf16" and trainer.accelerator.native_amp
     if settings.get("beta"):
         assert set(model.peft_config) == {"default", "ref", "reward"}
 

@@ -20,17 +20,26 @@ def _exclude(family: str | None) -> list[str] | None:
     return list(FAMILY_SPECS[family].lora_exclude_modules) or None if family else None
 
 
-def load_base(auto_class, base_dir: Path, quantization: str | None = None, **options):
-    """A base as TRL users load it, in float32 (or 4-bit NF4 computing in float32)."""
+def load_base(
+    auto_class, base_dir: Path, quantization: str | None = None, dtype: torch.dtype = torch.float32, **options
+):
+    """A base as TRL users load it, in ``dtype`` (or 4-bit NF4 computing in ``dtype``)."""
     if quantization is not None:
-        options["quantization_config"] = bitsandbytes_config(quantization, torch.float32)
-    return auto_class.from_pretrained(base_dir, dtype=torch.float32, **options)
+        options["quantization_config"] = bitsandbytes_config(quantization, dtype)
+    return auto_class.from_pretrained(base_dir, dtype=dtype, **options)
 
 
-def policy_model(base_dir: Path, family: str | None = None, quantization: str | None = None, seed: int = 0):
+def policy_model(
+    base_dir: Path,
+    family: str | None = None,
+    quantization: str | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+):
     """The policy a TRL user hands the trainer: a causal LM wrapped with a LoRA (``init_lora_weights=False``:
-    random B matrices, so that the policy differs from the base); QLoRA prepared as PEFT documents."""
-    base = load_base(AutoModelForCausalLM, base_dir, quantization)
+    random B matrices, so that the policy differs from the base); QLoRA prepared as PEFT documents. PEFT
+    keeps the LoRA tensors in float32 on a 16-bit base."""
+    base = load_base(AutoModelForCausalLM, base_dir, quantization, dtype)
     if quantization is not None:
         base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     torch.manual_seed(seed)
@@ -52,9 +61,11 @@ def random_reward_adapter(base_dir: Path, directory: Path, family: str | None = 
     return directory
 
 
-def separate_reward_model(base_dir: Path, adapter_dir: Path, quantization: str | None = None):
+def separate_reward_model(
+    base_dir: Path, adapter_dir: Path, quantization: str | None = None, dtype: torch.dtype = torch.float32
+):
     """TRL's documented way: a second copy of the base as a sequence classifier, with the adapter on it."""
-    classifier = load_base(AutoModelForSequenceClassification, base_dir, quantization, num_labels=1)
+    classifier = load_base(AutoModelForSequenceClassification, base_dir, quantization, dtype, num_labels=1)
     return PeftModel.from_pretrained(classifier, str(adapter_dir))
 
 
