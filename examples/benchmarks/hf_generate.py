@@ -42,11 +42,11 @@ leaves it unset) and a static cache; marl's ``transformers`` sampler shares each
 TRL's does. Eval mode and no grad are marl's own for every sampler (:func:`marl.model.views.inference`).
 
 Example:
-    >>> register_sampler("hf-generate")
+    >>> register_sampler("compiled-generate-example")
     >>> from marl.rollout.samplers import SAMPLERS, get_sampler
-    >>> get_sampler("hf-generate").__name__
+    >>> get_sampler("compiled-generate-example").__name__
     'CompiledGenerateSampler'
-    >>> del SAMPLERS["hf-generate"]
+    >>> del SAMPLERS["compiled-generate-example"]
 """
 
 from __future__ import annotations
