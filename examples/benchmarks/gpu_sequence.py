@@ -4,8 +4,9 @@
 Stages, most important first (the order of the issue):
 
     0.5b-bf16      marl ``graph``, TRL GRPOTrainer (``generate``, static cache), marl ``static``, TRL
-                   GRPOTrainer with transformers' continuous batching; Qwen2.5-0.5B's shapes, bf16, GRPO,
-                   8 prompts x k = 8, 256-token prompts and completions
+                   GRPOTrainer with transformers' continuous batching, marl sampling with transformers'
+                   compiled ``generate`` (``hf-generate``); Qwen2.5-0.5B's shapes, bf16, GRPO, 8 prompts x
+                   k = 8, 256-token prompts and completions
     1.5b-bf16      the same at Qwen2.5-1.5B's shapes
     0.5b-4bit      marl ``graph``, TRL GRPOTrainer, marl ``static``, the base in 4-bit
     1.5b-4bit      the same at 1.5B
@@ -59,7 +60,8 @@ class Stage:
     plan: bool = False  # also `marl plan` for the same flags
 
 
-_BF16 = ("marl-graph", "trl-grpo", "marl", "trl-grpo-cb")
+# hf-generate last: the systems measured before it keep their places, so a results file resumes as it did
+_BF16 = ("marl-graph", "trl-grpo", "marl", "trl-grpo-cb", "hf-generate")
 _4BIT = ("marl-graph", "trl-grpo", "marl")
 STAGES = (
     Stage("0.5b-bf16", "gpu-0.5b", "none", _BF16, seconds=100),
@@ -78,8 +80,8 @@ def steps(done: dict[str, dict]) -> list[tuple[Stage, str]]:
 
     Example:
         >>> todo = steps({"0.5b-bf16": {"marl-graph": {}, "trl-grpo": {}}})
-        >>> [(stage.name, system) for stage, system in todo[:3]]
-        [('0.5b-bf16', 'marl'), ('0.5b-bf16', 'trl-grpo-cb'), ('1.5b-bf16', 'marl-graph')]
+        >>> [f"{stage.name} {system}" for stage, system in todo[:4]]
+        ['0.5b-bf16 marl', '0.5b-bf16 trl-grpo-cb', '0.5b-bf16 hf-generate', '1.5b-bf16 marl-graph']
     """
     return [(s, system) for s in STAGES for system in s.systems if system not in done.get(s.name, {})]
 
@@ -101,7 +103,7 @@ def plan_command(config: dict[str, Any], model_path: str, reward_adapter: str) -
     Example:
         >>> config = dict(rloo_k=8, prompts_per_update=8, response_length=256, context_tokens=256,
         ...               dtype="bfloat16", device="cuda", lora_r=16, algorithm="grpo")
-        >>> " ".join(plan_command(config, "m", "r")[3:9])
+        >>> " ".join(plan_command(config, "m", "r")[3:8])
         'plan --model_name_or_path m --reward_adapter r'
     """
     line = [sys.executable, "-m", "marl", "plan", "--model_name_or_path", model_path]

@@ -27,8 +27,11 @@ Setups (``--setup``, a comma list; ``cpu`` = the three CPU setups, each in fp32 
 
 The GPU setups compare marl with its three samplers (``marl-graph``: the graph decode, ``marl``: the eager
 static decode, ``marl-generate``: ``generate``) against TRL's RLOOTrainer (``trl``) and GRPOTrainer
-(``trl-grpo``), both without vLLM and with ``cache_implementation="static"``. ``--dry-run`` shrinks every
-setup to a tiny model on the CPU and runs each system once: the code path of a GPU run, checked on a CPU.
+(``trl-grpo``), both without vLLM and with ``cache_implementation="static"``. ``--systems hf-generate``
+adds transformers' own compiled decode: marl sampling with ``generate``, a static cache and its
+``torch.compile(mode="reduce-overhead")`` decode step, which TRL turns off (``hf_generate.py`` says why).
+``--dry-run`` shrinks every setup to a tiny model on the CPU and runs each system once: the code path of a GPU
+run, checked on a CPU.
 
 Configuration mapping (marl/the classic RLOO trainer -> TRL 1.16, whose RLOO is built on its GRPO loop):
 
@@ -104,11 +107,13 @@ def marl_systems() -> tuple[str, ...]:
     return ("marl-graph", *systems) if "graph" in SAMPLERS else systems
 
 
+# marl sampling with transformers' compiled `generate` (hf_generate.py): the system and its sampler's name.
+HF_GENERATE = "hf-generate"
 # The sampler of each marl system that does not sample with marl's default.
-MARL_SAMPLERS = {"marl-generate": "transformers", "marl-graph": "graph"}
+MARL_SAMPLERS = {"marl-generate": "transformers", "marl-graph": "graph", HF_GENERATE: HF_GENERATE}
 # trl-grpo-cb: GRPOTrainer generating with transformers' continuous batching (use_transformers_continuous_
 # batching) instead of `generate` with a static cache: TRL 1.16's other way to sample without vLLM. Neither
-# is compiled: TRL builds its GenerationConfig with disable_compile=True.
+# is compiled: TRL builds its GenerationConfig with disable_compile=True (hf_generate.py: only that stops it).
 TRL_SYSTEMS = ("trl", "trl-grpo", "trl-grpo-cb")
 # --algorithm: marl's preset, and TRL's trainer that `trl` then runs (RLOOTrainer or GRPOTrainer)
 ALGORITHMS = ("rloo", "grpo")
@@ -297,6 +302,10 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
     import marl.train.trainer
     from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 
+    if job["system"] == HF_GENERATE:
+        from hf_generate import register_sampler
+
+        register_sampler(HF_GENERATE)
     model_path = job["model_path"]
     model = MultiAdapterModel.from_pretrained(
         model_path,
@@ -543,7 +552,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from marl.environment import machine_description, package_versions
 
     configs = {setup: build_config(setup, args) for setup in setup_names(args.setup)}
-    known = (*marl_systems(), *TRL_SYSTEMS)
+    known = (*marl_systems(), HF_GENERATE, *TRL_SYSTEMS)
     chosen = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
     if unknown := set(chosen or ()) - set(known):
         raise SystemExit(f"--systems: unknown {sorted(unknown)}; this marl knows {list(known)}")
@@ -640,7 +649,7 @@ def setup_systems(config: BenchConfig, known: Sequence[str], chosen: Sequence[st
         return list(chosen)
     if config.setup.startswith("gpu"):
         return [s for s in GPU_SYSTEMS if s in known]
-    cpu = [s for s in known if s not in ("marl-graph", "trl-grpo")]
+    cpu = [s for s in known if s not in ("marl-graph", "trl-grpo", HF_GENERATE)]
     return [s for s in cpu if s != "marl-unshared" or config.compare_sharing]
 
 

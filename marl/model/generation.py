@@ -209,14 +209,19 @@ def sample(
     attention_mask: torch.Tensor,
     settings: SamplingSettings,
     past_key_values: Any = None,
+    **generate_options: Any,
 ) -> torch.Tensor:
     """Sampled completions under the ACTIVE adapter view (see :func:`generate_exactly`): ``[batch,
     max_new_tokens]`` completion ids, padded with ``settings.pad_token_id`` where ``generate`` stopped early.
 
     ``past_key_values`` may hold the prompt's cache (all prompt tokens but the last), e.g. one prefill shared
-    by k samples of each prompt. The caller chooses eval mode and ``torch.no_grad``.
+    by k samples of each prompt. ``generate_options`` go to ``generate`` as they are (e.g.
+    ``cache_implementation="static"``, which excludes ``past_key_values``). The caller chooses eval mode and
+    ``torch.no_grad``.
     """
-    output = generate_exactly(peft_model, input_ids, attention_mask, settings, past_key_values)
+    output = generate_exactly(
+        peft_model, input_ids, attention_mask, settings, past_key_values, **generate_options
+    )
     completions = output[:, input_ids.shape[1] :]
     missing = settings.max_new_tokens - completions.shape[1]
     if missing > 0:

@@ -6,11 +6,24 @@ time: the chosen token's log-probability is ``logit[token] - logsumexp``, the en
 only the per-position results are kept. :func:`logprobs_from_hidden` also applies the LM head per chunk, and
 with ``recompute=True`` keeps no chunk's logits for the backward pass (they are recomputed there).
 
-Why this head and not TRL 1.16's fused one (``add_fused_lm_head``, tiled kernels): that head scores one
-label per position, while marl's packed rows (:mod:`marl.model.packing`) hold a prompt once followed by its
-k completions, so the prompt's last position is scored against k first tokens, one per completion; and a
-LoRA on the LM head (``lora_target_modules`` naming it) must be applied through PEFT's layer, where TRL
-patches the base model's head before PEFT wraps it.
+Why this head and not TRL 1.16's fused one (``add_fused_lm_head``, trl/trainer/utils.py:1548, a Triton kernel
+over tiles of positions on CUDA), which GRPOTrainer installs on the base model under its PEFT wrapper
+(grpo_trainer.py:1068):
+
+- One label per position there: its forward shifts the row's own tokens (``labels[:, 1:]``) and scores each
+  position against the next token of the same row (utils.py:1616-1654). marl's packed rows
+  (:mod:`marl.model.packing`) hold a prompt once followed by its k completions, so the prompt's last
+  position predicts k first tokens, one per completion (``PackedRows.predictors`` gathers that hidden state
+  k times), and every completion token is predicted by its own completion's previous token, not by the
+  token before it in the packed row. Here the head runs after that gather, on ``[N, hidden]`` rows with one
+  target each, which any layout (packed, unshared, the planner's probes) reduces to.
+- A LoRA on the LM head (``lora_target_modules`` naming it): TRL's kernel reads ``lm_head.weight`` and
+  ``.bias`` (utils.py:1633), which on a PEFT LoRA layer are its base layer's
+  (peft/tuners/tuners_utils.py:1943-1961), so the adapter's update to the head is left out; here the head is
+  called as a module (:class:`marl.model.families.LogitHead`), PEFT's layer included, with the family's
+  logit transform (soft-cap, scaling) after it.
+
+Its speed against marl's chunks is not measured yet (the GPU sequence measures whole updates).
 """
 
 from __future__ import annotations
