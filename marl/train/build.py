@@ -155,6 +155,7 @@ def build_training_parts(
             autocast=parallelism.autocast,
             policy=policy,
             synced_processes=parallelism.shards_base,
+            graph_capture=config.graph_capture,
         ),
     )
     optimizer, scheduler = parallelism.prepare(*_optimizer_and_schedule(config, sizes, parameters))
