@@ -78,9 +78,10 @@ class GraphSampler(StaticSampler):
         model: the multi-adapter model.
         tokenizer: its tokenizer.
         settings: a :class:`marl.rollout.samplers.SamplerSettings`.
-        compile_step: how the decode step is compiled: ``"auto"`` (on CUDA :func:`capture_step`, or with
-            ``settings.graph_capture == "cuda_graphs"`` plain CUDA graphs; eager on a CPU), ``None`` (eager)
-            or a function of the step (e.g. ``torch.compile`` with another backend).
+        compile_step: how the decode step is compiled or captured: ``"auto"`` (on CUDA
+            ``settings.graph_capture``, eager on a CPU), ``"compile"`` (:func:`capture_step`),
+            ``"cuda_graphs"`` (plain CUDA graphs, :mod:`marl.model.captured_step`), ``None`` (eager) or a
+            function of the step (e.g. ``torch.compile`` with another backend).
 
     Attributes:
         path: ``"compiled+graphs"``, ``"eager+graphs"``, ``"compiled"``, ``"eager"``, ``"static"`` or
@@ -111,23 +112,24 @@ class GraphSampler(StaticSampler):
                 "stopped, which the static decode does"
             )
             return
-        cuda = model.device.type == "cuda"
-        plain = settings.graph_capture == "cuda_graphs"
-        if compile_step == "auto" and cuda:
-            compile_step = capture_cuda_graphs(self._captured) if plain else capture_step
-        elif compile_step == "auto":
-            compile_step = None
+        if compile_step == "auto":  # the user's --graph_capture on a GPU, eager on a CPU
+            compile_step = settings.graph_capture if model.device.type == "cuda" else None
+        plain = compile_step == "cuda_graphs"
+        compile_step = {"compile": capture_step, "cuda_graphs": capture_cuda_graphs(self._captured)}.get(
+            compile_step, compile_step
+        )
         from transformers import StaticCache
 
         problem = compile_problem(
             StaticCache(config=model.peft_model.get_base_model().config, max_cache_len=8)
         )
         if compile_step is None:
+            captured = settings.graph_capture == "cuda_graphs"
             self.path, self.path_reason = (
                 "eager",
                 problem
-                or f"the decode step is not {'captured' if plain else 'compiled'} on {model.device}"
-                + (" (CUDA graphs need a CUDA device)" if plain else ""),
+                or f"the decode step is not {'captured' if captured else 'compiled'} on {model.device}"
+                + (" (CUDA graphs need a CUDA device)" if captured else ""),
             )
         elif problem is not None:
             compile_step, self.path, self.path_reason = None, "eager", problem
