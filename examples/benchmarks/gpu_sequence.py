@@ -82,9 +82,9 @@ def steps(done: dict[str, dict]) -> list[tuple[Stage, str]]:
     """Every (stage, system) of :data:`STAGES` in order that ``done`` (stage -> system -> record) lacks.
 
     Example:
-        >>> todo = steps({"0.5b-bf16": {"marl-graph": {}, "trl-grpo": {}}})
+        >>> todo = steps({"capture": {"decode-capture": {}}, "0.5b-bf16": {"marl-graph": {}, "trl-grpo": {}}})
         >>> [(stage.name, system) for stage, system in todo[:3]]
-        [('0.5b-bf16', 'marl'), ('0.5b-bf16', 'trl-grpo-cb'), ('1.5b-bf16', 'marl-graph')]
+        [('0.5b-bf16', 'marl-cudagraph'), ('0.5b-bf16', 'marl'), ('0.5b-bf16', 'trl-grpo-cb')]
     """
     return [(s, system) for s in STAGES for system in s.systems if system not in done.get(s.name, {})]
 
@@ -109,7 +109,7 @@ def plan_command(config: dict[str, Any], model_path: str, reward_adapter: str) -
     Example:
         >>> config = dict(rloo_k=8, prompts_per_update=8, response_length=256, context_tokens=256,
         ...               dtype="bfloat16", device="cuda", lora_r=16, algorithm="grpo")
-        >>> " ".join(plan_command(config, "m", "r")[3:9])
+        >>> " ".join(plan_command(config, "m", "r")[3:8])
         'plan --model_name_or_path m --reward_adapter r'
     """
     line = [sys.executable, "-m", "marl", "plan", "--model_name_or_path", model_path]
