@@ -66,7 +66,7 @@ class Stage:
 _BF16 = ("marl-graph", "marl-cudagraph", "trl-grpo", "marl", "trl-grpo-cb")
 _4BIT = ("marl-graph", "trl-grpo", "marl")
 STAGES = (
-    Stage("capture", "gpu-0.5b", "none", ("decode-capture",), seconds=90, script="decode_capture"),
+    Stage("capture", "gpu-0.5b", "none", ("decode-capture",), seconds=120, script="decode_capture"),
     Stage("0.5b-bf16", "gpu-0.5b", "none", _BF16, seconds=100),
     Stage("1.5b-bf16", "gpu-1.5b", "none", _BF16, seconds=120),
     Stage("0.5b-4bit", "gpu-0.5b", "4bit", _4BIT, seconds=120),

@@ -111,7 +111,8 @@ class CapturedStep:
             torch.cuda.current_stream().wait_stream(side)
             put_back_counters()
         graph = torch.cuda.CUDAGraph()
-        with _no_cast_cache(), torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: another thread's CUDA calls (a data loader's pinned copies) do not break the capture
+        with _no_cast_cache(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self.step(ids, mask, positions, cache)
         torch.cuda.synchronize()
         return Capture(graph, logits, time.perf_counter() - started)
