@@ -94,6 +94,8 @@ def test_single_strings_are_accepted_from_python():
         ({"lr_scheduler_type": "linearr"}, "lr_scheduler_type"),
         ({"total_episodes": 0}, "total_episodes"),
         ({"save_total_limit": 0}, "save_total_limit"),
+        ({"graph_capture": "cudagraphs"}, r"graph_capture='cudagraphs' is not a choice.*'cuda_graphs'"),
+        ({"graph_capture": "cuda_graphs", "sampler": "static"}, "--sampler graph only.*Add --sampler graph"),
     ],
 )
 def test_invalid_settings_fail_early_with_the_fix(overrides, message):

@@ -88,6 +88,9 @@ def test_train_rloo_on_a_cuda_device_chooses_bf16_and_checkpointing_and_says_so(
     assert (config.sampler, on_cpu.sampler) == ("graph", "static")
     _, given = parse_train_rloo_args([*GRPO_4BIT, "--sampler", "static"], device="cuda")
     assert given.sampler == "static" and "sampler" not in given.chosen_for_device
+    # --graph_capture without --sampler: the device's sampler, graph on a CUDA device, captures
+    _, captured = parse_train_rloo_args([*GRPO_4BIT, "--graph_capture", "cuda_graphs"], device="cuda")
+    assert (captured.sampler, captured.graph_capture) == ("graph", "cuda_graphs")
 
 
 def test_flags_given_win_over_the_devices_choice():

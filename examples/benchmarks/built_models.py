@@ -124,28 +124,29 @@ def build_model(shape: str, dtype: str, target: Path, seed: int = 0, device: str
     saved to ``target``."""
     if (target / "config.json").is_file():
         return str(target)
+    tokenizer = build_tokenizer(BUILT_SHAPES[shape]["vocab_size"], seed=seed)
+    model = random_model(shape, dtype, device, seed, eos=tokenizer.eos_token_id, pad=tokenizer.pad_token_id)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return str(target)
+
+
+def random_model(shape: str, dtype: str, device: str, seed: int = 0, eos: int = 0, pad: int = 1) -> Any:
+    """A Qwen2 (or, for a Llama shape, Llama) model of the named shape with random weights, built on
+    ``device`` in ``dtype`` (``eos`` and ``pad``: its token ids)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shapes = BUILT_SHAPES[shape]
     llama = shape in LLAMA31_SHAPES
     config_class, model_class = (LlamaConfig, LlamaForCausalLM) if llama else (Qwen2Config, Qwen2ForCausalLM)
-    tokenizer = build_tokenizer(shapes["vocab_size"], seed=seed)
     config = config_class(
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype=dtype,
-        **(_LLAMA_COMMON if llama else _COMMON),
-        **shapes,
-    )
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=pad, dtype=dtype,
+        **(_LLAMA_COMMON if llama else _COMMON), **BUILT_SHAPES[shape],
+    )  # fmt: skip
     torch.manual_seed(seed)
     with torch.device(device):  # built in the compute dtype: an 8B model in fp32 would take 32 GB first
         torch.set_default_dtype(getattr(torch, dtype))
         try:
-            model = model_class(config)
+            return model_class(config)
         finally:
             torch.set_default_dtype(torch.float32)
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    return str(target)

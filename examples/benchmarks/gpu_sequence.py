@@ -3,10 +3,14 @@
 
 Stages, most important first (the order of the issue):
 
-    0.5b-bf16      marl ``graph``, TRL GRPOTrainer (``generate``, static cache), marl ``static``, TRL
-                   GRPOTrainer with transformers' continuous batching, marl sampling with transformers'
-                   compiled ``generate`` (``hf-generate``); Qwen2.5-0.5B's shapes, bf16, GRPO, 8 prompts x
-                   k = 8, 256-token prompts and completions
+    capture        the decode step per row bucket: eager, plain CUDA graphs and torch.compile's
+                   reduce-overhead, capture or compilation seconds, step and full decode iteration ms
+                   (``decode_capture.py``)
+    0.5b-bf16      marl ``graph`` (compiled, then captured in plain CUDA graphs: ``marl-cudagraph``), TRL
+                   GRPOTrainer (``generate``, static cache), marl ``static``, TRL GRPOTrainer with
+                   transformers' continuous batching, marl sampling with transformers' compiled ``generate``
+                   (``hf-generate``); Qwen2.5-0.5B's shapes, bf16, GRPO, 8 prompts x k = 8, 256-token
+                   prompts and completions
     1.5b-bf16      the same at Qwen2.5-1.5B's shapes
     0.5b-4bit      marl ``graph``, TRL GRPOTrainer, marl ``static``, the base in 4-bit
     1.5b-4bit      the same at 1.5B
@@ -56,14 +60,16 @@ class Stage:
     systems: tuple[str, ...]
     seconds: int  # estimated seconds of one system's process on the card (imports, build, 3 updates)
     runs: int = 1
-    script: str = "vs_trl"  # or "sweep": one process runs one graph run and the sweep of 4
+    script: str = "vs_trl"  # "sweep": one graph run and the sweep of 4; "decode_capture": the step per bucket
     plan: bool = False  # also `marl plan` for the same flags
 
 
-# hf-generate last: the systems measured before it keep their places, so a results file resumes as it did
-_BF16 = ("marl-graph", "trl-grpo", "marl", "trl-grpo-cb", "hf-generate")
+# a system added later goes after those a committed results file already holds (hf-generate last), so the
+# file resumes as it did
+_BF16 = ("marl-graph", "marl-cudagraph", "trl-grpo", "marl", "trl-grpo-cb", "hf-generate")
 _4BIT = ("marl-graph", "trl-grpo", "marl")
 STAGES = (
+    Stage("capture", "gpu-0.5b", "none", ("decode-capture",), seconds=120, script="decode_capture"),
     Stage("0.5b-bf16", "gpu-0.5b", "none", _BF16, seconds=100),
     Stage("1.5b-bf16", "gpu-1.5b", "none", _BF16, seconds=120),
     Stage("0.5b-4bit", "gpu-0.5b", "4bit", _4BIT, seconds=120),
@@ -79,9 +85,9 @@ def steps(done: dict[str, dict]) -> list[tuple[Stage, str]]:
     """Every (stage, system) of :data:`STAGES` in order that ``done`` (stage -> system -> record) lacks.
 
     Example:
-        >>> todo = steps({"0.5b-bf16": {"marl-graph": {}, "trl-grpo": {}}})
+        >>> todo = steps({"capture": {"decode-capture": {}}, "0.5b-bf16": {"marl-graph": {}, "trl-grpo": {}}})
         >>> [f"{stage.name} {system}" for stage, system in todo[:4]]
-        ['0.5b-bf16 marl', '0.5b-bf16 trl-grpo-cb', '0.5b-bf16 hf-generate', '1.5b-bf16 marl-graph']
+        ['0.5b-bf16 marl-cudagraph', '0.5b-bf16 marl', '0.5b-bf16 trl-grpo-cb', '0.5b-bf16 hf-generate']
     """
     return [(s, system) for s in STAGES for system in s.systems if system not in done.get(s.name, {})]
 
@@ -90,7 +96,10 @@ def command(stage: Stage, system: str, work_dir: Path, dry_run: bool) -> list[st
     """The process of one system of ``stage``: its script with the stage's flags (GRPO, k = 8, ...)."""
     common = ["--setup", stage.setup, "--quantization", stage.quantization, "--work-dir", str(work_dir)]
     common += ["--runs", str(stage.runs), "--output", str(work_dir / f"{system}.md")]
-    if stage.script == "sweep":
+    if stage.script == "decode_capture":  # its own budget, inside the stage's estimate
+        line = [sys.executable, str(HERE / "decode_capture.py"), "--output-dir", str(work_dir)]
+        line += ["--report", str(work_dir / "report.json"), "--budget-s", str(stage.seconds - 5)]
+    elif stage.script == "sweep":
         line = [sys.executable, str(HERE / "sweep.py"), *common, "--policies", "4", "--sampler", "graph"]
     else:
         line = [sys.executable, str(HERE / "vs_trl.py"), *common, "--systems", system, "--algorithm", "grpo"]
@@ -134,7 +143,12 @@ def newest_record() -> Path | None:
 
 def system_entry(report: dict[str, Any], stage: Stage, system: str) -> dict[str, Any]:
     """One system's figures from a script's ``report.json``: its runs, the card's probed floors, the work
-    of a decode step, the config."""
+    of a decode step, the config (``decode_capture.py``'s: its measurements and their markdown)."""
+    if stage.script == "decode_capture":
+        return {
+            "runs": report["measurements"], "failures": [], "capture": report["markdown"],
+            "machine": report.get("machine"), "versions": report.get("versions"),
+        }  # fmt: skip
     entry = report["setups"][stage.setup]
     block = entry["blocks"][stage.quantization]
     return {
@@ -163,7 +177,7 @@ def table(record: dict[str, Any]) -> list[str]:
         "sampling s | peak allocated MiB | log-prob gap mean / max | path | date, card |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for stage in STAGES:
+    for stage in (s for s in STAGES if s.script != "decode_capture"):  # its own table (render)
         for system, entry in record["stages"].get(stage.name, {}).items():
             runs, config = entry.get("runs", []), entry.get("config") or {}
             floors, work = entry.get("machine_floors") or {}, entry.get("work") or {}
@@ -208,6 +222,9 @@ def render(record: dict[str, Any]) -> str:
                     entry["plan"],
                     "```",
                 ]
+            if entry.get("capture"):
+                card = (entry.get("machine") or {}).get("gpu", "cpu")
+                lines += ["", f"{stage_name} ({entry.get('date', '?')}, {card}):", "", entry["capture"]]
             if entry.get("comparison"):
                 lines += ["", f"{stage_name}: `{json.dumps(entry['comparison'])}`"]
             for failure in entry.get("failures", []):
@@ -232,6 +249,11 @@ def run(args: argparse.Namespace) -> int:
                 f"--stages: unknown {sorted(unknown)}; the stages are {[s.name for s in STAGES]}"
             )
         todo = [(stage, system) for stage, system in todo if stage.name in chosen]
+    if args.systems:
+        systems, known = args.systems.split(","), {system for stage in STAGES for system in stage.systems}
+        if unknown := set(systems) - known:
+            raise SystemExit(f"--systems: unknown {sorted(unknown)}; the systems are {sorted(known)}")
+        todo = [(stage, system) for stage, system in todo if system in systems]
     for stage, system in todo:
         left = args.budget_s - (time.monotonic() - started)
         if not args.dry_run and left < stage.seconds:
@@ -284,6 +306,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", default=None, help="results JSON of earlier runs (default: newest)")
     parser.add_argument(
         "--stages", default=None, help="comma list: only these stages (default: all, in order)"
+    )
+    parser.add_argument(
+        "--systems", default=None, help="comma list: only these systems of the stages (default: all)"
     )
     parser.add_argument("--dry-run", action="store_true", help="every step on tiny models on the CPU")
     return parser.parse_args(argv)

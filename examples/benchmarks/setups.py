@@ -91,8 +91,9 @@ SETUPS = {
 DRY_RUN_LLAMA = "tiny-llama-shaped"
 SETUP_GROUPS = {"cpu": ("cpu-short", "cpu-long", "cpu-long4", "cpu-weights"), "gpu": ("gpu-0.5b", "gpu-1.5b")}
 LLAMA_SETUPS = tuple(name for name, setup in SETUPS.items() if setup.get("model") in LLAMA31_SHAPES)
-# What the GPU setups compare: marl with its three samplers, TRL's two trainers (without vLLM).
-GPU_SYSTEMS = ("marl-graph", "marl", "marl-generate", "trl", "trl-grpo")
+# What the GPU setups compare: marl with its three samplers (the graph decode compiled and captured in plain
+# CUDA graphs), TRL's two trainers (without vLLM).
+GPU_SYSTEMS = ("marl-graph", "marl-cudagraph", "marl", "marl-generate", "trl", "trl-grpo")
 # --dry-run: every setup shrunk to a tiny model on the CPU, one run of every system, so that a GPU run cannot
 # fail on something a CPU could have caught (tests/test_benchmark_vs_trl.py runs it).
 DRY_RUN = dict(

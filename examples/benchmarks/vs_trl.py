@@ -25,7 +25,8 @@ Setups (``--setup``, a comma list; ``cpu`` = the three CPU setups, each in fp32 
                  trains itself: built_models.py), bf16, 8 prompts of 256 tokens x k = 8, 256-token completions
     gpu-1.5b     the same with Qwen2.5-1.5B's shapes
 
-The GPU setups compare marl with its three samplers (``marl-graph``: the graph decode, ``marl``: the eager
+The GPU setups compare marl with its three samplers (``marl-graph``: the graph decode, compiled;
+``marl-cudagraph``: the same with its step captured in plain CUDA graphs; ``marl``: the eager
 static decode, ``marl-generate``: ``generate``) against TRL's RLOOTrainer (``trl``) and GRPOTrainer
 (``trl-grpo``), both without vLLM and with ``cache_implementation="static"``. ``--systems hf-generate``
 adds transformers' own compiled decode: marl sampling with ``generate``, a static cache and its
@@ -104,13 +105,21 @@ def marl_systems() -> tuple[str, ...]:
     systems = ("marl", "marl-unshared") if "share_prompt_prefix" in names else ("marl",)
     if RLOOConfig(output_dir="x").sampler != "transformers":
         systems = (*systems, "marl-generate")
-    return ("marl-graph", *systems) if "graph" in SAMPLERS else systems
+    if "graph" not in SAMPLERS:
+        return systems
+    # marl-cudagraph: the graph sampler with its step captured in plain CUDA graphs (--graph_capture)
+    return ("marl-graph", *(("marl-cudagraph",) if "graph_capture" in names else ()), *systems)
 
 
 # marl sampling with transformers' compiled `generate` (hf_generate.py): the system and its sampler's name.
 HF_GENERATE = "hf-generate"
 # The sampler of each marl system that does not sample with marl's default.
-MARL_SAMPLERS = {"marl-generate": "transformers", "marl-graph": "graph", HF_GENERATE: HF_GENERATE}
+MARL_SAMPLERS = {
+    "marl-generate": "transformers",
+    "marl-graph": "graph",
+    "marl-cudagraph": "graph",
+    HF_GENERATE: HF_GENERATE,
+}
 # trl-grpo-cb: GRPOTrainer generating with transformers' continuous batching (use_transformers_continuous_
 # batching) instead of `generate` with a static cache: TRL 1.16's other way to sample without vLLM. Neither
 # is compiled: TRL builds its GenerationConfig with disable_compile=True (hf_generate.py: only that stops it).
@@ -351,6 +360,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
             report_to=["none"],
             **sharing,
             **({"sampler": MARL_SAMPLERS[job["system"]]} if job["system"] in MARL_SAMPLERS else {}),
+            **({"graph_capture": "cuda_graphs"} if job["system"] == "marl-cudagraph" else {}),
         )
         trainer = RLOOTrainer(
             config=rloo_config,
@@ -389,6 +399,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
     result.update(phases_labelled=all(labelled), lengths=sorted(lengths))
     result.update(sampling_figures(sampling_seconds, config))
     result["sampler_path"] = getattr(trainer.sampler, "path", None)
+    result["capture_seconds"] = sum(getattr(trainer.sampler, "capture_seconds", {}).values())  # cudagraph
     # |sampler log-prob - trainer log-prob| per update (where the sampler keeps its log-probs)
     for name, key in (("mean", "logprob_gap_mean"), ("max", "logprob_gap_max")):
         result[key] = [
@@ -649,7 +660,7 @@ def setup_systems(config: BenchConfig, known: Sequence[str], chosen: Sequence[st
         return list(chosen)
     if config.setup.startswith("gpu"):
         return [s for s in GPU_SYSTEMS if s in known]
-    cpu = [s for s in known if s not in ("marl-graph", "trl-grpo", HF_GENERATE)]
+    cpu = [s for s in known if s not in ("marl-graph", "marl-cudagraph", "trl-grpo", HF_GENERATE)]
     return [s for s in cpu if s != "marl-unshared" or config.compare_sharing]
 
 

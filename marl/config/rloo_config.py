@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from marl.config.algorithms import algorithm_field, check_algorithm_settings, resolve_algorithm
 from marl.config.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
+from marl.config.capture import check_graph_capture, graph_capture_field
 from marl.config.checks import check_fields, check_seed
 from marl.config.device import device_field
 from marl.config.keep import check_keep_settings, fit_field, fit_memory_field, save_minutes_field
@@ -229,6 +230,7 @@ class RLOOConfig:
         default=0.7, metadata={"help": "Sampling temperature; log-probs use the same temperature."}
     )
     sampler: str | None = device_field("sampler")
+    graph_capture: str = graph_capture_field()
     response_length: int | None = algorithm_field("response_length")
     stop_token: str | None = field(
         default=None,
@@ -331,6 +333,7 @@ class RLOOConfig:
                 "Use e.g. --temperature 0.7",
             )
         check_stop_settings(self)
+        check_graph_capture(self)
         if self.normalize_reward and self.reward_clip_range <= 0:
             fail(f"reward_clip_range={self.reward_clip_range} must be > 0", "Use e.g. --reward_clip_range 10")
         check_reference_mode(self.reference)

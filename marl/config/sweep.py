@@ -119,6 +119,7 @@ SHARED_FIELDS: dict[str, str] = {
     "local_rollout_forward_batch_size": _DECODE + " and the same scoring passes, chunked alike",
     "temperature": _DECODE + " and scored at one temperature",
     "sampler": _DECODE,
+    "graph_capture": _DECODE,
     "response_length": _DECODE,
     "stop_token": _DECODE,
     "stop_token_id": _DECODE,

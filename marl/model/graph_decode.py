@@ -19,11 +19,12 @@ but every tensor the decode step reads has a FIXED shape and address:
 
 The decode step (the model call) can be compiled (``compile_step``): once per bucket, with the adapter view
 active when it is traced; the adapter weights are read where they live, so a policy updated in place by the
-optimizer needs no new compilation. Sampling stays OUTSIDE the compiled step: each step draws
-``torch.multinomial(softmax(logits / T), 1)`` over all rows of the chunk, finished ones included, exactly as
-``generate`` and the ``static`` decode consume the random stream: with the same seed and rows it draws the
-same tokens as they do (up to floating-point rounding of the logits, which a bucket of other size or a
-compiled kernel may change in the last bits).
+optimizer needs no new compilation. It can instead be captured as it is, eager, in plain CUDA graphs
+(:mod:`marl.model.captured_step`), one per bucket and cache length. Sampling stays OUTSIDE the compiled
+step: each step draws ``torch.multinomial(softmax(logits / T), 1)`` over all rows of the chunk, finished
+ones included, exactly as ``generate`` and the ``static`` decode consume the random stream: with the same
+seed and rows it draws the same tokens as they do (up to floating-point rounding of the logits, which a
+bucket of other size or a compiled kernel may change in the last bits).
 
 Example:
     >>> row_buckets(24)
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from marl.model.captured_step import CapturedStep
 from marl.model.generation import SamplingSettings
 from marl.model.records import BASE_VIEW
 from marl.model.routing import RowRoutes
@@ -150,7 +152,9 @@ class BucketedDecoder:
         peft_model: the model; the caller chooses the adapter view, eval mode and ``torch.no_grad``.
         max_rows: the most rows one call decodes (the sampler's rows per pass).
         compile_step: ``None`` (the step runs eager) or a function that compiles the decode step, e.g.
-            ``lambda step: torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)``.
+            ``lambda step: torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)``, or
+            captures it (:func:`marl.model.captured_step.capture_cuda_graphs`: plain CUDA graphs, dropped
+            with the buffers they read).
 
     Attributes:
         buckets: the row buckets, largest first.
@@ -187,9 +191,15 @@ class BucketedDecoder:
                 self.on_fallback(error)
             return self.eager_step(*inputs)
 
+    def _drop_buffers(self) -> None:
+        """Free the buffers (before allocating others); graphs captured over them are dropped first."""
+        if isinstance(self.compiled_step, CapturedStep):
+            self.compiled_step.forget()
+        self._buffers = None
+
     def _buffers_for(self, template: Any, length: int, device: torch.device) -> _Buffers:
         if self._buffers is None or self._buffers.length != length:
-            self._buffers = None  # free the old buffers before allocating the new ones
+            self._drop_buffers()
             config = self.peft_model.get_base_model().config
             self._buffers = _Buffers(config, template, self.buckets[0], length, device)
         return self._buffers
@@ -216,7 +226,8 @@ class BucketedDecoder:
         prompts, width = input_ids.shape
         rows, steps = prompts * copies, settings.max_new_tokens
         if rows > self.buckets[0]:  # more samples of one prompt than rows per pass: larger buckets
-            self.buckets, self._buffers = row_buckets(rows), None
+            self._drop_buffers()
+            self.buckets = row_buckets(rows)
         device = input_ids.device
         padded = width_bucket(width)
         input_ids = nn.functional.pad(input_ids, (padded - width, 0), value=settings.pad_token_id)

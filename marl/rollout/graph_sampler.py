@@ -15,9 +15,13 @@ reference.
 Which path it takes, logged once when it first samples (:attr:`GraphSampler.path`):
 
 - ``compiled+graphs``: a CUDA device; bf16, fp16, fp32, 4-bit and 8-bit bases alike;
-- ``eager``: a CPU (compiling the step there costs more than it saves), a model whose sliding-window cache
-  layers count their fill in a Python int (a compiled step would be compiled again at every token), or a
-  compilation that failed (its error is logged); the reference and base views always decode eager (the
+- ``eager+graphs``: a CUDA device with ``--graph_capture cuda_graphs``: the eager step captured in plain CUDA
+  graphs (:mod:`marl.model.captured_step`; seconds instead of a compilation, no fused kernels), each
+  capture's seconds logged; the rows of several policies (a sweep) decode with the static decode;
+- ``eager``: a CPU (compiling the step there costs more than it saves; CUDA graphs need a CUDA device), a
+  model whose sliding-window cache layers count their fill in a Python int (a compiled step would be
+  compiled again at every token, a captured one would read a stale count), or a compilation or capture that
+  failed (its error is logged); the reference and base views always decode eager (the
   compiled step is traced with the policy adapter active);
 - ``generate``: a model whose cache holds states other than attention keys and values (as ``static``);
 - ``static``: a base sharded over processes (``--parallelism fsdp2``), whose processes must keep running
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from marl.model.captured_step import CapturedStep, capture_cuda_graphs
 from marl.model.graph_decode import BucketedDecoder, compile_problem
 from marl.model.records import DEFAULT_POLICY
 from marl.model.static_decode import stacked_logprobs
@@ -73,13 +78,18 @@ class GraphSampler(StaticSampler):
         model: the multi-adapter model.
         tokenizer: its tokenizer.
         settings: a :class:`marl.rollout.samplers.SamplerSettings`.
-        compile_step: how the decode step is compiled: ``"auto"`` (:func:`capture_step` on CUDA, eager on a
-            CPU), ``None`` (eager) or a function of the step (e.g. ``torch.compile`` with another backend).
+        compile_step: how the decode step is compiled or captured: ``"auto"`` (on CUDA
+            ``settings.graph_capture``, eager on a CPU), ``"compile"`` (:func:`capture_step`),
+            ``"cuda_graphs"`` (plain CUDA graphs, :mod:`marl.model.captured_step`), ``None`` (eager) or a
+            function of the step (e.g. ``torch.compile`` with another backend).
 
     Attributes:
-        path: ``"compiled+graphs"``, ``"compiled"``, ``"eager"``, ``"static"`` or ``"generate"``.
+        path: ``"compiled+graphs"``, ``"eager+graphs"``, ``"compiled"``, ``"eager"``, ``"static"`` or
+            ``"generate"``.
         path_reason: why (logged once, when the sampler first samples).
         decoder: the bucketed decoder (``None`` on the ``static`` and ``generate`` paths).
+        capture_seconds: on the ``eager+graphs`` path, the seconds of each capture by (rows, cache length),
+            each also logged.
     """
 
     def __init__(
@@ -102,18 +112,24 @@ class GraphSampler(StaticSampler):
                 "stopped, which the static decode does"
             )
             return
-        cuda = model.device.type == "cuda"
-        if compile_step == "auto":
-            compile_step = capture_step if cuda else None
+        if compile_step == "auto":  # the user's --graph_capture on a GPU, eager on a CPU
+            compile_step = settings.graph_capture if model.device.type == "cuda" else None
+        plain = compile_step == "cuda_graphs"
+        compile_step = {"compile": capture_step, "cuda_graphs": capture_cuda_graphs(self._captured)}.get(
+            compile_step, compile_step
+        )
         from transformers import StaticCache
 
         problem = compile_problem(
             StaticCache(config=model.peft_model.get_base_model().config, max_cache_len=8)
         )
         if compile_step is None:
+            captured = settings.graph_capture == "cuda_graphs"
             self.path, self.path_reason = (
                 "eager",
-                problem or f"the decode step is not compiled on {model.device}",
+                problem
+                or f"the decode step is not {'captured' if captured else 'compiled'} on {model.device}"
+                + (" (CUDA graphs need a CUDA device)" if captured else ""),
             )
         elif problem is not None:
             compile_step, self.path, self.path_reason = None, "eager", problem
@@ -121,6 +137,12 @@ class GraphSampler(StaticSampler):
             self.path = "compiled+graphs"
             self.path_reason = (
                 "torch.compile(mode='reduce-overhead', fullgraph=True), one CUDA graph per bucket"
+            )
+        elif plain:
+            self.path = "eager+graphs"
+            self.path_reason = (
+                "the eager decode step captured in plain CUDA graphs (torch.cuda.CUDAGraph, no inductor), "
+                "one per row bucket and cache length"
             )
         else:
             self.path, self.path_reason = (
@@ -132,6 +154,14 @@ class GraphSampler(StaticSampler):
         )
         # a compiled step reads each row's adapter from a device buffer: only the stacked LoRA layers can
         self.stacked_routing = compile_step is not None or None
+        self.capture_seconds: dict[tuple[int, int], float] = {}  # (rows, cache length) -> seconds
+
+    def _captured(self, rows: int, length: int, seconds: float) -> None:
+        self.capture_seconds[(rows, length)] = seconds
+        logger.info(
+            "--sampler graph captured the decode step of %d rows at cache length %d in %.2f s",
+            rows, length, seconds,
+        )  # fmt: skip
 
     def _generate_routed(
         self, prompts: PromptBatch, k: int, view: str, policies: list[str]
@@ -139,7 +169,9 @@ class GraphSampler(StaticSampler):
         """Rows of several policies (a sweep): the compiled step, its LoRA layers stacked so that each slot
         reads its adapter from the decode's buffer; without a compiled step, the static decode."""
         decoder = self.decoder
-        if decoder is None or decoder.compiled_step is None:
+        # plain CUDA graphs are recorded for one view: rows of several adapters decode with the static decode
+        step = None if decoder is None else decoder.compiled_step
+        if step is None or isinstance(step, CapturedStep):
             return StaticSampler._generate(self, prompts, k, view, policies)
         if not self._logged_routing:
             self._logged_routing = True
@@ -157,9 +189,10 @@ class GraphSampler(StaticSampler):
         return self._in_chunks(prompts, k, view, sample_chunk, policies)
 
     def _compile_failed(self, error: BaseException) -> None:
+        doing = "capturing" if self.path == "eager+graphs" else "compiling"
         self.path, self.path_reason = (
             "eager",
-            f"compiling the decode step failed: {type(error).__name__}: {error}",
+            f"{doing} the decode step failed: {type(error).__name__}: {error}",
         )
         logger.warning("--sampler graph decodes eager from now on: %s", self.path_reason)
 

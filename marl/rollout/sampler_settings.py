@@ -13,6 +13,8 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from marl.config.capture import DEFAULT_GRAPH_CAPTURE
+
 
 @dataclass(frozen=True)
 class SamplerSettings:
@@ -30,6 +32,8 @@ class SamplerSettings:
         synced_processes: every process takes part in every forward pass (a sharded base): each keeps
             running them until the rows of every process have stopped
             (:class:`marl.model.generation.SamplingSettings`).
+        graph_capture: how ``--sampler graph`` captures its decode step on a GPU
+            (:mod:`marl.config.capture`); the other samplers capture nothing.
     """
 
     temperature: float
@@ -40,3 +44,4 @@ class SamplerSettings:
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     policy: str | None = None
     synced_processes: bool = False
+    graph_capture: str = DEFAULT_GRAPH_CAPTURE

@@ -161,6 +161,7 @@ def build_training_parts(
             autocast=parallelism.autocast,
             policy=policy,
             synced_processes=parallelism.shards_base,
+            graph_capture=config.graph_capture,
         ),
     )
     if config.vllm_importance_sampling_correction:  # a sampler may fall back to generate for this model

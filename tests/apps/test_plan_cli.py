@@ -80,7 +80,8 @@ def test_plan_says_on_stderr_which_plan_it_makes_and_stdout_holds_the_plan_alone
         f"marl plan: [1/1] planning the run as given ({config_folder})",
         "marl plan: chosen for the cpu device: bf16 off: a CPU computes in float32; fp16 off: a CPU "
         "computes in float32; gradient_checkpointing off: a CPU (activations sit in the machine's memory); "
-        "sampler static: a CPU (finished rows leave the decode every step); give a flag (e.g. --bf16 true) to choose otherwise",
+        "sampler static: a CPU (finished rows leave the decode every step); give a flag (e.g. --bf16 true) "
+        "to choose otherwise",
     ]
     main(["plan", "--model_name_or_path", config_folder, *FLAGS, "--compare"])
     err = [line for line in _progress(capsys.readouterr().err) if "chosen for the" not in line]

@@ -226,3 +226,47 @@ def test_training_with_the_graph_sampler_reproduces_the_static_sampler(tiny_llam
     assert metrics(graph) == metrics(static)
     adapter = "adapter_model.safetensors"
     assert (graph / adapter).read_bytes() == (static / adapter).read_bytes()
+
+
+def test_cuda_graphs_on_a_cpu_decode_eager_and_draw_the_tokens_of_the_default(family_dir):
+    model = load(family_dir, "llama")
+    tokenizer = AutoTokenizer.from_pretrained(family_dir("llama"))
+    settings = SamplerSettings(TEMPERATURE, 6, rows_per_pass=4, graph_capture="cuda_graphs")
+    sampler = GraphSampler(model, tokenizer, settings)
+    assert (sampler.path, sampler.decoder.compiled_step) == ("eager", None)
+    assert sampler.path_reason == "the decode step is not captured on cpu (CUDA graphs need a CUDA device)"
+    default = GraphSampler(model, tokenizer, SamplerSettings(TEMPERATURE, 6, rows_per_pass=4))
+    assert default.path_reason == "the decode step is not compiled on cpu"
+    prompts = sampler.batch([Prompt(tuple(row), "p") for row in PROMPT_ROWS])
+    torch.manual_seed(0)
+    drawn = sampler.sample(prompts, 2).response_ids
+    torch.manual_seed(0)
+    assert torch.equal(drawn, default.sample(prompts, 2).response_ids)
+
+
+def test_a_capture_that_fails_decodes_eager_and_logs_why(family_dir, caplog):
+    """Plain CUDA graphs asked for where torch has no CUDA: the capture really fails (no stand-in for it),
+    the sampler says so once and draws what the eager decode draws."""
+    model = load(family_dir, "llama")
+    tokenizer = AutoTokenizer.from_pretrained(family_dir("llama"))
+    settings = SamplerSettings(TEMPERATURE, 6, rows_per_pass=4)
+    captured = GraphSampler(model, tokenizer, settings, compile_step="cuda_graphs")
+    assert captured.path == "eager+graphs" and "torch.cuda.CUDAGraph" in captured.path_reason
+    eager = GraphSampler(model, tokenizer, settings, compile_step=None)
+    prompts = captured.batch([Prompt(tuple(row), "p") for row in PROMPT_ROWS])
+    with caplog.at_level(logging.INFO, logger="marl.rollout.graph_sampler"):
+        torch.manual_seed(0)
+        drawn = captured.sample(prompts, 2).response_ids
+    assert captured.path == "eager" and captured.path_reason.startswith("capturing the decode step failed: ")
+    assert captured.decoder.compiled_step is None and captured.capture_seconds == {}
+    warned = "--sampler graph decodes eager from now on: capturing the decode step failed: RuntimeError"
+    assert caplog.text.count(warned) == 1
+    torch.manual_seed(0)
+    assert torch.equal(drawn, eager.sample(prompts, 2).response_ids)
+
+
+def test_the_trainer_passes_graph_capture_to_the_graph_sampler(tiny_llama_dir, tmp_path):
+    config = tiny_config(tmp_path / "run", sampler="graph", graph_capture="cuda_graphs")
+    trainer = build(tiny_llama_dir, config)
+    assert trainer.sampler.settings.graph_capture == "cuda_graphs"
+    assert trainer.sampler.path == "eager" and "CUDA graphs need a CUDA device" in trainer.sampler.path_reason

@@ -1,8 +1,9 @@
 """The ``graph`` sampler on CUDA, what a CPU cannot show (marked ``cuda``; ``bash scripts/gpu-check.sh`` runs
-them): the decode step compiled with ``torch.compile(mode="reduce-overhead", fullgraph=True)`` and captured in
-CUDA graphs draws from the distribution the log-probs score while rows stop and are compacted, compiles once
-per bucket and never again when the LoRA weights change in place, in bf16 and fp16 and on 4-bit and 8-bit
-bases; and a training run samples on that path."""
+them): the decode step compiled with ``torch.compile(mode="reduce-overhead", fullgraph=True)`` and captured
+in CUDA graphs draws from the distribution the log-probs score while rows stop and are compacted, compiles
+once per bucket and never again when the LoRA weights change in place, in bf16 and fp16 and on 4-bit and
+8-bit bases; and a training run samples on that path. The same for the eager step captured in plain CUDA
+graphs (``--graph_capture cuda_graphs``), under autocast too."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from test_graph_sampler import assert_decode_samples_what_it_scores
 from test_static_sampler import load
 from torch._dynamo.utils import counters
 
+from marl.model.captured_step import CapturedStep, capture_cuda_graphs
 from marl.model.graph_decode import BucketedDecoder
 from marl.rollout.graph_sampler import capture_step
 
@@ -65,4 +67,41 @@ def test_a_bf16_run_with_the_graph_sampler_samples_on_cuda_graphs(tiny_llama_dir
     )
     history = trainer.train()
     assert trainer.sampler.path == "compiled+graphs", trainer.sampler.path_reason
+    assert all(torch.isfinite(torch.tensor(record["objective/rlhf_reward"])) for record in history)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "bf16-autocast"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_plain_cuda_graphs_sample_what_the_model_scores_before_and_after_an_in_place_update(
+    family, autocast, family_dir
+):
+    """The eager step captured in plain CUDA graphs: one capture per bucket decoded in, none after the LoRA
+    weights change in place, and the replays read the new weights (under autocast too, whose cache of cast
+    weights is off while recording)."""
+    model = load(family_dir, family, dtype=torch.bfloat16)
+    failures: list[BaseException] = []
+    decoder = BucketedDecoder(model.peft_model, 9, capture_cuda_graphs(), on_fallback=failures.append)
+    context = torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast)
+    with context:
+        assert_decode_samples_what_it_scores(model, family_dir, family, torch.bfloat16, decoder)
+    assert not failures and isinstance(decoder.compiled_step, CapturedStep), failures
+    captures = len(decoder.compiled_step.captures)
+    assert captures == len(decoder.steps_per_bucket), decoder.steps_per_bucket
+    with torch.no_grad():  # an optimizer step: in place
+        for name, parameter in model.peft_model.named_parameters():
+            if "lora_B" in name and ".policy." in name:
+                parameter.mul_(-1.5)
+    with context:
+        assert_decode_samples_what_it_scores(model, family_dir, family, torch.bfloat16, decoder)
+    assert not failures and len(decoder.compiled_step.captures) == len(decoder.steps_per_bucket) >= captures
+
+
+def test_a_bf16_run_with_graph_capture_cuda_graphs_samples_on_plain_cuda_graphs(tiny_llama_dir, tmp_path):
+    config = tiny_config(
+        tmp_path / "run", bf16=True, total_episodes=32, sampler="graph", graph_capture="cuda_graphs"
+    )
+    trainer = build(tiny_llama_dir, config)
+    history = trainer.train()
+    assert trainer.sampler.path == "eager+graphs", trainer.sampler.path_reason
+    assert trainer.sampler.capture_seconds and all(s > 0 for s in trainer.sampler.capture_seconds.values())
     assert all(torch.isfinite(torch.tensor(record["objective/rlhf_reward"])) for record in history)
