@@ -206,6 +206,14 @@ def test_sharing_is_passed_only_where_marl_has_the_switch(modules):
     assert sharing("marl", ("marl", "trl")) == {"share_prompt_prefix": None}
 
 
+def test_every_marl_system_names_its_sampler(modules):
+    """marl's default sampler is the device's (graph on a CUDA device): a system that did not name its own
+    would change what it measures with the card."""
+    vs_trl = modules["vs_trl"]
+    assert set(vs_trl.marl_systems()) <= set(vs_trl.MARL_SAMPLERS)
+    assert vs_trl.MARL_SAMPLERS["marl"] == vs_trl.MARL_SAMPLERS["marl-unshared"] == "static"
+
+
 def test_long_prompts_reach_their_length_with_whole_snippets(modules):
     setups = modules["setups"]
     snippets = [f"review number {i} says the film is fine" for i in range(40)]

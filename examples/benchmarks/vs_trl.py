@@ -113,8 +113,11 @@ def marl_systems() -> tuple[str, ...]:
 
 # marl sampling with transformers' compiled `generate` (hf_generate.py): the system and its sampler's name.
 HF_GENERATE = "hf-generate"
-# The sampler of each marl system that does not sample with marl's default.
+# The sampler of each marl system, named even where it is marl's default: the default is the device's
+# (graph on a CUDA device, static on a CPU: marl.config.device), and `marl` is the eager static decode.
 MARL_SAMPLERS = {
+    "marl": "static",
+    "marl-unshared": "static",
     "marl-generate": "transformers",
     "marl-graph": "graph",
     "marl-cudagraph": "graph",
@@ -359,7 +362,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
             save_steps=0,
             report_to=["none"],
             **sharing,
-            **({"sampler": MARL_SAMPLERS[job["system"]]} if job["system"] in MARL_SAMPLERS else {}),
+            sampler=MARL_SAMPLERS[job["system"]],
             **({"graph_capture": "cuda_graphs"} if job["system"] == "marl-cudagraph" else {}),
         )
         trainer = RLOOTrainer(
