@@ -100,8 +100,6 @@ def build_training_parts(
         >>> parts.sizes.num_total_batches, parts.parallelism.num_processes  # doctest: +SKIP
         (3, 1)
     """
-    # A config built in Python arrives with its device settings unset: chosen for the model's device.
-    resolve_device_settings(config, Device.named("cuda" if model.device.type == "cuda" else "cpu"))
     check_components(config)
     if judge is not None and (eval_dataset is None or config.num_sample_generations == 0):
         raise ConfigError(
@@ -113,6 +111,8 @@ def build_training_parts(
                 f"{what} {function!r} is not a function: a judge is called as judge(texts) -> scores, a "
                 "callback as callback(state, metrics) (not transformers.TrainerCallback objects)"
             )
+    # A config built in Python arrives with its device settings unset: chosen for the model's device.
+    resolve_device_settings(config, Device.named("cuda" if model.device.type == "cuda" else "cpu"))
     # On CPU torch's threads follow the free cores by default (config.threads), after every update and, at
     # the forward passes (every one runs the input embeddings), every second within it.
     governor = apply_threads(config.threads, model.device.type)
