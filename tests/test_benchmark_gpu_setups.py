@@ -79,7 +79,7 @@ def test_gpu_setups_parse_to_the_issue_shapes_and_systems(modules):
 
 
 @pytest.mark.slow
-def test_a_dry_run_of_the_gpu_setup_runs_every_system_without_a_bundled_package(tmp_path):
+def test_a_dry_run_of_the_gpu_setup_runs_every_system_without_a_bundled_package(modules, tmp_path):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(_BLOCKER)
     environment = dict(os.environ, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{ROOT}")
@@ -89,7 +89,7 @@ def test_a_dry_run_of_the_gpu_setup_runs_every_system_without_a_bundled_package(
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((tmp_path / "work" / "report.json").read_text())
     runs = report["setups"]["gpu-0.5b"]["blocks"]["none"]["runs"]
-    assert [run["system"] for run in runs] == ["marl-graph", "marl", "marl-generate", "trl", "trl-grpo"]
+    assert [run["system"] for run in runs] == list(modules["setups"].GPU_SYSTEMS)
     assert all(run["result"]["sampling_tokens_per_s"] > 0 for run in runs)
     assert runs[0]["result"]["sampler_path"] == "eager"  # on a CPU; compiled+graphs on CUDA
     markdown = (tmp_path / "work" / "dry-run-gpu-0.5b.md").read_text()

@@ -259,6 +259,8 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
     cache = {"cache_implementation": config.cache_implementation} if config.cache_implementation else {}
     if job["system"] == "trl-grpo-cb":
         cache = {"use_transformers_continuous_batching": True}
+        if config.device == "cpu":  # sized from the free memory, its paged cache takes gigabytes on a CPU
+            cache["transformers_continuous_batching_config"] = {"max_memory_percent": 0.01}
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as output_dir:
         args = config_class(
             output_dir=output_dir,

@@ -322,6 +322,7 @@ CASES = [
     Case(RLOO, ["--loss_type", "ppo"], r"--loss_type 'ppo' is not a policy loss"),
     Case(RLOO, ["--importance_sampling_level", "sequence"], r"applies to token-level losses"),
     Case(RLOO, ["--vllm_importance_sampling_mode", "token_clip"], r"'token_clip' is not one of \('token_"),
+    Case(RLOO, ["--graph_capture", "cuda_graphs", "--sampler", "static"], r"applies to --sampler graph only"),
     Case(
         RLOO,
         ["--vllm_importance_sampling_clip_min", "3", "--vllm_importance_sampling_clip_max", "2"],

@@ -45,7 +45,9 @@ def test_a_demo_sweep_of_one_is_the_demo_and_a_grid_is_ranked(tmp_path):
     assert completions(run, "policy") == completions(tmp_path / "one", "seed=0")
     assert completions(run, "base") == completions(tmp_path / "one", "base")
 
-    grid_words = [*SHORT, "--total_episodes", "8", "--sweep", "learning_rate=3e-3,1e-3"]  # one update
+    # one update, the on-topic weight given: the grid's measurement would repeat the one compared above
+    grid_words = [*SHORT, "--total_episodes", "8", "--topic_weight", "0.4"]
+    grid_words += ["--sweep", "learning_rate=3e-3,1e-3"]
     grid = demo_main([*grid_words, "--output_dir", str(tmp_path / "grid")])
     names = ["learning_rate=3e-3", "learning_rate=1e-3"]
     for name, rate in zip(names, (3e-3, 1e-3), strict=True):
