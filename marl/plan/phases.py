@@ -10,6 +10,8 @@ hold at once: the working set of that phase, above the weights and the training 
 - **scoring**: one chunk of rows through the policy (then the reference) with no gradient, each prompt once
   when packed, the LM head and log-softmax per chunk of positions; and the reward adapter's pass (the
   backbone and a score head, no LM head);
+- **graph sampler's buffers** (``--sampler graph``): the key/value buffers of its largest row bucket, kept
+  from its first sampling call to the end of the run (its captured steps read them), so held in every phase;
 - **update**: one micro-batch forward with gradients, its log-probs and entropies, a loss, the backward
   pass (with gradient checkpointing when the run has it), the LoRA gradients it leaves.
 
@@ -38,6 +40,7 @@ from torch import nn
 
 from marl.model.families import LogitHead, backbone
 from marl.model.generation import cache_argument
+from marl.model.graph_decode import row_buckets, width_bucket
 from marl.model.logprobs import logprobs_from_hidden
 from marl.model.packing import pack_rows
 from marl.model.static_decode import _repeat_rows
@@ -316,6 +319,44 @@ def sampling_peak(model: nn.Module, shapes: PhaseShapes, shared_prefill: bool = 
         torch.softmax(step[:, -1].float() / shapes.temperature, dim=-1)
         del cache, mask, completions
     return live.peak
+
+
+def decode_cache_bytes(model: nn.Module, rows: int, length: int) -> int:
+    """Bytes of the keys and values a ``StaticCache`` of ``rows`` rows and ``length`` positions holds, as the
+    model fills it (its layers' dtypes and shapes, sliding-window layers shorter)."""
+    from transformers import StaticCache
+
+    device = _device(model)
+    cache = StaticCache(config=model.get_base_model().config, max_cache_len=length)
+    with torch.no_grad():
+        model(
+            input_ids=_zeros(device, rows, 1),
+            attention_mask=_cache_mask(model, rows, 1, length),
+            position_ids=_zeros(device, rows, 1),
+            **cache_argument(model, cache),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return sum(
+        tensor.numel() * tensor.element_size()
+        for layer in cache.layers
+        for tensor in (layer.keys, layer.values)
+    )
+
+
+def graph_buffer_bytes(model: nn.Module, shapes: PhaseShapes) -> tuple[int, int]:
+    """The ``graph`` sampler's key/value buffers (:class:`marl.model.graph_decode.BucketedDecoder`): the
+    bytes it keeps for the run, and those beyond the cache of :func:`sampling_peak`'s rows (its largest
+    bucket rounds the rows of a pass up to a power of two, its cache length the prompt width).
+
+    Example:
+        >>> kept, beyond = graph_buffer_bytes(model, shapes)  # doctest: +SKIP
+    """
+    rows = shapes.prompts_per_pass * shapes.rloo_k
+    bucket = row_buckets(max(shapes.rows_per_pass, rows))[0]
+    length = width_bucket(shapes.prompt_length) + shapes.response_length
+    kept = decode_cache_bytes(model, bucket, length)
+    return kept, max(0, kept - decode_cache_bytes(model, rows, shapes.prompt_length + shapes.response_length))
 
 
 def scoring_peak(

@@ -58,6 +58,7 @@ from marl.plan.phases import (
     as_under_autocast,
     autocast_dtype,
     autocast_weight_copies,
+    graph_buffer_bytes,
     logit_head_of,
     quantize_stand_in,
     sampling_peak,
@@ -197,6 +198,13 @@ def plan_memory(
         update = update_peak(
             peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
         )
+        # the graph sampler keeps its bucket's buffers for the run (a sharded base decodes with the static
+        # sampler's loop, marl.rollout.graph_sampler)
+        graph_buffers = (0, 0)
+        if system == "marl" and config.sampler == "graph" and config.parallelism != "fsdp2":
+            graph_buffers = graph_buffer_bytes(peft_model, sampling_shapes)
+    held = {"graph sampler's buffers": graph_buffers[0]} if graph_buffers[0] else {}
+    beyond = {"graph sampler's bucket rounding": graph_buffers[1]} if graph_buffers[1] else {}
     common = {"resident": sum(resident.values()), **gathered_layer_bytes(base, shards)}
     copies = autocast_weight_copies(policy_parameters * sweep.policies, autocast)
     runtime = {"runtime": target.runtime_bytes}
@@ -209,14 +217,28 @@ def plan_memory(
     load = load_extra_bytes(model_config, base, quantization, target, base_parameters)
     phases = [
         PhasePlan("load", {"base weights": resident["base weights"], **load, **runtime}),
-        PhasePlan("sampling", {**common, "KV cache + sampling": sampling, **copies, **runtime}),
+        PhasePlan("sampling", {**common, "KV cache + sampling": sampling, **beyond, **copies, **runtime}),
         PhasePlan(
             "scoring",
-            {**common, "activations + log-softmax (no grad)": scoring, **copies, **records, **runtime},
+            {
+                **common,
+                "activations + log-softmax (no grad)": scoring,
+                **held,
+                **copies,
+                **records,
+                **runtime,
+            },
         ),
         PhasePlan(
             "update",
-            {**common, "activations + gradients (micro-batch)": update, **update_parts, **records, **runtime},
+            {
+                **common,
+                "activations + gradients (micro-batch)": update,
+                **held,
+                **update_parts,
+                **records,
+                **runtime,
+            },
         ),
     ]
     settings = {
