@@ -74,9 +74,9 @@ def check_components(config: RLOOConfig) -> None:
     """
     check_algorithm(config)  # the estimator's name, the loss and their combinations
     # an unset sampler is the device's (marl.config.device): every one of those is checked
-    for name in (
-        [config.sampler] if config.sampler is not None else sorted(set(map(device_sampler, DEVICE_TYPES)))
-    ):
+    unset = sorted({device_sampler(device_type) for device_type in DEVICE_TYPES})
+    names = [config.sampler] if config.sampler is not None else unset
+    for name in names:
         factory = get_sampler(name)
         if config.vllm_importance_sampling_correction:  # the sampler correction reads the sampler's log-probs
             check_keeps_logprobs(name, factory)
