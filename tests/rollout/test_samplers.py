@@ -9,7 +9,9 @@ import torch
 from marl import RLOOConfig
 from marl.errors import ConfigError
 from marl.rollout.samplers import SAMPLERS, SamplerSettings, get_sampler, register_sampler
+from marl.rollout.static_sampler import StaticSampler
 from marl.rollout.transformers_sampler import TransformersSampler
+from marl.train.build import check_components
 
 from support.runs import build, tiny_config
 
@@ -88,3 +90,23 @@ def test_skipped_optimizer_steps_do_not_notify_the_sampler(tiny_llama_dir, tmp_p
         trainer.train()
     assert trainer.state.skipped_optimizer_steps == 4
     assert len(trainer.sampler.sampled) == 1 and trainer.sampler.notified == []
+
+
+class OutsideStaticSampler(StaticSampler):
+    """A sampler registered from outside the package that keeps the log-probs it draws with (it inherits
+    ``keeps_logprobs = True`` with the static decode)."""
+
+
+def test_the_sampler_correction_takes_a_registered_sampler_only_if_it_keeps_its_log_probs(
+    tiny_llama_dir, tmp_path, counting_sampler
+):
+    correction = dict(algorithm="grpo", vllm_importance_sampling_correction=True)
+    with pytest.raises(ConfigError, match=r"--sampler 'counting' keeps none.*set keeps_logprobs = True"):
+        check_components(RLOOConfig(sampler=counting_sampler, **correction))
+    register_sampler("outside-static", OutsideStaticSampler)
+    try:
+        config = tiny_config(tmp_path / "run", total_episodes=16, sampler="outside-static", **correction)
+        history = build(tiny_llama_dir, config).train()
+    finally:
+        del SAMPLERS["outside-static"]
+    assert history[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
