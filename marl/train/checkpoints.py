@@ -269,7 +269,7 @@ class Checkpoint:
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     rng: dict[str, Any]
-    scaler: dict[str, Any] | None  # None: written by a run without a loss scaler, or before marl saved it
+    scaler: dict[str, Any] | None  # None: the checkpoint holds no scaler state (written without one)
 
 
 def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
@@ -316,7 +316,7 @@ def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
 def restore_loss_scaler(saved: Checkpoint, scaler: Any) -> None:
     """Give ``scaler`` (``accelerator.scaler``; ``None`` outside fp16) the loss-scaler state of ``saved``.
 
-    A checkpoint without one (written before marl saved it, or by a bf16/fp32 run) resumes with a warning:
+    A checkpoint without one (written without a loss scaler, e.g. by a bf16/fp32 run) resumes with a warning:
     the scale restarts at its initial value, so the first steps may overflow and be skipped until it has
     come down again. A checkpoint's scaler state is unused by a run without a scaler.
     """
