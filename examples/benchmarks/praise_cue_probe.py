@@ -4,7 +4,7 @@ A reward trained on pairs the base writes both sides of (asked one way for the c
 the rejected) can only learn sentiment if the two requests change the sentiment of what the base writes. This
 probe continues the openings of the ``reward`` movies' snippets
 (``marl.data.assets.split_rotten_tomatoes(0)``, the movies the reward pairs come from, not the RL or held-out
-prompts) under each request, sampled as the pairs are (``marl.train.continuations.model_continuer``), and
+prompts) under each request, sampled as the pairs are (``marl.train.reward_training.model_continuer``), and
 scores opening + continuation with VADER: the mean, and how often one request's text beats another's for the
 same opening (ties count half).
 
@@ -48,7 +48,7 @@ def main() -> None:
     from marl.data import assets
     from marl.data.gold_judge import gold_judge_scores
     from marl.data.topic_pairs import shuffled_snippet_rows
-    from marl.train.continuations import model_continuer
+    from marl.train.reward_training import model_continuer
 
     rows = shuffled_snippet_rows(assets.split_rotten_tomatoes(seed=0)["reward"], OPENING_WORDS, 0)
     rows = rows[: arguments.openings]

@@ -12,7 +12,7 @@ trained on them pays for what the base writes when it praises a film against wha
 one, in the register a policy starts from.
 
 The model's text comes from a ``continue_like(openings, continuations, instruction=...)`` function
-(:func:`marl.train.continuations.model_continuer`). No text is written by hand.
+(:func:`marl.train.reward_training.model_continuer`). No text is written by hand.
 """
 
 from __future__ import annotations

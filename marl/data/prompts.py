@@ -179,9 +179,9 @@ def rotten_tomatoes_prompts(
 def rotten_tomatoes_warm_start(
     num_words: int = 4, seed: int = 0, label: int | None = None
 ) -> datasets.Dataset:
-    """Warm-start examples for the bundled prompts (:mod:`marl.train.warm_start`): each snippet of the ``rl``
-    movies, the movies of the ``train`` prompts, split into its first ``num_words`` words (``prompt``) and
-    the rest (``completion``). ``label`` keeps only rotten (0) or fresh (1) snippets; ``None`` keeps both.
+    """Warm-start examples for the bundled prompts (:mod:`marl.train.trl_trainers`): each snippet of the
+    ``rl`` movies, the movies of the ``train`` prompts, split into its first ``num_words`` words (``prompt``)
+    and the rest (``completion``). ``label`` keeps only rotten (0) or fresh (1) snippets; ``None`` keeps both.
     The held-out movies' snippets are never among them.
 
     Example:

@@ -24,7 +24,7 @@ told it is writing, not in who wrote them. Both sides are sampled with the same 
 noise differs as little as it can between them.
 
 The models' text comes from ``continue_like`` functions (``marl train-reward`` passes ones that sample the
-base it trains on and the policy of ``--drifted_policy``, :mod:`marl.train.continuations`). No text is
+base it trains on and the policy of ``--drifted_policy``, :mod:`marl.train.reward_training`). No text is
 written by hand.
 """
 

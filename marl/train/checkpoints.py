@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from marl.errors import CheckpointError, MissingPathError
 from marl.model.adapters import SAFETENSORS_WEIGHTS_NAME
-from marl.train import sharding
+from marl.train import parallel
 from marl.train.run_dir import (
     CONFIG_FILE,
     TRAINER_STATE_FILE,
@@ -164,8 +164,8 @@ def save_checkpoint(
     import torch
 
     staging = staging_folder(output_dir, update)
-    adapter_state = sharding.full_policy_state(model, policy)  # gathers the shards: every process
-    per_process = sharding.is_distributed(model.policy_parameters(policy))
+    adapter_state = parallel.full_policy_state(model, policy)  # gathers the shards: every process
+    per_process = parallel.is_distributed(model.policy_parameters(policy))
     if parallelism.is_main_process:
         write_checkpoint(
             staging,
@@ -180,7 +180,7 @@ def save_checkpoint(
     parallelism.wait()
     write_rng_state(staging, parallelism.process_index)
     if per_process:
-        local = sharding.local_optimizer_state(optimizer.state_dict())
+        local = parallel.local_optimizer_state(optimizer.state_dict())
         torch.save(local, staging / optimizer_file(parallelism.process_index))
     parallelism.wait()
     if parallelism.is_main_process:
@@ -210,11 +210,11 @@ def load_checkpoint(
         planned=planned,
         adapter_shapes={key: tuple(tensor.shape) for key, tensor in policy_state.items()},
     )
-    sharding.load_policy_state(model, policy, saved.adapter)
+    parallel.load_policy_state(model, policy, saved.adapter)
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    if sharding.is_distributed(parameters):
+    if parallel.is_distributed(parameters):
         check_optimizer_shards(saved, parameters)
-        optimizer.load_state_dict(sharding.distributed_optimizer_state(saved.optimizer, parameters))
+        optimizer.load_state_dict(parallel.distributed_optimizer_state(saved.optimizer, parameters))
     else:
         optimizer.load_state_dict(saved.optimizer)
     scheduler.load_state_dict(saved.scheduler)
@@ -269,7 +269,7 @@ class Checkpoint:
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     rng: dict[str, Any]
-    scaler: dict[str, Any] | None  # None: written by a run without a loss scaler, or before marl saved it
+    scaler: dict[str, Any] | None  # None: the checkpoint holds no scaler state (written without one)
 
 
 def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
@@ -316,7 +316,7 @@ def read_checkpoint(path: Path, process_index: int, device: Any) -> Checkpoint:
 def restore_loss_scaler(saved: Checkpoint, scaler: Any) -> None:
     """Give ``scaler`` (``accelerator.scaler``; ``None`` outside fp16) the loss-scaler state of ``saved``.
 
-    A checkpoint without one (written before marl saved it, or by a bf16/fp32 run) resumes with a warning:
+    A checkpoint without one (written without a loss scaler, e.g. by a bf16/fp32 run) resumes with a warning:
     the scale restarts at its initial value, so the first steps may overflow and be skipped until it has
     come down again. A checkpoint's scaler state is unused by a run without a scaler.
     """

@@ -70,7 +70,7 @@ def checkpoint_name(update: int) -> str:
 def finished_line(output_dir: str | Path, policy: str, curves: str) -> str:
     """The last line of a finished run: where its policy adapter (a PEFT folder, loadable with
     ``PeftModel.from_pretrained(base, output_dir)``) is, and ``curves``: where its training curves are, or
-    why they were not drawn (:func:`marl.train.plotting.training_curves_note`).
+    why they were not drawn (:func:`marl.train.curves.training_curves_note`).
 
     Example:
         >>> finished_line("runs/a", "policy", "training curves in runs/a/training_curves.png")

@@ -67,10 +67,10 @@ from marl.rollout.records import Rollout
 from marl.rollout.samplers import get_sampler
 from marl.train import run_dir
 from marl.train.checkpoints import rng_state
+from marl.train.curves import finish_sweep
 from marl.train.phase_guard import PolicySnapshot, guard_for, restore_all
 from marl.train.progress import progress_description
 from marl.train.reward_state import reward_trainer_state
-from marl.train.sweep_report import finish_sweep
 from marl.train.trainer import PROCESS_SEED_STRIDE, RLOOTrainer
 from marl.train.update import UpdatePart, run_together
 
@@ -346,7 +346,7 @@ class SweepTrainer:
         """Train every policy until ``num_total_batches`` updates are done; returns each member's logged
         metric dicts by name. ``resume_from_checkpoint=True`` resumes every policy from the sweep's latest
         common checkpoint; ``overwrite_output_dir`` replaces the runs in the members' folders. At the end a
-        table of the members is printed and their curves drawn (:mod:`marl.train.sweep_report`).
+        table of the members is printed and their curves drawn (:mod:`marl.train.curves`).
 
         Example:
             >>> histories = trainer.train()  # doctest: +SKIP

@@ -58,8 +58,8 @@ from marl.rollout.prompts import prompts_for_update
 from marl.rollout.records import Rollout
 from marl.train import checkpoints, run_dir
 from marl.train.build import build_training_parts
+from marl.train.curves import training_curves_note
 from marl.train.phase_guard import PolicySnapshot, guard_for
-from marl.train.plotting import training_curves_note
 from marl.train.progress import progress_description, progress_postfix
 from marl.train.reward_state import reward_function_metrics, reward_trainer_state
 from marl.train.sample_tables import sample_table

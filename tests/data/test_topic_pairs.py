@@ -24,7 +24,7 @@ from marl.data.topic_pairs import (
     topic_pair_parts,
 )
 from marl.model.multi_adapter import MultiAdapterModel
-from marl.train.continuations import MAX_SAMPLED_TOKENS, model_continuer
+from marl.train.reward_training import MAX_SAMPLED_TOKENS, model_continuer
 
 
 def reviews():

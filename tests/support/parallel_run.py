@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.model.memory import stored_bytes
 from marl.rollout.records import Rollout, Samples
-from marl.train import sharding
+from marl.train import parallel
 
 PROMPTS, K = 4, 2
 
@@ -97,13 +97,13 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, opt
     with model.policy():
         new = trainer.scorer.completion_logprobs(rollout, None)
     trainer.parallelism.backward(-(new.sum(dim=1) * advantages).mean())
-    gradient = torch.cat([sharding.full(p.grad).flatten() for p in trainer.policy_parameters])
+    gradient = torch.cat([parallel.full(p.grad).flatten() for p in trainer.policy_parameters])
     trainer.optimizer.zero_grad(set_to_none=True)
     model.eval()
 
     for update in (1, 2):
         trainer.policy_update.run(rollout, advantages, update=update)
-    adapter = sharding.full_policy_state(model, trainer.policy)
+    adapter = parallel.full_policy_state(model, trainer.policy)
     peft_model = model.peft_model
     report = {
         "world": trainer.parallelism.num_processes,

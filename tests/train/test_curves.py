@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from marl.algo.shaping import shape_rewards
-from marl.train.plotting import RLHF_METRIC, logged_panels, plot_training_curves, run_settings_of
+from marl.train.curves import RLHF_METRIC, logged_panels, plot_training_curves, run_settings_of
 from marl.train.run_dir import METRICS_FILE, write_run_config
 
 from support.tiny import tiny_rloo_config
@@ -83,7 +83,7 @@ def test_without_the_runs_settings_the_panel_does_not_claim_a_placement(tmp_path
 
 
 def test_panel_titles_of_several_reward_sources_do_not_run_into_each_other():
-    from marl.train.plotting import pyplot, source_names, training_curves_figure
+    from marl.train.curves import pyplot, source_names, training_curves_figure
 
     names = ["length_of_the_completion", "politeness_of_the_reply", "accuracy_against_the_answer"]
     records = [

@@ -23,9 +23,9 @@ from marl.apps.cli import parse_train_rloo_args, train_rloo_main
 from marl.config.sweep import parse_sweep
 from marl.errors import ConfigError
 from marl.rollout.scoring import Scorer
+from marl.train.curves import CURVES_FILE, SUMMARY_FILE
 from marl.train.phase_guard import is_measurement
 from marl.train.sweep import SweepTrainer, build_sweep_model
-from marl.train.sweep_report import CURVES_FILE, SUMMARY_FILE
 from marl.train.trainer import RLOOTrainer
 from marl.train.update import UpdatePart, accumulate
 

@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent(
     import datasets, torch
     from transformers import AutoTokenizer
     from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
-    from marl.train import sharding
+    from marl.train import parallel
 
     torch.set_num_threads(1)
     model_dir, output_dir = sys.argv[1], sys.argv[2]
@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
     prompts = datasets.Dataset.from_dict({"prompt": [f"prompt number {i}" for i in range(16)]})
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=reward_fn)
     trainer.train()
-    weights = torch.cat([sharding.full(p).detach().flatten() for p in model.policy_parameters()])
+    weights = torch.cat([parallel.full(p).detach().flatten() for p in model.policy_parameters()])
     report = {"rank": rank, "world": trainer.accelerator.num_processes, "prompts": sorted(set(seen)),
               "weights": weights.tolist(), "episode": trainer.episode, "lengths": lengths}
     with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
@@ -115,7 +115,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     from marl.algo.losses import clipped_policy_loss
     from marl.algo.shaping import shape_rewards
     from marl.algo.tensors import masked_sum
-    from marl.train import sharding
+    from marl.train import parallel
     from marl.rollout.records import Rollout, Samples
 
     torch.set_num_threads(1)
@@ -158,7 +158,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
         new = masked_sum(new_logprobs, rollout.response_mask)
         # the gradients are averaged over processes in the backward pass
         trainer.parallelism.backward(clipped_policy_loss(new, new.detach(), advantages, 0.2).loss)
-        return [sharding.full(parameter.grad) for parameter in trainer.policy_parameters]
+        return [parallel.full(parameter.grad) for parameter in trainer.policy_parameters]
 
     def flat(gradients):
         return torch.cat([g.flatten() for g in gradients])

@@ -1,5 +1,5 @@
 """The demo's starting policy: a LoRA first fine-tuned on what positive critics wrote about the RL prompts'
-movies (the supervised step of the classic RLHF recipe, :mod:`marl.train.warm_start`), which RLOO then
+movies (the supervised step of the classic RLHF recipe, :mod:`marl.train.trl_trainers`), which RLOO then
 trains against the reward adapters with a frozen copy of it as the KL reference.
 
 Started from a fresh LoRA instead (``--warm_start_epochs 0``), the policy finds the reward adapter's taste
@@ -53,7 +53,7 @@ def warm_start_demo_policy(
     length, on the 4-bit embedded base; saved in ``output_dir/warm-start``, whose path it returns."""
     from marl.data.assets import EMBEDDED_MODEL_ID
     from marl.data.prompts import rotten_tomatoes_warm_start
-    from marl.train.warm_start import warm_start_policy
+    from marl.train.trl_trainers import warm_start_policy
 
     log("[bold]2/4[/bold] warm-starting the policy LoRA on critics' text (supervised)")
     folder = output_dir / WARM_START_FOLDER

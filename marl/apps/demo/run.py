@@ -67,7 +67,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from marl.model.build import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import load_judge
-    from marl.train.plotting import plot_training_curves
+    from marl.train.curves import plot_training_curves
     from marl.train.run_dir import CURVES_FILE, METRICS_FILE
     from marl.train.trainer import RLOOTrainer
 

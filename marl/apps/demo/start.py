@@ -95,7 +95,7 @@ def start_demo(arguments: DemoArguments, console: Any, sweep_names: list[str] | 
     adds) and the warm start when asked."""
     from marl.data.gold_judge import check_gold_judge
     from marl.data.prompts import rotten_tomatoes_prompts
-    from marl.train.plotting import pyplot
+    from marl.train.curves import pyplot
     from marl.train.run_dir import plan_start
 
     output_dir = Path(arguments.output_dir) if arguments.output_dir else _default_output_dir()

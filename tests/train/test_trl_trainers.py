@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from marl.config.model import policy_lora_config
 from marl.data.prompts import tokenize_prompt
 from marl.model.multi_adapter import MultiAdapterModel
-from marl.train.warm_start import tokenized_examples, warm_start_policy
+from marl.train.trl_trainers import tokenized_examples, warm_start_policy
 
 EXAMPLES = datasets.Dataset.from_dict(
     {
