@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from marl.config.keep import micro_batch_changes_the_loss
+from marl.config.batch_sizes import micro_batch_changes_the_loss
 from marl.errors import ConfigError
 from marl.model.memory import format_bytes
 from marl.plan.advice import advise
