@@ -51,8 +51,8 @@ DEVICE_FIELDS = ("bf16", "fp16", "gradient_checkpointing", "sampler")
 DEVICE_TYPES = ("cuda", "cpu")
 # The sampler of each device type when --sampler is not given, and why (the module's docstring says more).
 DEVICE_SAMPLERS = {
-    "cuda": ("graph", "a CUDA device (the decode step replayed from CUDA graphs: about 3x the episodes/s of "
-             "static on an H200; its first sampling call compiles)"),
+    "cuda": ("graph", "a CUDA device (the decode step replayed from CUDA graphs, without the kernel launches "
+             "that bound a small decode step; its first sampling call compiles)"),
     "cpu": ("static", "a CPU (finished rows leave the decode every step)"),
 }  # fmt: skip
 # The help texts of the fields, here beside the rule they describe.
