@@ -55,8 +55,7 @@ def words(work: Path, model: str, shape: tuple, output: str, *extra: str) -> lis
 
 def plan_of(arguments: list[str], device: str, prompt_tokens: int, **changes):
     from marl.apps.cli import parse_train_rloo_args
-    from marl.plan.planner import load_model_config, plan_memory, with_changes
-    from marl.plan.records import PlanTarget
+    from marl.plan.planner import PlanTarget, load_model_config, plan_memory, with_changes
 
     _, config = parse_train_rloo_args(arguments)
     config = with_changes(config, **changes)

@@ -57,7 +57,7 @@ def main() -> None:
     from marl.config import RLOOConfig
     from marl.model.memory import format_bytes
     from marl.plan import PlanTarget, plan_memory
-    from marl.plan.records import CUDA_RUNTIME_BYTES
+    from marl.plan.planner import CUDA_RUNTIME_BYTES
 
     transformers.logging.set_verbosity_error()
     target = PlanTarget(device="cuda", prompt_length=PROMPT_LENGTH)
@@ -69,7 +69,7 @@ def main() -> None:
         "**Predictions, not measurements.** marl's planner (`marl plan`), validated against measured peaks",
         "on CPU (`*-memory-plan.md`) and on one GPU for 0.5B and 1.5B shapes (`*-memory-plan-cuda.md`);",
         "TRL's RLOOTrainer with a `peft_config` and PPO with four models are the same planner's models of",
-        "those systems (`marl/plan/systems.py`), never run here. One CUDA GPU, bf16 mixed precision, NF4",
+        "those systems (`marl/plan/phases.py`), never run here. One CUDA GPU, bf16 mixed precision, NF4",
         f"base, k = {JOB['rloo_k']}, {PROMPT_LENGTH}-token prompts, {JOB['response_length']}-token",
         f"completions, {JOB['per_device_train_batch_size']} completions per micro-batch and per sampling",
         "chunk, LoRA r = 16 on every linear layer, one reward LoRA; the CUDA runtime counted as "

@@ -18,7 +18,7 @@ from marl.errors import ConfigError
 
 if TYPE_CHECKING:
     from marl.config.rloo_config import RLOOConfig
-    from marl.plan.records import MemoryPlan
+    from marl.plan.planner import MemoryPlan
 
 
 @dataclass
@@ -54,7 +54,7 @@ class PlanArguments:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        from marl.plan.records import DEVICES
+        from marl.plan.planner import DEVICES
 
         if self.device not in DEVICES:
             raise ConfigError(
@@ -72,10 +72,8 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
     line on stderr says which plan is being made, numbered against those of its kind."""
     from marl.config.device import Device, describe_choices, resolve_device_settings
     from marl.model.memory import format_bytes
-    from marl.plan.advice import advise
-    from marl.plan.planner import load_model_config, plan_memory
-    from marl.plan.records import PlanTarget
-    from marl.plan.report import advice_text
+    from marl.plan.advice import advice_text, advise
+    from marl.plan.planner import PlanTarget, load_model_config, plan_memory
 
     # The run's own defaults for that device (train-rloo chooses the same on it), unless given.
     chosen = resolve_device_settings(config, Device.named(arguments.device))

@@ -5,9 +5,9 @@ Every field a preset sets defaults to ``None`` ("unset") in :class:`marl.RLOOCon
 command line, in the ``--config`` YAML file or in Python is therefore told apart from a default, and wins.
 :func:`resolve_algorithm` (run when the config is built) fills every unset field from the preset, then the
 defaults that follow from the loss: ``importance_sampling_level="token"`` and ``use_bias_correction_kl=True``
-(TRL 1.16's defaults) for a token-level loss. After that the config holds concrete values, as it always did:
-``dataclasses.replace(config, algorithm=...)`` keeps them (they now count as given); build a new config to
-switch presets. ``scale_rewards`` is taken from a preset only with that preset's own estimator.
+(TRL 1.16's defaults) for a token-level loss. After that the config holds concrete values, which
+``dataclasses.replace(config, algorithm=...)`` keeps as given: build a new config to switch presets.
+``scale_rewards`` is taken from a preset only with that preset's own estimator.
 
 =============  ==============  ===========  ==================================================================
 algorithm      estimator       loss_type    other settings (TRL field names where TRL has the setting)

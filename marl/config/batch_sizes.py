@@ -1,8 +1,11 @@
-"""The batch arithmetic of an RLOO run: how many completions, prompts and optimizer steps one update holds.
+"""The batch arithmetic of an RLOO run (how many completions, prompts and optimizer steps one update holds)
+and ``--fit`` (the batch settings that only decide memory, chosen from the plan before the model loads).
 
 Part of the settings (:mod:`marl.config`, which re-exports :class:`BatchSizes`): pure integer arithmetic
 on the batch fields of a config, written once for the checks made when the config is built and for the sizes
-the trainer derives for a number of processes and a dataset.
+the trainer derives for a number of processes and a dataset; the ``fit`` fields and their checks (the choice
+is :mod:`marl.plan.fit`'s), and which batch settings only decide memory (what an out-of-memory retry and
+``--fit`` may change).
 
 Example:
     >>> from types import SimpleNamespace
@@ -16,10 +19,25 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from marl.errors import ConfigError
+
+# --fit: 'auto' chooses the memory settings from the plan, 'off' runs them as typed.
+FIT_CHOICES = ("auto", "off")
+FIT_HELP = (
+    "'auto': before the model loads, choose among the settings that only decide memory (the micro-batch "
+    "size with gradient accumulation keeping the effective batch, gradient checkpointing and, when "
+    "nothing else fits, the rollout's rows per chunk) the fastest whose planned peak fits the GPU's free "
+    "memory (or --fit_memory_gb) with the planner's margin; each change is printed and recorded in "
+    "rloo_config.json, and a run that fits in no way is refused before loading. On CPU it does nothing "
+    "unless --fit_memory_gb is given. 'off': the settings as typed."
+)
+FIT_MEMORY_HELP = (
+    "The memory --fit auto plans for, in GB (decimal): default the GPU's free memory when the run starts "
+    "(the least over its processes); on CPU --fit auto needs it."
+)
 
 
 class BatchSettings(Protocol):
@@ -143,3 +161,47 @@ def batch_sizes(settings: BatchSettings, world_size: int, dataset_length: int) -
         optimizer_steps_per_update=optimizer_steps_per_update,
         total_optimizer_steps=num_total_batches * optimizer_steps_per_update,
     )
+
+
+def fit_field() -> Any:
+    """The ``fit`` field of :class:`marl.RLOOConfig`."""
+    return field(default="auto", metadata={"help": FIT_HELP})
+
+
+def fit_memory_field() -> Any:
+    """The ``fit_memory_gb`` field of :class:`marl.RLOOConfig`."""
+    return field(default=None, metadata={"help": FIT_MEMORY_HELP})
+
+
+def check_fit_settings(config: Any) -> None:
+    """Refuse ``--fit`` settings that cannot work, one line each, before anything loads.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> check_fit_settings(SimpleNamespace(fit="always", fit_memory_gb=None))
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --fit 'always' is not one of ('auto', 'off'): pass --fit auto ...
+    """
+    if config.fit not in FIT_CHOICES:
+        raise ConfigError(
+            f"--fit {config.fit!r} is not one of {FIT_CHOICES}: pass --fit auto (choose the memory settings "
+            "from the plan) or --fit off (run them as typed)"
+        )
+    if config.fit_memory_gb is not None and not config.fit_memory_gb > 0:
+        raise ConfigError(
+            f"--fit_memory_gb {config.fit_memory_gb} must be a positive number of GB, e.g. --fit_memory_gb 24"
+        )
+
+
+def micro_batch_changes_the_loss(loss_type: str | None) -> bool:
+    """Whether the update's result depends on the micro-batch size at a fixed effective batch: only for
+    ``bnpo``, whose loss is the mean over each micro-batch's tokens. Every other loss averages rows (or
+    divides by a count fixed for the optimizer step), so a smaller micro-batch with proportionally more
+    accumulation steps gives the same step up to floating-point rounding.
+
+    Example:
+        >>> micro_batch_changes_the_loss("bnpo"), micro_batch_changes_the_loss("grpo")
+        (True, False)
+    """
+    return loss_type == "bnpo"

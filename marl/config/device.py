@@ -1,12 +1,12 @@
-"""The settings chosen for the device a run trains on, when they are not given: on a CUDA device bf16 mixed
-precision (fp16 on a card without bfloat16) and gradient checkpointing, as TRL's configs default them, and the
-``graph`` sampler; on a CPU neither precision nor checkpointing (CPU bfloat16 matmuls are slow and round more,
-and activations sit in the machine's memory) and the ``static`` sampler.
+"""The settings chosen for the device a run trains on, when they are not given, and how ``--sampler graph``
+captures its decode step there (``--graph_capture``).
 
-Why the samplers differ: on a GPU a small decode step is bound by kernel launches, which ``graph`` removes
-by replaying the step captured per row bucket (on an H200, 0.5B shape in bf16: 16.22 episodes/s against
-5.11 for ``static`` and 4.50 for TRL GRPOTrainer, after a first sampling call of 58.6 s that compiles,
-``benchmarks/results/2026-11-27-gpu-sequence.md``); on a CPU each row costs compute and a launch costs
+On a CUDA device: bf16 mixed precision (fp16 on a card without bfloat16) and gradient checkpointing, as TRL's
+configs default them, and the ``graph`` sampler; on a CPU neither precision nor checkpointing (CPU bfloat16
+matmuls are slow and round more, and activations sit in the machine's memory) and the ``static`` sampler.
+On a GPU a small decode step is bound by kernel launches, which ``graph`` removes by replaying the step
+captured per row bucket, after a first sampling call that compiles
+(``benchmarks/results/2026-11-27-gpu-sequence.md``); on a CPU each row costs compute and a launch costs
 little, so ``static``, which drops finished rows every step, is fastest there.
 
 ``RLOOConfig``'s ``bf16``, ``fp16``, ``gradient_checkpointing`` and ``sampler`` are unset (``None``) unless
@@ -16,6 +16,14 @@ train on (right after its flags are parsed), ``marl plan`` for its ``--device``,
 model's device when a config built in Python reaches it unresolved. The choices and their reasons go to
 ``config.chosen_for_device``, which the start of a run prints and ``rloo_config.json`` records.
 
+``--graph_capture`` (``--sampler graph`` on a GPU only):
+
+- ``compile``: ``torch.compile(mode="reduce-overhead", fullgraph=True)``, inductor's fused kernels replayed in
+  CUDA graphs; each row bucket is compiled first;
+- ``cuda_graphs``: the eager decode step captured as it is in one ``torch.cuda.CUDAGraph`` per row bucket and
+  cache length, no inductor: a capture costs a few eager steps, a replay launches the eager step's kernels
+  without Python (a small model's decode step is bound by those launches, not by what fusion saves).
+
 Example:
     >>> unset = {"bf16": None, "fp16": None, "gradient_checkpointing": None, "sampler": None}
     >>> {name: value for name, (value, _) in choose_device_settings(unset, Device("cuda")).items()}
@@ -24,6 +32,11 @@ Example:
     ...     {**unset, "fp16": True, "gradient_checkpointing": False, "sampler": "static"}, Device("cuda")
     ... )
     {'bf16': (False, 'off: --fp16 is given')}
+    >>> from types import SimpleNamespace
+    >>> check_graph_capture(SimpleNamespace(graph_capture="cuda_graphs", sampler="static"))
+    Traceback (most recent call last):
+    ...
+    marl.errors.ConfigError: --graph_capture cuda_graphs applies to --sampler graph only (this run samples ...
 """
 
 from __future__ import annotations
@@ -38,8 +51,8 @@ DEVICE_FIELDS = ("bf16", "fp16", "gradient_checkpointing", "sampler")
 DEVICE_TYPES = ("cuda", "cpu")
 # The sampler of each device type when --sampler is not given, and why (the module's docstring says more).
 DEVICE_SAMPLERS = {
-    "cuda": ("graph", "a CUDA device (the decode step replayed from CUDA graphs: about 3x the episodes/s of "
-             "static on an H200; its first sampling call compiles)"),
+    "cuda": ("graph", "a CUDA device (the decode step replayed from CUDA graphs, without the kernel launches "
+             "that bound a small decode step; its first sampling call compiles)"),
     "cpu": ("static", "a CPU (finished rows leave the decode every step)"),
 }  # fmt: skip
 # The help texts of the fields, here beside the rule they describe.
@@ -189,3 +202,33 @@ def describe_choices(reasons: Mapping[str, str], device_type: str) -> str:
         f"chosen for the {device_type} device: {choices}; give a flag (e.g. --{example} {other}) to "
         "choose otherwise"
     )
+
+
+# How --sampler graph captures its decode step on a GPU (the module docstring says more).
+GRAPH_CAPTURES = ("compile", "cuda_graphs")
+DEFAULT_GRAPH_CAPTURE = "compile"
+GRAPH_CAPTURE_HELP = (
+    "How --sampler graph captures its decode step on a GPU: 'compile' (torch.compile with "
+    "mode='reduce-overhead': inductor's kernels in CUDA graphs, each row bucket compiled first) or "
+    "'cuda_graphs' (the eager step captured in one torch.cuda.CUDAGraph per row bucket and cache length, no "
+    "inductor: seconds to capture, no fusion). A capture that fails decodes eager, with the reason logged. "
+    "On a CPU both decode eager."
+)
+
+
+def graph_capture_field() -> Any:
+    """The ``graph_capture`` field of :class:`marl.RLOOConfig`."""
+    return field(
+        default=DEFAULT_GRAPH_CAPTURE, metadata={"help": GRAPH_CAPTURE_HELP, "choices": GRAPH_CAPTURES}
+    )
+
+
+def check_graph_capture(config: Any) -> None:
+    """Refuse a ``graph_capture`` other than the default for a sampler that captures nothing (the flag would
+    do nothing); an unset sampler is the device's, ``graph`` on a CUDA device (:data:`DEVICE_SAMPLERS`).
+    Its choices are checked with every field's (:func:`marl.config.checks.check_fields`)."""
+    if config.graph_capture != DEFAULT_GRAPH_CAPTURE and config.sampler not in (None, "graph"):
+        raise ConfigError(
+            f"--graph_capture {config.graph_capture} applies to --sampler graph only (this run samples with "
+            f"--sampler {config.sampler}). Add --sampler graph, or drop --graph_capture"
+        )

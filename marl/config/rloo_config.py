@@ -5,6 +5,15 @@ describe the one shared base and its adapters. Settings that cannot work are rej
 built, with an error that names the problem and the fix. Checks that need the dataset or the model run in
 ``RLOOTrainer``.
 
+Where completions end: unset, ``stop_token`` is ``"eos"``: a completion ends at the tokenizer's EOS and at
+every terminator of the generation config, as TRL stops. ``"none"`` asks for fixed-length completions (every
+one runs to ``response_length``; ``marl demo`` uses it). ``stop_token_id`` alone ends completions at that id
+only.
+
+Checkpoints: one is written every ``save_steps`` updates and, besides, at the end of the first update that
+ends ``save_minutes`` or more after the last checkpoint (or the start): by default a crash loses at most about
+10 minutes and one update.
+
 Example:
     >>> config = RLOOConfig(rloo_k=4, per_device_train_batch_size=8, total_episodes=64)
     >>> sizes = config.batch_sizes(world_size=1, dataset_length=100)
@@ -16,14 +25,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from marl.config.algorithms import algorithm_field, check_algorithm_settings, resolve_algorithm
-from marl.config.batch_sizes import BatchSizes, batch_sizes, check_batch_settings
-from marl.config.capture import check_graph_capture, graph_capture_field
+from marl.config.batch_sizes import (
+    BatchSizes,
+    batch_sizes,
+    check_batch_settings,
+    check_fit_settings,
+    fit_field,
+    fit_memory_field,
+)
 from marl.config.checks import check_fields, check_seed
-from marl.config.device import device_field
-from marl.config.keep import check_keep_settings, fit_field, fit_memory_field, save_minutes_field
+from marl.config.device import check_graph_capture, device_field, graph_capture_field
 from marl.config.model import (
     DEFAULT_LORA_ALPHA,
     DEFAULT_LORA_R,
@@ -41,7 +55,6 @@ from marl.config.sampler_correction import (
     correction_field,
     mode_field,
 )
-from marl.config.stops import check_stop_settings, has_stop_token, resolve_stop_token
 from marl.cpu.allocator import cpu_allocator_field
 from marl.cpu.threads import check_threads, threads_field
 from marl.errors import ConfigError
@@ -59,6 +72,96 @@ SCHEDULER_CHOICES = (
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt",
 )  # fmt: skip
+
+# --save_minutes: checkpoints by time besides those by updates (the module docstring).
+DEFAULT_SAVE_MINUTES = 10.0
+SAVE_MINUTES_HELP = (
+    "Also checkpoint after the first update that ends this many minutes after the last checkpoint (or the "
+    "start); 0 turns checkpoints by time off. With the default a crash loses at most about 10 minutes and "
+    "one update. Pruned with the others (--save_total_limit)."
+)
+
+
+def save_minutes_field() -> Any:
+    """The ``save_minutes`` field of :class:`marl.RLOOConfig`, with its default and help text."""
+    return field(default=DEFAULT_SAVE_MINUTES, metadata={"help": SAVE_MINUTES_HELP})
+
+
+def check_save_settings(save_steps: int, save_minutes: float, save_total_limit: int | None) -> None:
+    """Refuse checkpoint settings that cannot work, one line each, before anything loads.
+
+    Example:
+        >>> check_save_settings(save_steps=-2, save_minutes=10, save_total_limit=None)
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: --save_steps=-2 must be >= 0 (0 turns checkpoints by updates off). Set ...
+    """
+    if save_steps < 0:
+        raise ConfigError(
+            f"--save_steps={save_steps} must be >= 0 (0 turns checkpoints by updates off). "
+            "Set it to 0 or more"
+        )
+    if not save_minutes >= 0:  # NaN too
+        raise ConfigError(
+            f"--save_minutes={save_minutes} must be >= 0 (0 turns checkpoints by time off). "
+            f"Set it to 0 or more, e.g. --save_minutes {DEFAULT_SAVE_MINUTES:g}"
+        )
+    if save_total_limit is not None and save_total_limit < 1:
+        raise ConfigError(
+            f"--save_total_limit={save_total_limit} must be >= 1. Leave it unset to keep all checkpoints"
+        )
+
+
+# --stop_token: 'eos' ends a completion at the EOS (and the generation config's terminators); 'none' does not.
+STOP_TOKEN_CHOICES = ("eos", "none")
+
+
+def resolve_stop_token(settings: Any) -> None:
+    """Unset ``stop_token``: ``"eos"``, or ``"none"`` when ``stop_token_id`` names the stop id instead.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> settings = SimpleNamespace(stop_token=None, stop_token_id=None, missing_eos_penalty=None)
+        >>> resolve_stop_token(settings)
+        >>> settings.stop_token, has_stop_token(settings)
+        ('eos', True)
+    """
+    if settings.stop_token is None:
+        settings.stop_token = "eos" if settings.stop_token_id is None else "none"
+
+
+def has_stop_token(settings: Any) -> bool:
+    """Whether completions end at a stop token (the EOS or ``stop_token_id``), not only at the limit."""
+    return settings.stop_token == "eos" or settings.stop_token_id is not None
+
+
+def check_stop_settings(settings: Any) -> None:
+    """Refuse stop settings that cannot work, naming the fix.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> settings = SimpleNamespace(stop_token="</s>", stop_token_id=None, missing_eos_penalty=None)
+        >>> check_stop_settings(settings)
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: stop_token='</s>' is not supported. Use --stop_token eos (the default), ...
+    """
+    if settings.stop_token not in STOP_TOKEN_CHOICES:
+        raise ConfigError(
+            f"stop_token={settings.stop_token!r} is not supported. Use --stop_token eos (the default), "
+            "--stop_token none or --stop_token_id ID"
+        )
+    if settings.stop_token_id is not None and settings.stop_token_id < 0:
+        raise ConfigError(
+            f"stop_token_id={settings.stop_token_id} is not a token id. Pass a token id of the tokenizer"
+        )
+    if settings.stop_token == "eos" and settings.stop_token_id is not None:
+        raise ConfigError("stop_token and stop_token_id are both set. Set only one of them")
+    if settings.missing_eos_penalty is not None and not has_stop_token(settings):
+        raise ConfigError(
+            "missing_eos_penalty is set without a stop token: all would count as missing EOS. Add "
+            "--stop_token eos (or --stop_token_id ID)"
+        )
 
 
 @dataclass
@@ -353,7 +456,8 @@ class RLOOConfig:
             )
         if self.num_sample_generations < 0:
             fail("num_sample_generations must be >= 0", "Use 0 to disable the sample tables")
-        check_keep_settings(self)
+        check_save_settings(self.save_steps, self.save_minutes, self.save_total_limit)
+        check_fit_settings(self)
 
     @property
     def has_stop_token(self) -> bool:

@@ -14,32 +14,55 @@ Each is planned alone; when none fits alone, they are combined in that order unt
 changes that add GPUs fit, those on the run's own GPUs are also combined (listed first when that fits). When
 nothing on the run's own GPUs fits, the one that came closest is kept (:class:`Advice`): how far over the
 budget it is, and how much of the budget the base alone takes, are what a user needs to choose a card or a
-model.
+model. :func:`advice_text` writes the advice out (the plan itself reads as
+:func:`marl.plan.planner.plan_text`).
 
 Example:
     >>> from transformers import LlamaConfig
     >>> from marl.config import RLOOConfig
-    >>> from marl.plan.records import PlanTarget
+    >>> from marl.plan.planner import PlanTarget
     >>> model = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     ...     num_attention_heads=4, vocab_size=256)
     >>> config = RLOOConfig(rloo_k=4, per_device_train_batch_size=8, response_length=16)
     >>> changes = changes_that_fit(config, model, PlanTarget(device="cpu", prompt_length=32, memory_gb=64))
     >>> changes[0].flags
     '(none: it fits as it is)'
+    >>> print(advice_text(Advice()))
+    no single change or combination tried brings the run under the budget
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from marl.plan.planner import plan_memory, with_changes
-from marl.plan.records import Advice, Change, MemoryPlan, PlanTarget
+from marl.model.memory import format_bytes
+from marl.plan.planner import MemoryPlan, PlanTarget, plan_memory, with_changes
 
 GPU_COUNTS = (2, 4, 8)
 FITS_AS_IT_IS = "(none: it fits as it is)"
 AS_GIVEN = "(the run as given)"
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change of settings, what it costs, and the run's plan with it."""
+
+    flags: str
+    why: str
+    plan: MemoryPlan
+
+
+@dataclass(frozen=True)
+class Advice:
+    """The changes that fit, cheapest first (the first is "no change" when the run fits as it is; empty when
+    nothing tried fits) and, when no change on the run's own number of processes fits, the one of those
+    (the run as given included) with the smallest predicted peak."""
+
+    fitting: list[Change] = field(default_factory=list)
+    closest: Change | None = None
 
 
 def _candidates(config: Any, target: PlanTarget) -> Iterator[tuple[str, str, dict, PlanTarget]]:
@@ -163,3 +186,61 @@ def changes_that_fit(config: Any, model_config: Any, target: PlanTarget, policie
     change" when the run fits as it is. Empty when nothing tried fits (see :func:`advise`; ``policies``: of a
     sweep)."""
     return advise(config, model_config, target, policies=policies).fitting
+
+
+def changes_text(changes: Sequence[Change]) -> str:
+    """The changes, each with its flags and predicted peak, cheapest first."""
+    if not changes:
+        return "no single change or combination tried brings the run under the budget"
+    lines = ["changes that bring it under the budget (cheapest first):"]
+    for change in changes:
+        lines.append(f"  {change.flags:<60} {format_bytes(change.plan.peak):>9}  {change.why}")
+    return "\n".join(lines)
+
+
+def advice_text(advice: Advice) -> str:
+    """The changes that fit (:func:`changes_text`) and, when none fits on the run's own processes, how far
+    the closest setting there is (:func:`closest_text`)."""
+    parts = [changes_text(advice.fitting)]
+    if advice.closest is not None:
+        parts.append(closest_text(advice.closest))
+    return "\n".join(parts)
+
+
+def closest_text(change: Change) -> str:
+    """How far ``change`` (the closest setting that does not fit) is over the budget, and, when its base
+    weights alone take more than half the usable memory, their share.
+
+    Example:
+        >>> from marl.plan.planner import MemoryPlan, PhasePlan, PlanTarget
+        >>> plan = MemoryPlan("marl", "m", {"quantization": "4bit"}, {"base weights": 9_200_000_000},
+        ...     [PhasePlan("update", {"resident": 12 * 10**9})], PlanTarget(memory_gb=12))
+        >>> change = Change("--gradient_checkpointing", "", plan)
+        >>> print(closest_text(change))  # doctest: +NORMALIZE_WHITESPACE
+        nothing tried on 1 GPU fits; closest: --gradient_checkpointing needs 12.00 GB (update),
+        1.20 GB over the 10.80 GB usable
+          the 4-bit base alone takes 9.20 GB of the 10.80 GB usable (85%)
+    """
+    plan, target = change.plan, change.plan.target
+    budget = plan.budget_bytes
+    count = target.num_processes
+    where = f"{count} GPU" if target.device == "cuda" else f"{count} process"
+    where += "s" if count > 1 else ""
+    lines = [
+        f"nothing tried on {where} fits; closest: {change.flags} needs {format_bytes(plan.peak)} "
+        f"({plan.peak_phase}), {format_bytes(plan.peak - budget)} over the {format_bytes(budget)} usable"
+    ]
+    base = plan.resident.get("base weights", 0)
+    if base > budget / 2:
+        quantization = plan.settings.get("quantization", "none")
+        kind = (
+            plan.settings.get("dtype", "") if quantization == "none" else quantization.replace("bit", "-bit")
+        )
+        share = (
+            f"of the {format_bytes(budget)} usable ({base / budget:.0%})"
+            if base <= budget
+            else f"more than the {format_bytes(budget)} usable"
+        )
+        base_name = f"{kind} base" if kind else "base"
+        lines.append(f"  the {base_name} alone takes {format_bytes(base)} {share}")
+    return "\n".join(lines)

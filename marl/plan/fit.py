@@ -20,7 +20,7 @@ inputs (the budget is the least over the processes), so every process chooses th
 Example:
     >>> from transformers import LlamaConfig
     >>> from marl.config import RLOOConfig
-    >>> from marl.plan.records import PlanTarget
+    >>> from marl.plan.planner import PlanTarget
     >>> model = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
     ...     num_attention_heads=4, vocab_size=256)
     >>> config = RLOOConfig(rloo_k=4, per_device_train_batch_size=4, gradient_accumulation_steps=4,
@@ -40,12 +40,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from marl.config.keep import micro_batch_changes_the_loss
+from marl.config.batch_sizes import micro_batch_changes_the_loss
 from marl.errors import ConfigError
 from marl.model.memory import format_bytes
 from marl.plan.advice import advise
-from marl.plan.planner import plan_for_trainer, plan_memory, with_changes
-from marl.plan.records import MemoryPlan, PlanTarget
+from marl.plan.planner import MemoryPlan, PlanTarget, plan_for_trainer, plan_memory, with_changes
 from marl.train.phase_guard import halved_chunk_rows
 
 # The settings --fit may change, in the order its lines name them.

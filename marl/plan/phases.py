@@ -1,4 +1,5 @@
-"""The phases of an RLOO update, run on a meta-device model with the shapes of a run: what each one makes.
+"""The phases of an RLOO update, run on a meta-device model with the shapes of a run, as each system compared
+runs them: what each phase makes.
 
 Each program calls the same code the trainer calls (the family's forward, PEFT's LoRA layers, the static
 KV cache, :func:`marl.model.packing.pack_rows`, :func:`marl.model.logprobs.logprobs_from_hidden`) on
@@ -15,23 +16,34 @@ hold at once: the working set of that phase, above the weights and the training 
 - **update**: one micro-batch forward with gradients, its log-probs and entropies, a loss, the backward
   pass (with gradient checkpointing when the run has it), the LoRA gradients it leaves.
 
-Quantized bases: every ``nn.Linear`` but the LM head becomes a :class:`QuantizedLinearStandIn`, which makes
-what bitsandbytes makes (the weight dequantized to the compute dtype for each product, in the forward and
-again in the backward pass, never kept) and which keeps the input's dtype as bitsandbytes does; the
-parameters transformers leaves unquantized stay in the compute dtype, as marl keeps them
-(:func:`marl.model.quantization.prepare_quantized_base`).
+The same job as three systems would hold it (:data:`SYSTEMS`), the planner's models of those systems, used to
+put marl's prediction beside theirs; only marl's is validated against measurements:
+
+- ``marl``: one base; policy LoRA, reference (adapters off) and reward LoRAs on it; prompts computed once
+  for their k samples (static cache, packed scoring and update); the LM head and float32 log-softmax in
+  chunks of positions.
+- ``trl-rloo``: the policy's base shared with the reference (``peft_config``), the reward model a second
+  base (a sequence classifier: no LM head) with its LoRA and head; the whole rollout generated at once with
+  every prompt repeated k times, scored micro-batch by micro-batch, every completion with its own prompt,
+  the logits of every completion position at once.
+- ``ppo``: four bases (policy, reference, reward, value); a trainable LoRA and a head on the value model
+  too; the value model's backbone runs with gradients beside the policy's in the update; otherwise as
+  ``trl-rloo``.
+
+Every system keeps its trainable LoRA and AdamW state in float32 here.
 
 Example:
     >>> shapes = PhaseShapes(prompt_length=32, response_length=16, rloo_k=4, rows_per_pass=8,
     ...     micro_batch_rows=8, share_prompt_prefix=True, gradient_checkpointing=False, temperature=0.7)
     >>> shapes.packed_length, shapes.groups_per_micro_batch
     (96, 2)
+    >>> sorted(SYSTEMS), SYSTEMS["ppo"].value_model
+    (['marl', 'ppo', 'trl-rloo'], True)
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,112 +91,60 @@ class PhaseShapes:
         return max(1, self.micro_batch_rows // self.rloo_k)
 
 
-class _DequantizedProduct(torch.autograd.Function):
-    """``x @ W.T`` where W exists in the compute dtype only during the product (bitsandbytes' 4-bit and
-    8-bit matmuls on a frozen weight): dequantized in the forward pass, again in the backward pass, and
-    nothing but the packed weight kept in between."""
+@dataclass(frozen=True)
+class SystemLayout:
+    """How one system lays the job out in memory."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_features: int) -> torch.Tensor:
-        weight = torch.empty(out_features, x.shape[-1], dtype=x.dtype, device=x.device)
-        ctx.in_features, ctx.out_features = x.shape[-1], out_features
-        return x @ weight.t()
+    label: str
+    packs: bool  # prompts computed once for their k samples (sampling, scoring, update)
+    full_logits: bool  # the logits of every completion position at once (else chunked float32)
+    value_model: bool  # PPO: a reference base, a value base with a trainable LoRA, a second backbone pass
+    notes: tuple[str, ...] = ()
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weight = torch.empty(ctx.out_features, ctx.in_features, dtype=grad.dtype, device=grad.device)
-        return grad @ weight, None
-
-
-class QuantizedLinearStandIn(nn.Linear):
-    """A meta ``nn.Linear`` that computes as bitsandbytes' ``Linear4bit`` / ``Linear8bitLt`` does: the input
-    cast to the compute dtype, a product with a weight dequantized for it, the output cast back."""
-
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype, quantization: str) -> None:
-        super().__init__(
-            linear.in_features,
-            linear.out_features,
-            linear.bias is not None,
-            device="meta",
-            dtype=compute_dtype,
-        )
-        self.weight.requires_grad_(False)
-        self.quantization = quantization
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        compute = x.to(self.weight.dtype)
-        out = _DequantizedProduct.apply(compute, self.out_features)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.to(x.dtype)
+    def resident(
+        self,
+        *,
+        base_bytes: int,
+        classifier_bytes: int,
+        policy_parameters: int,
+        reward_bytes: int,
+        num_rewards: int,
+        reference_copy: bool,
+    ) -> dict[str, int]:
+        """Bytes that stay for the whole run, by part."""
+        trainable = 4 * policy_parameters
+        parts = {
+            "base weights": base_bytes,
+            "policy LoRA (float32)": trainable,
+            "reward LoRAs + score heads": reward_bytes,
+            "reference copy of the policy": trainable if reference_copy and self.packs else 0,
+            "AdamW moments (float32)": 2 * trainable,
+        }
+        if not self.packs:  # separate reward model(s): each a sequence classifier on its own base
+            parts["reward model bases"] = num_rewards * classifier_bytes
+        if self.value_model:
+            parts["reference model base"] = base_bytes
+            parts["value model base + LoRA + AdamW"] = classifier_bytes + 3 * trainable
+        return parts
 
 
-def quantize_stand_in(causal_lm: nn.Module, quantization: str, compute_dtype: torch.dtype) -> int:
-    """Replace every ``nn.Linear`` but the LM head by a :class:`QuantizedLinearStandIn`; the other floating
-    parameters stay in the compute dtype (:func:`marl.model.quantization.prepare_quantized_base`); returns
-    how many layers."""
-    head = causal_lm.get_output_embeddings()
-    replaced = 0
-    for module in list(causal_lm.modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is nn.Linear and child is not head:
-                setattr(module, child_name, QuantizedLinearStandIn(child, compute_dtype, quantization))
-                replaced += 1
-    return replaced
-
-
-def autocast_dtype(mixed_precision: str, device: str) -> torch.dtype | None:
-    """The dtype a run's mixed precision (``RLOOConfig.mixed_precision``) computes in on ``device``, or
-    ``None`` without autocast (marl runs float32 on CPU).
-
-    Example:
-        >>> autocast_dtype("bf16", "cuda"), autocast_dtype("fp16", "cpu"), autocast_dtype("no", "cuda")
-        (torch.bfloat16, None, None)
-    """
-    if device != "cuda" or mixed_precision == "no":
-        return None
-    return torch.bfloat16 if mixed_precision == "bf16" else torch.float16
-
-
-def autocast_weight_copies(trainable_parameters: int, autocast: torch.dtype | None) -> dict[str, int]:
-    """autocast keeps the copy it casts of every float32 weight that requires a gradient (the policy LoRA)
-    until its region ends, gradients on or off. The trace of a pass without gradients makes those copies
-    and lets them go at once (:func:`as_under_autocast`), so sampling and scoring add them as a part; the
-    update's trace keeps them for the backward pass already. A part, or nothing without autocast."""
-    if autocast is None:
-        return {}
-    name = str(autocast).removeprefix("torch.")
-    return {f"policy LoRA cast to {name} (autocast)": trainable_parameters * autocast.itemsize}
-
-
-def as_under_autocast(peft_model: nn.Module, dtype: torch.dtype) -> None:
-    """Make ``peft_model``'s LoRA products and LM head allocate what they allocate under
-    ``torch.autocast(dtype)``, which the meta device does not run: autocast computes a linear layer on
-    ``dtype`` copies of its input and weight, and the backward pass keeps both. So PEFT's float32 copy of a
-    LoRA input (it casts to the LoRA weights' dtype) is kept as a ``dtype`` copy, half the bytes, and a
-    float32 LM head (an unquantized float32 base under bf16 autocast) is copied to ``dtype`` at every call
-    (the sampler's and each log-prob chunk's); a head already in ``dtype`` is not copied."""
-    from peft.tuners.lora import LoraLayer
-
-    def autocast_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        bias = None if linear.bias is None else linear.bias.to(dtype)
-        return torch.nn.functional.linear(x.to(dtype), linear.weight.to(dtype), bias)
-
-    linears = [peft_model.get_base_model().get_output_embeddings()]
-    for module in peft_model.modules():
-        if isinstance(module, LoraLayer):
-            linears += [*module.lora_A.values(), *module.lora_B.values()]
-    for linear in linears:
-        if type(linear) is nn.Linear:
-            linear.forward = functools.partial(autocast_linear, linear)
-
-
-def untied_head_bytes(causal_lm: nn.Module) -> int:
-    """Bytes of an LM head that is not the input embedding (a sequence classifier has none)."""
-    head, embedding = causal_lm.get_output_embeddings(), causal_lm.get_input_embeddings()
-    if head is None or head.weight is embedding.weight:
-        return 0
-    return head.weight.numel() * head.weight.element_size()
+SYSTEMS: dict[str, SystemLayout] = {
+    "marl": SystemLayout("marl", packs=True, full_logits=False, value_model=False),
+    "trl-rloo": SystemLayout(
+        "TRL RLOOTrainer + peft_config (planner's model)",
+        packs=False,
+        full_logits=True,
+        value_model=False,
+        notes=("a prediction of the planner's model of TRL 1.16's RLOOTrainer, not a measurement",),
+    ),
+    "ppo": SystemLayout(
+        "PPO, four copies (planner's model)",
+        packs=False,
+        full_logits=True,
+        value_model=True,
+        notes=("a prediction of the planner's model of PPO with four models, not a measurement",),
+    ),
+}
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -20,6 +20,18 @@ The plan of one process is, per phase of the run:
 converted or quantized one at a time) and, on CPU, the checkpoint's memory map, read whole before the load
 closes it; an unquantized CPU base in the checkpoint's dtype is the file's memory map itself.
 
+A sweep (several policy LoRAs trained at once on one base, :class:`SweepShape`) holds per policy: its LoRA,
+AdamW's two moments, its reference copy when that is its reference, its LoRA gradients (from its first
+backward of a mini-batch until its optimizer step: while one policy runs its micro-batch, the other policies'
+gradients wait) and its rollout records. Its decode samples every policy's rows of a chunk in one batched
+pass (``local_rollout_forward_batch_size`` rows per policy), so its working set is that of ``policies`` times
+the rows; scoring runs the same chunks as a run (rows of several policies in one chunk, each through its own
+adapter) and the update runs one policy's micro-batch at a time (:mod:`marl.train.update`): neither working
+set grows with the number of policies.
+
+The records: where a run is planned (:class:`PlanTarget`), each phase's parts (:class:`PhasePlan`) and the
+plan (:class:`MemoryPlan`, which reads as :func:`plan_text`).
+
 Example:
     >>> from transformers import LlamaConfig
     >>> from marl.config import RLOOConfig
@@ -39,47 +51,228 @@ import copy
 import dataclasses
 import functools
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from marl.config.batch_sizes import local_batch_size
 from marl.config.device import DEVICE_FIELDS, Device, resolve_device_settings
 from marl.errors import ConfigError
-from marl.plan.parts import (
-    SweepShape,
-    gathered_layer_bytes,
-    load_extra_bytes,
-    rollout_record_bytes,
-    stored_base_bytes,
-)
+from marl.model.memory import format_bytes
 from marl.plan.phases import (
+    SYSTEMS,
     PhaseShapes,
+    graph_buffer_bytes,
+    logit_head_of,
+    sampling_peak,
+    scoring_peak,
+    update_peak,
+)
+from marl.plan.trace import (
     as_under_autocast,
     autocast_dtype,
     autocast_weight_copies,
-    graph_buffer_bytes,
-    logit_head_of,
-    quantize_stand_in,
-    sampling_peak,
-    scoring_peak,
+    check_plannable,
+    meta_base,
+    stored_base_bytes,
     untied_head_bytes,
-    update_peak,
 )
-from marl.plan.records import (
-    MemoryPlan,
-    PhasePlan,
-    PlanTarget,
-)
-from marl.plan.trace import meta_causal_lm
+
+MiB = 2**20
+# CUDA context, library handles and loaded kernels a trained process holds outside the caching allocator:
+# the most measured on one card (benchmarks/results/2026-11-25-memory-plan-cuda.md; others not measured).
+CUDA_RUNTIME_BYTES = 800 * MiB
+# CPU: what a process holds beyond its tensors once it has run a model (library pages, kernel buffers, the
+# allocator's own): the median over tiny models; larger ones hold more
+# (benchmarks/results/2026-11-25-memory-plan.md).
+CPU_RUNTIME_BYTES = 112 * MiB
+# The caching allocator keeps freed blocks and splits them: what a process reserves is above what its
+# tensors hold at the peak. The planner's "fits" keeps this share of the card free.
+ALLOCATOR_MARGIN = 0.10
+DEVICES = ("cuda", "cpu")
 
 
-def meta_base(model_config: Any, quantization: str | None, dtype: torch.dtype) -> torch.nn.Module:
-    """The base of ``model_config`` on the meta device as marl loads it (quantized layers stood in for)."""
-    causal_lm = meta_causal_lm(model_config, dtype)
-    if quantization is not None:
-        quantize_stand_in(causal_lm, quantization, dtype)
-    return causal_lm
+@dataclass(frozen=True)
+class PlanTarget:
+    """Where and on what the run is planned: the device, its memory, the prompts' length, the processes."""
+
+    device: str = "cuda"
+    memory_gb: float | None = None  # the card's (or machine's) memory, decimal GB
+    prompt_length: int = 512  # tokens of the longest prompt of a batch
+    num_processes: int = 1
+    compute_dtype: torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU (marl's default)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return torch.bfloat16 if self.device == "cuda" else torch.float32
+
+    @property
+    def runtime_bytes(self) -> int:
+        return CUDA_RUNTIME_BYTES if self.device == "cuda" else CPU_RUNTIME_BYTES
+
+
+@dataclass(frozen=True)
+class PhasePlan:
+    """One phase's predicted peak, as the parts that make it up (bytes, display order)."""
+
+    name: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The predicted peak of every phase of a run on one process, and what went into it."""
+
+    system: str
+    model: str
+    settings: dict[str, Any]
+    resident: dict[str, int]
+    phases: list[PhasePlan]
+    target: PlanTarget
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(phase.total for phase in self.phases)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda phase: phase.total).name
+
+    def phase(self, name: str) -> PhasePlan:
+        return next(phase for phase in self.phases if phase.name == name)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """What the run may use of ``memory_gb``: the card less the allocator margin."""
+        if self.target.memory_gb is None:
+            return None
+        return int(self.target.memory_gb * 1e9 * (1 - ALLOCATOR_MARGIN))
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.budget_bytes is None else self.peak <= self.budget_bytes
+
+    def __str__(self) -> str:
+        return plan_text(self)
+
+
+def plan_text(plan: MemoryPlan) -> str:
+    """The plan as lines: settings, what stays resident, each phase's parts and total, the peak.
+
+    Example:
+        >>> plan = MemoryPlan("marl", "m", {}, {}, [PhasePlan("update", {"resident": 10**9})], PlanTarget())
+        >>> print(plan_text(plan).splitlines()[-1])
+        predicted peak: 1.00 GB (update)
+    """
+    target = plan.target
+    lines = [
+        f"memory plan ({plan.system}) for {plan.model} on {target.device}"
+        + (f" with {target.memory_gb:g} GB" if target.memory_gb is not None else ""),
+    ]
+    if plan.settings:
+        lines.append("  " + ", ".join(f"{name} {value}" for name, value in plan.settings.items()))
+    resident = {name: size for name, size in plan.resident.items() if size}
+    if resident:
+        lines.append(
+            "  resident: " + ", ".join(f"{name} {format_bytes(size)}" for name, size in resident.items())
+        )
+    width = max(len(phase.name) for phase in plan.phases)
+    for phase in plan.phases:
+        parts = " + ".join(f"{name} {format_bytes(size)}" for name, size in phase.parts.items() if size)
+        lines.append(f"  {phase.name.ljust(width)}  {format_bytes(phase.total):>9}  = {parts}")
+    lines += [f"  note: {note}" for note in plan.notes]
+    verdict = f"predicted peak: {format_bytes(plan.peak)} ({plan.peak_phase})"
+    if plan.fits is not None:
+        budget = format_bytes(plan.budget_bytes)
+        verdict += (
+            f"; fits in {target.memory_gb:g} GB (usable {budget} after the allocator margin)"
+            if plan.fits
+            else f"; does NOT fit in {target.memory_gb:g} GB (usable {budget} after the allocator margin)"
+        )
+    lines.append(verdict)
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SweepShape:
+    """How many policies train at once on the one base (1: an ordinary run).
+
+    Example:
+        >>> sweep = SweepShape(policies=4)
+        >>> sweep.rows(8), sweep.other_policies
+        (32, 3)
+    """
+
+    policies: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policies, int) or isinstance(self.policies, bool) or self.policies < 1:
+            raise ConfigError(f"policies={self.policies!r}: a sweep plans 1 or more policies")
+
+    def rows(self, rows_per_policy: int) -> int:
+        """Rows of a pass that holds every policy's ``rows_per_policy`` rows at once (a decode chunk)."""
+        return rows_per_policy * self.policies
+
+    @property
+    def other_policies(self) -> int:
+        return self.policies - 1
+
+
+def checkpoint_bytes(model_config: Any, parameters: int) -> int:
+    """Bytes of the model's safetensors checkpoint: its parameters in the dtype ``config.json`` names."""
+    name = str(
+        getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None) or "float32"
+    )
+    dtype = getattr(torch, name.removeprefix("torch."), torch.float32)
+    return parameters * torch.empty((), dtype=dtype).element_size()
+
+
+def load_extra_bytes(
+    model_config: Any, base: torch.nn.Module, quantization: str | None, target: PlanTarget, parameters: int
+) -> dict[str, int]:
+    """What loading holds besides the weights: on a GPU, the tensor on its way from the checkpoint (read,
+    converted or quantized one at a time). On CPU, the checkpoint's memory map: transformers keeps every
+    shard's map open until the whole checkpoint is loaded, so each page read stays resident in the process
+    until then (benchmarks/results/2026-11-24-memory-plan.md; a load that only converts the dtype is the same
+    code, not measured). An unquantized CPU base in the checkpoint's dtype is that map itself, nothing
+    besides."""
+    checkpoint = checkpoint_bytes(model_config, parameters)
+    same_dtype = checkpoint == parameters * torch.empty((), dtype=target.dtype).element_size()
+    if target.device == "cpu":
+        return {} if quantization is None and same_dtype else {"checkpoint memory map (read)": checkpoint}
+    largest = max((p.numel() for p in base.parameters()), default=0)
+    return {"largest tensor in transit": checkpoint_bytes(model_config, largest)}
+
+
+def gathered_layer_bytes(base: torch.nn.Module, shards: int) -> dict[str, int]:
+    """Under fsdp2, a decoder layer's parameters are gathered whole while it runs (and the next one is
+    prefetched): two layers' worth."""
+    if shards == 1:
+        return {}
+    from marl.model.families import backbone
+
+    layers = getattr(backbone(base), "layers", None)
+    if layers is None or not len(layers):
+        return {}
+    layer_bytes = stored_base_bytes(layers[0])[0]
+    return {"gathered layers (fsdp2)": 2 * layer_bytes * (shards - 1) // shards}
+
+
+def rollout_record_bytes(config: Any, target: PlanTarget, sweep: SweepShape = SweepShape()) -> int:
+    """The rollout's tensors kept through scoring and the update: ids, masks and positions (int64) of every
+    row and its float32 log-probs, reference log-probs, scores and advantages; of every policy of a sweep."""
+    rows = local_batch_size(config) * sweep.policies
+    width = target.prompt_length + config.response_length
+    return rows * (4 * width * 8 + 3 * config.response_length * 4 + 16)
 
 
 def _adapter_config(directory: str | None, fallback: Any) -> Any:
@@ -107,16 +300,14 @@ def plan_memory(
 ) -> MemoryPlan:
     """The :class:`MemoryPlan` of an ``RLOOConfig`` (``config``) on the model of ``model_config`` (a
     transformers config, e.g. from :func:`load_model_config`) for ``target``; ``system`` plans the same job
-    as another system would run it (:data:`marl.plan.systems.SYSTEMS`: ``trl-rloo``, ``ppo``); ``policies``:
+    as another system would run it (:data:`marl.plan.phases.SYSTEMS`: ``trl-rloo``, ``ppo``); ``policies``:
     a sweep of that many policies trained at once on the one base, each with ``config``'s shapes
-    (:mod:`marl.plan.parts`; marl only)."""
+    (:class:`SweepShape`; marl only)."""
     from peft import LoraConfig
 
-    from marl.config.batch_sizes import local_batch_size
     from marl.model.build import wrap_with_peft
     from marl.model.families import disable_dropout
     from marl.model.forward import enable_gradient_checkpointing
-    from marl.plan.systems import SYSTEMS, check_plannable
 
     if any(getattr(config, name) is None for name in DEVICE_FIELDS):
         # a config built in Python, its device settings not chosen yet: planned as a run on target.device
@@ -183,7 +374,7 @@ def plan_memory(
         temperature=config.temperature,
     )
     # a sweep decodes every policy's rows at once; scoring keeps its chunks and the update runs one policy's
-    # micro-batch at a time, a run's (marl.plan.parts)
+    # micro-batch at a time, a run's (the module docstring)
     sampling_shapes = dataclasses.replace(shapes, rows_per_pass=sweep.rows(shapes.rows_per_pass))
     scoring_shapes = shapes
     if not layout.packs:  # generates the whole rollout at once, scores it micro-batch by micro-batch

@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from marl.config.capture import DEFAULT_GRAPH_CAPTURE
+from marl.config.device import DEFAULT_GRAPH_CAPTURE
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class SamplerSettings:
             running them until the rows of every process have stopped
             (:class:`marl.model.generation.SamplingSettings`).
         graph_capture: how ``--sampler graph`` captures its decode step on a GPU
-            (:mod:`marl.config.capture`); the other samplers capture nothing.
+            (:mod:`marl.config.device`); the other samplers capture nothing.
     """
 
     temperature: float

@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from marl.config.keep import micro_batch_changes_the_loss
+from marl.config.batch_sizes import micro_batch_changes_the_loss
 from marl.errors import ConfigError, PhaseMemoryError
 from marl.model.process_memory import free_cached, peak_bytes, reset_peak
 from marl.train.checkpoints import rng_state, set_rng_state

@@ -106,10 +106,8 @@ def test_when_nothing_fits_the_closest_setting_its_excess_and_the_bases_share_ar
     embedding_heavy_folder, capsys
 ):
     from marl.model.memory import format_bytes
-    from marl.plan.advice import _candidates, advise
-    from marl.plan.planner import load_model_config, plan_memory
-    from marl.plan.records import PlanTarget
-    from marl.plan.report import advice_text
+    from marl.plan.advice import _candidates, advice_text, advise
+    from marl.plan.planner import PlanTarget, load_model_config, plan_memory
 
     _, config = _plan_flags(embedding_heavy_folder)
     model_config = load_model_config(embedding_heavy_folder)
@@ -146,10 +144,8 @@ def test_when_nothing_fits_the_closest_setting_its_excess_and_the_bases_share_ar
 
 
 def test_the_bases_share_is_said_only_when_it_takes_most_of_the_usable_memory(config_folder):
-    from marl.plan.advice import Change
-    from marl.plan.planner import load_model_config, plan_memory
-    from marl.plan.records import PlanTarget
-    from marl.plan.report import closest_text
+    from marl.plan.advice import Change, closest_text
+    from marl.plan.planner import PlanTarget, load_model_config, plan_memory
 
     _, config = _plan_flags(config_folder)
     model_config = load_model_config(config_folder)
@@ -180,8 +176,7 @@ def test_the_newcomers_grpo_run_on_a_24_gb_card_fits_with_the_cuda_defaults(tmp_
     from marl.apps.flags import parse_flags
     from marl.apps.plan import PlanArguments
     from marl.config import RLOOConfig
-    from marl.plan.planner import load_model_config, plan_memory
-    from marl.plan.records import PlanTarget
+    from marl.plan.planner import PlanTarget, load_model_config, plan_memory
 
     Qwen2Config(**QWEN25_1_5B).save_pretrained(tmp_path)
     plan = plan_main(["--model_name_or_path", str(tmp_path), *NEWCOMER])

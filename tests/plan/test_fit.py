@@ -12,8 +12,7 @@ from safetensors.torch import load_file
 
 from marl.errors import ConfigError
 from marl.plan.fit import FIT_SETTINGS, fit_run, fit_target, micro_batch_sizes
-from marl.plan.planner import plan_memory, with_changes
-from marl.plan.records import ALLOCATOR_MARGIN
+from marl.plan.planner import ALLOCATOR_MARGIN, plan_memory, with_changes
 
 from support.runs import build, prompt_dataset, tiny_config
 

@@ -14,9 +14,8 @@ from marl.errors import ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.plan import PlanTarget, load_model_config, plan_memory
 from marl.plan.advice import changes_that_fit
-from marl.plan.planner import plan_for_trainer, with_changes
-from marl.plan.records import CPU_RUNTIME_BYTES
-from marl.plan.systems import SYSTEMS
+from marl.plan.phases import SYSTEMS
+from marl.plan.planner import CPU_RUNTIME_BYTES, plan_for_trainer, with_changes
 
 from support.tiny import tiny_rloo_config
 

@@ -9,17 +9,14 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from marl.model.families import disable_dropout
-from marl.plan.phases import (
-    PhaseShapes,
+from marl.plan.phases import PhaseShapes, logit_head_of, sampling_peak, scoring_peak, update_peak
+from marl.plan.trace import (
+    LiveBytes,
     as_under_autocast,
     autocast_weight_copies,
-    logit_head_of,
+    meta_causal_lm,
     quantize_stand_in,
-    sampling_peak,
-    scoring_peak,
-    update_peak,
 )
-from marl.plan.trace import LiveBytes, meta_causal_lm
 
 from support.families import FAMILIES, FAMILY_SPECS, build_family_config
 

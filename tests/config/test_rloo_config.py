@@ -54,7 +54,7 @@ def test_parses_from_the_command_line():
             "--missing_eos_penalty",
             "1.0",
             # unset by default (chosen for the device), as TRL's own bf16: HfArgumentParser wants a value
-            # (marl's commands take the switch alone too: tests/test_device_settings.py)
+            # (marl's commands take the switch alone too: tests/config/test_device.py)
             "--bf16",
             "true",
         ]
