@@ -4,8 +4,8 @@
    cut after their stop token (:class:`marl.rollout.records.Samples`, k-major: row ``j * P + i`` is sample
    ``j`` of prompt ``i``);
 2. the scorer (:class:`marl.rollout.scoring.Scorer`) computes their policy and reference log-probs in
-   float32 at the sampling temperature (the passes the algorithm reads, :mod:`marl.algo.passes`), and the
-   rows the reward sources read;
+   float32 at the sampling temperature (the passes the algorithm reads, :mod:`marl.algo.scoring_passes`),
+   and the rows the reward sources read;
 3. the reward adds its scores: a :class:`marl.rollout.records.Rollout` holds everything an update needs.
 
 Example:
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.algo.passes import POLICY_PASS, ScoringPasses
+from marl.algo.scoring_passes import POLICY_PASS, ScoringPasses
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import sequence_kl
 from marl.cpu.allocator import release_freed_memory

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.algo.passes import ALL_PASSES, ScoringPasses
+from marl.algo.scoring_passes import ALL_PASSES, ScoringPasses
 from marl.data.prompts import left_pad, reward_model_ids
 from marl.model.generation import pad_token_id
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
@@ -47,7 +47,7 @@ class Scorer:
             ``"reference"`` view.
         share_prompt_prefix: compute each prompt once for all its completions; switched off, with a
             warning, on a model where that is not exact (:attr:`marl.MultiAdapterModel.packing_problem`).
-        passes: which log-prob passes :meth:`logprobs` runs (:mod:`marl.algo.passes`; default both).
+        passes: which log-prob passes :meth:`logprobs` runs (:mod:`marl.algo.scoring_passes`; default both).
     """
 
     def __init__(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marl.algo.sampler_correction import RATIO_MAX, RATIO_MEAN, RATIO_MIN
+from marl.algo.metrics import RATIO_MAX, RATIO_MEAN, RATIO_MIN
 
 from support.runs import build, tiny_config
 
