@@ -48,8 +48,8 @@ def collect_rollout(
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
     and reference log-probs where the algorithm reads them (``passes``, default ``scorer.passes``), and their
-    scores from ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.calls`), and what
-    they log is the rollout's ``reward_log``.
+    scores from ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.trl_calls`), and
+    what they log is the rollout's ``reward_log``.
 
     ``policies`` (one per prompt): the rows of several policies, sampled in one batched decode
     (``sampler.sample_routed``) and scored in the same passes, each row under its own policy

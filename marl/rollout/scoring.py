@@ -27,7 +27,7 @@ from marl.model.generation import pad_token_id
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
 from marl.model.records import BASE_VIEW
 from marl.rewards import ScoringBatch, ScoringChunk
-from marl.rewards.calls import columns_per_row, parsed_replies, parses_responses
+from marl.rewards.trl_calls import columns_per_row, parsed_replies, parses_responses
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -235,7 +235,7 @@ class Scorer:
 
     def replies(self, samples: Samples) -> list[dict[str, Any] | None] | None:
         """Each conversation's completion parsed as TRL hands it to reward functions, where the tokenizer
-        parses responses (:func:`marl.rewards.calls.parsed_replies`; ``None`` where it does not)."""
+        parses responses (:func:`marl.rewards.trl_calls.parsed_replies`; ``None`` where it does not)."""
         if not parses_responses(self.tokenizer):
             return None
         prompts = [

@@ -97,7 +97,7 @@ class RLOOTrainer:
             ``input_ids`` column.
         eval_dataset: optional prompts in the same format; the periodic sample tables use them when given.
         reward_funcs: ``None`` to score with every reward adapter of the model, or one or a list of: reward
-            adapter names, reward functions called as TRL calls them (:mod:`marl.rewards.calls`: dataset
+            adapter names, reward functions called as TRL calls them (:mod:`marl.rewards.trl_calls`: dataset
             columns among the keywords), :class:`marl.rewards.RewardSource` objects, combined as ``Σ_i w_i ·
             r_i`` with ``config.reward_weights`` (1 each by default); see :mod:`marl.rewards.weighted`.
         judge: optional ``judge(texts) -> scores`` (higher is better, e.g. :func:`marl.rewards.load_judge`)
