@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from peft import PeftModel
 from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer
 
 from marl.data.prompts import reward_model_ids
 from marl.errors import ConfigError, ModelError
@@ -218,9 +219,6 @@ class RewardAdapterFunction(TrainerRewardAdapter):
             DeprecationWarning,
             stacklevel=2,
         )
-        # Imported here so that importing this module does not load transformers' tokenizers.
-        from transformers import AutoTokenizer
-
         if isinstance(base_or_model, MultiAdapterModel):
             model = base_or_model
             if name not in model.rewards:
