@@ -13,8 +13,7 @@ import inspect
 import re
 from typing import Any
 
-from marl.algo.from_trl import SAME_MEANING
-from marl.algo.trl_fields import field_table
+from marl.algo.from_trl import SAME_MEANING, field_table
 from marl.config import RLOOConfig
 from marl.config.algorithms import PRESETS
 

@@ -13,14 +13,14 @@ _PUBLIC = {
     "MultiAdapterModel": "marl.model.multi_adapter",
     "RLOOConfig": "marl.config.rloo_config",
     "RLOOTrainer": "marl.train.trainer",
-    "RewardAdapterFunction": "marl.rewards.interop",
+    "RewardAdapterFunction": "marl.integrations.trl",
     "SweepTrainer": "marl.train.sweep",
 }
 
 if TYPE_CHECKING:
     from marl.config.rloo_config import RLOOConfig
+    from marl.integrations.trl import RewardAdapterFunction
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rewards.interop import RewardAdapterFunction
     from marl.train.sweep import SweepTrainer
     from marl.train.trainer import RLOOTrainer
 

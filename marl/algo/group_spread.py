@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from marl.algo.normalized_advantages import unbiased_std
+from marl.algo.advantages import unbiased_std
 
 ZERO_SPREAD_METRIC = "objective/zero_spread_groups"
 # The watch warns when more than this share of the groups is flat ...

@@ -9,7 +9,7 @@ A completion that no reward source judged has no reward: ``objective/scores``, `
 non_score_reward holds for the logged means too; NaN when none was judged), ``rewards/<name>`` over the
 completions that source judged, and ``objective/kl`` and ``objective/entropy``, which every sample has, over
 all completions. ``objective/unjudged`` counts the completions no source judged, over all processes.
-``objective/kl`` is left out where no reference pass ran (``kl_coef`` 0, :mod:`marl.algo.passes`).
+``objective/kl`` is left out where no reference pass ran (``kl_coef`` 0, :mod:`marl.algo.scoring_passes`).
 
 ``sampling/sampling_logp_difference/mean`` and ``/max`` (TRL 1.16's names for the same quantity, logged
 by its GRPO trainer beside its importance-sampling correction of vLLM samples) are the mean and the max over
@@ -18,11 +18,16 @@ with against the one the rollout's policy pass (or the update's forward) compute
 sampler keeps its log-probs (``static``, ``graph``; not ``generate``). With the same weights and dtype both
 are the same function up to rounding; a sampler in another precision or kernel shows here.
 
+With the sampler correction on (:func:`marl.algo.losses.sampler_importance_ratio`),
+``sampling/importance_sampling_ratio/min``, ``/mean`` and ``/max`` (TRL's names) are taken over the valid
+tokens (``token_*``) or over the completions (``sequence_*``) of every process. TRL takes the mean of each
+process's mean; marl the mean over all of them (the same on one process).
+
 ``objective/zero_spread_groups`` is the share of the prompt groups with at least two judged completions whose
 judged scores are all equal (they teach nothing, :mod:`marl.algo.group_spread`). With several sources,
 ``zero_spread_groups/<name>`` is the same for one source's own scores, and ``advantage_share/<name>`` each
 source's share of the advantage, ``Σ|A_s| / Σ_s' Σ|A_s'|`` over the completions, ``A_s`` the source's part of
-the advantage before any scale (:func:`marl.algo.reward_normalization.source_advantages`; KL and missing-EOS
+the advantage before any scale (:func:`marl.algo.shaping.source_advantages`; KL and missing-EOS
 terms not counted). It is exact for ``rloo`` and for ``per_reward``; under ``sum`` with GRPO's group scale it
 leaves out that each group is divided by its own std. Not logged for an estimator that does not split by
 source (``reinforce_pp``).
@@ -56,14 +61,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from marl.algo.group_spread import ZERO_SPREAD_METRIC, flat_groups, zero_std_groups
-from marl.algo.losses import PolicyLoss
+from marl.algo.losses import LossSettings, PolicyLoss, loss_mask
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import masked_sum
+
+if TYPE_CHECKING:
+    from marl.rollout.records import Rollout
 
 # Field metadata key: how :func:`marl.train.parallel.sum_over_processes` combines a record's field over
 # processes, "min" or "max" (unset: the sum).
@@ -411,3 +419,66 @@ def sampler_gap_metrics(rollout: Any, parallelism: Any) -> dict[str, float]:
     if summed.tokens == 0:
         return {}
     return {SAMPLER_GAP_MEAN: summed.total / summed.tokens, SAMPLER_GAP_MAX: largest}
+
+
+RATIO_MIN = "sampling/importance_sampling_ratio/min"
+RATIO_MEAN = "sampling/importance_sampling_ratio/mean"
+RATIO_MAX = "sampling/importance_sampling_ratio/max"
+
+
+def counted_ratios(ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The ratios the metrics count, 1-D: every completion's (``[B, 1]``), else the valid tokens'.
+
+    Example:
+        >>> counted_ratios(torch.tensor([[2.0, 5.0]]), torch.tensor([[True, False]])).tolist()
+        [2.0]
+    """
+    return ratio.flatten() if ratio.shape[1] == 1 else ratio[mask.bool()]
+
+
+@dataclass
+class RatioStats:
+    """One process's sum, count, minimum and maximum of the counted ratios (combined over processes by
+    :func:`marl.train.parallel.sum_over_processes`: sums added, the minimum and maximum of them all)."""
+
+    total: float | torch.Tensor = 0.0
+    count: float | torch.Tensor = 0.0
+    smallest: float = lowest()
+    largest: float = highest()
+
+    @classmethod
+    def of(cls, ratios: torch.Tensor) -> RatioStats:
+        if ratios.numel() == 0:
+            return cls()
+        return cls(ratios.sum(), float(ratios.numel()), float(ratios.min()), float(ratios.max()))
+
+
+def ratio_metrics(stats: RatioStats) -> dict[str, float]:
+    """TRL's three metrics from the stats of every process (empty where no ratio was counted).
+
+    Example:
+        >>> ratio_metrics(RatioStats.of(torch.tensor([0.5, 1.5])))
+        {'sampling/importance_sampling_ratio/min': 0.5, 'sampling/importance_sampling_ratio/mean': 1.0, \
+'sampling/importance_sampling_ratio/max': 1.5}
+    """
+    if stats.count == 0:
+        return {}
+    return {
+        RATIO_MIN: float(stats.smallest),
+        RATIO_MEAN: float(stats.total / stats.count),
+        RATIO_MAX: float(stats.largest),
+    }
+
+
+def sampler_correction_metrics(
+    rollout: Rollout, settings: LossSettings, parallelism: Any
+) -> dict[str, float]:
+    """TRL's ``sampling/importance_sampling_ratio/*`` of an updated ``rollout`` (its ``logprobs`` are the
+    trainer's: scored, or provided by the update) over its loss tokens on every process (``parallelism``'s
+    ``sum_over_processes``); empty where the correction is off."""
+    correction = settings.sampler_correction
+    if correction is None or rollout.sampled_logprobs is None or rollout.logprobs is None:
+        return {}
+    mask = loss_mask(rollout.response_mask, rollout.contains_stop, settings)
+    ratios = counted_ratios(correction.ratio(rollout.logprobs, rollout.sampled_logprobs, mask), mask)
+    return ratio_metrics(parallelism.sum_over_processes(RatioStats.of(ratios)))

@@ -19,7 +19,7 @@ from marl.errors import ConfigError
 
 if TYPE_CHECKING:
     from marl.config.rloo_config import RLOOConfig
-    from marl.rewards.kinds import RewardSetting
+    from marl.rewards.reward_kinds import RewardSetting
 
 
 @dataclass
@@ -257,7 +257,7 @@ def reward_settings(script: ScriptArguments, config: RLOOConfig) -> list[RewardS
         >>> [tuple(setting) for setting in reward_settings(script, config)]
         [('adapter', 'tone'), ('eos_adapter', 'topic')]
     """
-    from marl.rewards.kinds import RewardSetting, parse_reward_setting
+    from marl.rewards.reward_kinds import RewardSetting, parse_reward_setting
 
     chosen = [parse_reward_setting(text) for text in script.reward or []]
     adapters = list(config.reward_adapter_folders())

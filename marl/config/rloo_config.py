@@ -217,7 +217,7 @@ class RLOOConfig:
             "help": "'sum': the estimator sees the weighted sum of the raw scores (TRL's default). "
             "'per_reward' (GDPO): each source normalised within the prompt's group first, the weighted sum "
             "of those, then the advantages z-scored over the batch; rloo and grpo estimators only "
-            "(marl.algo.reward_normalization)."
+            "(marl.algo.shaping)."
         },
     )
     policy_adapter: str | None = field(

@@ -9,7 +9,7 @@ decode on the same weights, the same adapter and the same dtype as the trainer
 (``sampling/sampling_logp_difference`` measures what is left: rounding of another kernel), so the
 correction is off by default and offered where that gap is material (bf16 on a GPU:
 ``benchmarks/results/2026-11-27-gpu-sequence.md``). The ``vllm_`` prefix stays for a TRL user's
-sake: in marl it names the sampler, whichever it is. The math is :mod:`marl.algo.sampler_correction`.
+sake: in marl it names the sampler, whichever it is. The math is :mod:`marl.algo.losses`.
 
 Example:
     >>> from types import SimpleNamespace

@@ -217,7 +217,7 @@ def load_prompt_dataset(
     split_flag: str = "--dataset_train_split",
 ) -> datasets.Dataset:
     """Load prompts from ``dataset_name`` and return them with the prompt text in a column named ``prompt``
-    and the dataset's other columns beside it (reward functions receive them, :mod:`marl.rewards.calls`).
+    and the dataset's other columns beside it (reward functions receive them, :mod:`marl.rewards.trl_calls`).
 
     ``dataset_name`` is ``"rotten-tomatoes"`` (bundled, offline), a local ``.json``/``.jsonl``/``.csv``/
     ``.parquet`` file, a folder of such files (split names come from file names such as ``train.jsonl``),

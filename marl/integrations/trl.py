@@ -15,6 +15,10 @@ trainer's ``reward_funcs`` would also have to keep ``reward_func_names``, ``rewa
 ``reward_weights`` in step by hand. Passed in ``reward_funcs`` like any function, it takes part in
 ``reward_weights`` and ``multi_objective_aggregation`` as TRL's own functions do.
 
+This is marl's one way into TRL's trainers. :class:`RewardAdapterFunction` (``marl.RewardAdapterFunction``) is
+deprecated: it scores the same way, but holds the adapter on a
+:class:`~marl.model.multi_adapter.MultiAdapterModel` of its own, a second base.
+
 Example:
     >>> model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=16))  # doctest: +SKIP
     >>> reward = reward_adapter_function(model, "reward-adapter", tokenizer)  # doctest: +SKIP
@@ -24,18 +28,21 @@ Example:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from peft import PeftModel
 from torch.distributed.tensor import DTensor
+from transformers import AutoTokenizer
 
 from marl.data.prompts import reward_model_ids
 from marl.errors import ConfigError, ModelError
 from marl.model import adapters, build
 from marl.model.forward import reward_scores
 from marl.model.generation import pad_token_id
+from marl.model.multi_adapter import MultiAdapterModel
 from marl.model.packing import PackedRows
 from marl.model.records import RewardAdapter, check_adapter_name
 from marl.model.views import capture_view, restore_view
@@ -57,9 +64,10 @@ class TrainerRewardAdapter:
     (:func:`marl.data.prompts.reward_model_text`: a plain prompt followed by the completion; a conversation
     with the completion as the assistant's reply through the chat template and ``chat_template_kwargs``),
     tokenised whole without special tokens and without truncation, ``rows_per_pass`` rows per forward pass,
-    left-padded (as marl's own adapter rewards: :func:`marl.rewards.adapter.score_chunks`). The score is read
-    where a transformers sequence classifier reads it (the last token that is not the padding id the adapter
-    was trained with).
+    left-padded (as marl's own adapter rewards: :func:`marl.rewards.adapter.score_chunks`); ``append_eos``
+    ends each row with EOS, for an adapter trained on texts ending in EOS. The score is read where a
+    transformers sequence classifier reads it (the last token that is not the padding id the adapter was
+    trained with).
 
     Each call runs in eval mode without gradient; the active adapter (the policy), every ``requires_grad``
     flag and every module's train/eval mode are restored after, also when it raises
@@ -73,12 +81,15 @@ class TrainerRewardAdapter:
         tokenizer: Any,
         rows_per_pass: int,
         chat_template_kwargs: Mapping[str, Any] | None,
+        *,
+        append_eos: bool = False,
     ) -> None:
         self.peft_model = peft_model
         self.reward = reward
         self.tokenizer = tokenizer
         self.rows_per_pass = rows_per_pass
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.append_eos = append_eos
         self.__name__ = reward.name  # TRL logs rewards/<__name__>/mean
 
     @property
@@ -95,14 +106,20 @@ class TrainerRewardAdapter:
         """Float32 scores of token rows (the :class:`marl.rewards.adapter.RewardScorer` protocol)."""
         return reward_scores(self.peft_model, self.reward, input_ids, attention_mask, packed)
 
-    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+    def check_unsharded(self) -> None:
+        """Refuse a call once the trainer has sharded the base the reward adapter reads."""
         problem = sharding_problem(self.peft_model)
         if problem is not None:
             raise ConfigError(_sharded_message(problem))
+
+    def __call__(self, prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
+        self.check_unsharded()
         rows = [
             reward_model_ids(self.tokenizer, prompt, completion, self.chat_template_kwargs)
             for prompt, completion in zip(prompts, completions, strict=True)
         ]
+        if self.append_eos:
+            rows = [[*row, self.tokenizer.eos_token_id] for row in rows]
         device = self.device
         chunks = padded_chunks(rows, pad_token_id(self.tokenizer), self.rows_per_pass, device)
         return score_chunks(self, self.reward.name, chunks, len(rows), device).tolist()
@@ -171,6 +188,57 @@ def reward_adapter_function(
     finally:
         restore_view(model, state)
     return TrainerRewardAdapter(model, reward, tokenizer, rows_per_pass, chat_template_kwargs)
+
+
+class RewardAdapterFunction(TrainerRewardAdapter):
+    """Deprecated: use :func:`reward_adapter_function`, which loads the adapter onto the trainer's own PEFT
+    model. This one holds the adapter on a :class:`~marl.model.multi_adapter.MultiAdapterModel`: pass one (it
+    gets the adapter as ``name`` unless it already has it), or a base model name/folder to load one, a second
+    base beside the trainer's. It scores as :class:`TrainerRewardAdapter` does, plain prompts and
+    conversations alike; ``append_eos=True`` ends each text with EOS.
+
+    Example:
+        >>> sentiment = RewardAdapterFunction(model, "adapters/rm", name="sentiment")  # doctest: +SKIP
+        >>> sentiment(["The film"], [" was great"])  # doctest: +SKIP
+        [1.93]
+    """
+
+    def __init__(
+        self,
+        base_or_model: Any,
+        adapter_dir: str | None = None,
+        *,
+        name: str = "reward",
+        quantization: str | None = None,
+        append_eos: bool = False,
+        rows_per_pass: int = 64,
+    ) -> None:
+        warnings.warn(
+            "marl.RewardAdapterFunction is deprecated: use marl.integrations.trl.reward_adapter_function, "
+            "which loads the reward adapter onto the policy's own PeftModel instead of a second base",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if isinstance(base_or_model, MultiAdapterModel):
+            model = base_or_model
+            if name not in model.rewards:
+                if adapter_dir is None:
+                    raise ConfigError(f"the model has no reward adapter {name!r}: pass adapter_dir")
+                model.add_reward_adapter(name, adapter_dir)
+        else:
+            if adapter_dir is None:
+                raise ConfigError("pass the reward adapter folder: RewardAdapterFunction(base, adapter_dir)")
+            model = MultiAdapterModel.from_pretrained(
+                base_or_model, quantization=quantization, reward_adapters={name: adapter_dir}
+            )
+        self.model, self.name = model, name
+        tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
+        super().__init__(
+            model.peft_model, model.rewards[name], tokenizer, rows_per_pass, None, append_eos=append_eos
+        )
+
+    def check_unsharded(self) -> None:
+        """Nothing to refuse: the base is this function's own, which no trainer shards."""
 
 
 def check_policy_model(model: Any) -> None:

@@ -1,13 +1,13 @@
 """Reward adapters on the shared base as reward sources, and the one loop that scores rows with them.
 
-A reward adapter is read one of two ways, each a reward kind (:mod:`marl.rewards.kinds`):
+A reward adapter is read one of two ways, each a reward kind (:mod:`marl.rewards.reward_kinds`):
 
 - ``"adapter"`` (:class:`AdapterReward`): the rows as they were sampled, in the rollout's prompt-group chunks
   (each shared prompt computed once);
 - ``"eos_adapter"`` (:class:`EosTerminatedAdapterReward`): every text re-tokenised and ended with EOS, as the
   shipped adapter was trained (the demo trains with it, ``marl evaluate`` reports it).
 
-Both, and TRL's view of an adapter (:class:`marl.rewards.interop.RewardAdapterFunction`), score through
+Both, and TRL's view of an adapter (:class:`marl.integrations.trl.TrainerRewardAdapter`), score through
 :func:`score_chunks`, ``rows_per_pass`` rows per forward pass.
 
 Example:

@@ -3,7 +3,7 @@
 (:class:`RewardScores`).
 
 Kept apart from the sources themselves so that the rollout, the sources and the kinds registry
-(:mod:`marl.rewards.kinds`) all import these types from one small module with no model code in it.
+(:mod:`marl.rewards.reward_kinds`) all import these types from one small module with no model code in it.
 
 Example:
     >>> batch = ScoringBatch(["Say"], [" hi!"], torch.tensor([[5, 6]]), torch.tensor([[1, 1]]))
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from marl.rewards.calls import RewardLog
+from marl.rewards.trl_calls import RewardLog
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -48,9 +48,9 @@ class ScoringBatch:
     ``conversations``: each row's prompt messages when it is a conversation (``None`` for a plain prompt).
     ``completion_ids`` (each row's completion ids through its stop token), ``columns`` (each dataset column
     beside the prompt, one value per row) and ``trainer_state`` are what reward functions receive beside the
-    texts (:mod:`marl.rewards.calls`); what they log with ``log_extra`` and ``log_metric`` is kept in
+    texts (:mod:`marl.rewards.trl_calls`); what they log with ``log_extra`` and ``log_metric`` is kept in
     ``reward_log``. ``replies``: each conversation's completion parsed as TRL hands it to reward functions
-    where the tokenizer parses responses (:func:`marl.rewards.calls.parsed_replies`), else ``None``."""
+    where the tokenizer parses responses (:func:`marl.rewards.trl_calls.parsed_replies`), else ``None``."""
 
     prompts: list[str]
     completions: list[str]
@@ -85,7 +85,7 @@ class RewardParts:
 
 
 # A reward kind's factory checks its spec before the model loads and returns one of these, which builds the
-# source from the loaded parts (see marl.rewards.kinds).
+# source from the loaded parts (see marl.rewards.reward_kinds).
 RewardBuilder = Callable[[RewardParts], RewardSource]
 
 

@@ -1,6 +1,7 @@
-"""Functions the user wrote: reward functions (called as TRL calls them, :mod:`marl.rewards.calls`) and
+"""Functions the user wrote: reward functions (called as TRL calls them, :mod:`marl.rewards.trl_calls`) and
 judges ``f(texts)``, imported from ``module:function`` (or ``path/to/file.py:function``) and checked on every
-call.
+call. Judges evaluate a policy independently of its reward, so that reward hacking shows as a reward gain
+without a judge gain: VADER by default, or ``--judge module:function``.
 
 ``None`` from a reward function means "this source does not judge this completion" (NaN works the same way,
 as in TRL). Infinite scores, a wrong count or a non-number are errors that name the function, and so is an
@@ -27,9 +28,10 @@ from typing import Any
 
 import torch
 
+from marl.data.gold_judge import gold_judge_scores
 from marl.errors import ConfigError, DataError
 from marl.rewards.batch import RewardBuilder, RewardParts, RewardSource, ScoringBatch
-from marl.rewards.calls import RewardCall, callable_name, is_async, run_reward_functions
+from marl.rewards.trl_calls import RewardCall, callable_name, is_async, run_reward_functions
 
 RewardFunction = Callable[..., Sequence[float | None]]
 
@@ -132,7 +134,7 @@ def call_user_function(function: Callable[..., Any], where: str, *arguments: Any
 
 
 class FunctionReward:
-    """A user function called as TRL calls reward functions (:mod:`marl.rewards.calls`): keywords
+    """A user function called as TRL calls reward functions (:mod:`marl.rewards.trl_calls`): keywords
     ``prompts``, ``completions``, ``completion_ids``, ``trainer_state`` and every dataset column, returning
     one number (or ``None``) per completion; its output is checked on every call. Calling it returns the
     checked list.
@@ -205,7 +207,7 @@ def as_tensor(values: Sequence[float | None], batch: ScoringBatch) -> torch.Tens
 
 def score_sources(sources: Sequence[RewardSource], batch: ScoringBatch) -> list[torch.Tensor]:
     """Each source's scores of ``batch``, in order; the reward functions among them are called with one
-    :class:`~marl.rewards.calls.RewardCall`, their ``async def`` ones awaited together (as TRL does).
+    :class:`~marl.rewards.trl_calls.RewardCall`, their ``async def`` ones awaited together (as TRL does).
 
     Example:
         >>> double = FunctionReward(lambda completions, **kwargs: [2 * len(c) for c in completions], "double")
@@ -229,8 +231,8 @@ def score_sources(sources: Sequence[RewardSource], batch: ScoringBatch) -> list[
 
 def load_reward_fn(spec: str) -> FunctionReward:
     """Import ``--reward_fn module:function`` (or ``path/to/file.py:function``), called as TRL calls reward
-    functions (:mod:`marl.rewards.calls`); named after the function, as TRL names it (``rewards/<function>``,
-    not the module or the file's path: :func:`marl.rewards.calls.callable_name`).
+    functions (:mod:`marl.rewards.trl_calls`); named after the function, as TRL names it
+    (``rewards/<function>``, not the module or the file's path: :func:`marl.rewards.trl_calls.callable_name`).
 
     Example:
         >>> load_reward_fn("math:fsum").name
@@ -253,3 +255,36 @@ def function_kind(spec: str) -> RewardBuilder:
         return reward
 
     return build
+
+
+class CheckedJudge:
+    """A judge ``fn(texts) -> scores`` (higher is better) whose output is checked on every call.
+
+    Example:
+        >>> judge = CheckedJudge(lambda texts: [t.count("!") for t in texts], "excitement")
+        >>> judge(["wow!", "ok"])
+        [1.0, 0.0]
+        >>> CheckedJudge(len, "length")(["ab"])
+        Traceback (most recent call last):
+        ...
+        marl.errors.DataError: length returned a int; it must return a list of 1 numbers, one per completion
+    """
+
+    def __init__(self, function: Callable[[Sequence[str]], Any], name: str) -> None:
+        self.function = function
+        self.name = name
+
+    def __call__(self, texts: Sequence[str]) -> list[float]:
+        return check_scores(call_user_function(self.function, self.name, list(texts)), len(texts), self.name)
+
+
+def load_judge(spec: str | None) -> CheckedJudge:
+    """Import ``--judge module:function``, called as ``function(texts)``; ``None`` gives the VADER judge.
+
+    Example:
+        >>> load_judge(None)(["a wonderful film"])[0] > 0
+        True
+    """
+    if spec is None:
+        return CheckedJudge(gold_judge_scores, "the VADER judge")
+    return CheckedJudge(import_function(spec, "--judge"), f"judge {spec!r}")

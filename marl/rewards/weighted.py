@@ -88,8 +88,8 @@ def build_rewards(
     rows_per_pass: int = 64,
 ) -> WeightedRewards:
     """The reward of a run: ``reward_funcs`` is ``None`` (every reward adapter of the model), or one or a list
-    of reward adapter names, reward functions (called as TRL calls them, :mod:`marl.rewards.calls`) and
-    :class:`RewardSource` objects (such as those :func:`marl.rewards.kinds.plan_rewards` builds).
+    of reward adapter names, reward functions (called as TRL calls them, :mod:`marl.rewards.trl_calls`) and
+    :class:`RewardSource` objects (such as those :func:`marl.rewards.reward_kinds.plan_rewards` builds).
 
     Example:
         >>> rewards = build_rewards(model, ["sentiment", length_bonus], [1.0, 0.1])  # doctest: +SKIP

@@ -4,8 +4,8 @@
    cut after their stop token (:class:`marl.rollout.records.Samples`, k-major: row ``j * P + i`` is sample
    ``j`` of prompt ``i``);
 2. the scorer (:class:`marl.rollout.scoring.Scorer`) computes their policy and reference log-probs in
-   float32 at the sampling temperature (the passes the algorithm reads, :mod:`marl.algo.passes`), and the
-   rows the reward sources read;
+   float32 at the sampling temperature (the passes the algorithm reads, :mod:`marl.algo.scoring_passes`),
+   and the rows the reward sources read;
 3. the reward adds its scores: a :class:`marl.rollout.records.Rollout` holds everything an update needs.
 
 Example:
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.algo.passes import POLICY_PASS, ScoringPasses
+from marl.algo.scoring_passes import POLICY_PASS, ScoringPasses
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import sequence_kl
 from marl.cpu.allocator import release_freed_memory
@@ -48,8 +48,8 @@ def collect_rollout(
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
     and reference log-probs where the algorithm reads them (``passes``, default ``scorer.passes``), and their
-    scores from ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.calls`), and what
-    they log is the rollout's ``reward_log``.
+    scores from ``reward``; reward functions receive ``trainer_state`` (:mod:`marl.rewards.trl_calls`), and
+    what they log is the rollout's ``reward_log``.
 
     ``policies`` (one per prompt): the rows of several policies, sampled in one batched decode
     (``sampler.sample_routed``) and scored in the same passes, each row under its own policy

@@ -33,7 +33,7 @@ class Prompt:
     """One tokenised prompt: the ids the model reads, the text shown to reward functions and in tables, and
     for a conversation its messages (reward adapters read the conversation with each completion as the
     assistant's reply, :meth:`marl.rollout.scoring.Scorer.scoring_batch`). ``columns``: the dataset row's
-    other columns, which reward functions receive as keywords (:mod:`marl.rewards.calls`)."""
+    other columns, which reward functions receive as keywords (:mod:`marl.rewards.trl_calls`)."""
 
     ids: tuple[int, ...]
     text: str

@@ -30,7 +30,7 @@ from marl.model.packing import PackedRows, pack_rows
 from marl.rollout import stops
 
 if TYPE_CHECKING:
-    from marl.rewards.calls import RewardLog
+    from marl.rewards.trl_calls import RewardLog
     from marl.rollout.prompts import PromptBatch
 
 
@@ -157,10 +157,10 @@ class Samples:
 @dataclass
 class Rollout(Samples):
     """Samples with what the update needs: float32 log-probs under the policy at sampling time and under the
-    reference ``[B, T]`` (``None`` where the algorithm does not read them, :mod:`marl.algo.passes`: the
-    update's forward then provides the policy's), the reward's weighted scores ``[B]`` (NaN where no source
-    judged a completion) and each source's own scores ``[B, S]``; ``reward_log``: what reward functions logged
-    while scoring it (:class:`marl.rewards.calls.RewardLog`: sample-table columns and metrics)."""
+    reference ``[B, T]`` (``None`` where the algorithm does not read them, :mod:`marl.algo.scoring_passes`:
+    the update's forward then provides the policy's), the reward's weighted scores ``[B]`` (NaN where no
+    source judged a completion) and each source's own scores ``[B, S]``; ``reward_log``: what reward functions
+    logged while scoring it (:class:`marl.rewards.trl_calls.RewardLog`: sample-table columns and metrics)."""
 
     logprobs: torch.Tensor = None
     ref_logprobs: torch.Tensor = None

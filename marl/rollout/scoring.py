@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.algo.passes import ALL_PASSES, ScoringPasses
+from marl.algo.scoring_passes import ALL_PASSES, ScoringPasses
 from marl.data.prompts import left_pad, reward_model_ids
 from marl.model.generation import pad_token_id
 from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
 from marl.model.records import BASE_VIEW
 from marl.rewards import ScoringBatch, ScoringChunk
-from marl.rewards.calls import columns_per_row, parsed_replies, parses_responses
+from marl.rewards.trl_calls import columns_per_row, parsed_replies, parses_responses
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
@@ -47,7 +47,7 @@ class Scorer:
             ``"reference"`` view.
         share_prompt_prefix: compute each prompt once for all its completions; switched off, with a
             warning, on a model where that is not exact (:attr:`marl.MultiAdapterModel.packing_problem`).
-        passes: which log-prob passes :meth:`logprobs` runs (:mod:`marl.algo.passes`; default both).
+        passes: which log-prob passes :meth:`logprobs` runs (:mod:`marl.algo.scoring_passes`; default both).
     """
 
     def __init__(
@@ -235,7 +235,7 @@ class Scorer:
 
     def replies(self, samples: Samples) -> list[dict[str, Any] | None] | None:
         """Each conversation's completion parsed as TRL hands it to reward functions, where the tokenizer
-        parses responses (:func:`marl.rewards.calls.parsed_replies`; ``None`` where it does not)."""
+        parses responses (:func:`marl.rewards.trl_calls.parsed_replies`; ``None`` where it does not)."""
         if not parses_responses(self.tokenizer):
             return None
         prompts = [

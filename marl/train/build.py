@@ -1,7 +1,7 @@
 """The builder of an RLOO run: reads the config once and returns the ready parts the trainer's loop uses.
 
 :func:`check_components` resolves every registry name of a config (advantage estimator, sampler, parallelism),
-checks the loss and its combination with the other algorithm settings (:mod:`marl.algo.selection`), and
+checks the loss and its combination with the other algorithm settings (:mod:`marl.algo.losses`), and
 refuses what cannot run before any model work; the command line calls it right after parsing,
 :func:`build_training_parts` calls it first. :func:`build_training_parts` then makes, in order: the reward,
 the :class:`Parallelism` (which owns the ``accelerate.Accelerator``), the scorer, the tokenised prompts and
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from transformers import get_scheduler
 
-from marl.algo.advantages import AdvantageEstimator
+from marl.algo.advantages import AdvantageEstimator, advantage_estimator
 from marl.algo.group_spread import ZeroSpreadWatch
-from marl.algo.passes import scoring_passes
-from marl.algo.selection import LossSettings, advantage_estimator, check_algorithm
+from marl.algo.losses import LossSettings, check_algorithm
+from marl.algo.scoring_passes import scoring_passes
 from marl.config.batch_sizes import BatchSizes
 from marl.config.device import DEVICE_TYPES, Device, device_sampler, resolve_device_settings
 from marl.config.rloo_config import RLOOConfig

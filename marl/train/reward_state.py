@@ -1,4 +1,4 @@
-"""The ``trainer_state`` reward functions receive (:mod:`marl.rewards.calls`), and the metrics they log. A
+"""The ``trainer_state`` reward functions receive (:mod:`marl.rewards.trl_calls`), and the metrics they log. A
 ``transformers.TrainerState``, the class TRL passes, filled with the run's progress so that a reward shaped by
 it (``trainer_state.global_step / trainer_state.max_steps``, ``trainer_state.epoch``) reads the same numbers
 as under TRL.
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from marl.errors import DataError
-from marl.rewards.calls import logged_metric_means
+from marl.rewards.trl_calls import logged_metric_means
 
 
 def reward_trainer_state(trainer: Any) -> Any:

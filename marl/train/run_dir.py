@@ -329,7 +329,7 @@ def run_settings(
     }
 
 
-# The reward kinds (marl.rewards.kinds) by the class of the source they build.
+# The reward kinds (marl.rewards.reward_kinds) by the class of the source they build.
 REWARD_KIND_NAMES = {"AdapterReward": "adapter", "EosTerminatedAdapterReward": "eos_adapter"}
 
 

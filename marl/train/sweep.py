@@ -8,7 +8,7 @@ Every update, in one process:
    the same passes (each policy's log-probs routed per row; the reference pass is the base with adapters
    disabled for every row; the reward passes score every row once; where every policy drew the same
    prompts, these two compute each prompt once for all of them). A pass runs when any policy reads it
-   (:mod:`marl.algo.passes`); each policy then sees only the passes its own run would have, its rows
+   (:mod:`marl.algo.scoring_passes`); each policy then sees only the passes its own run would have, its rows
    (:func:`marl.rollout.collect.split_rollout`) and its own weighted reward
    (:func:`marl.rewards.weighted.weighted_total`);
 2. advantages per policy with its own settings (:meth:`marl.RLOOTrainer._shaped_rewards`);
@@ -51,7 +51,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from marl.algo.metrics import UpdateStats
-from marl.algo.passes import ScoringPasses, scoring_passes
+from marl.algo.scoring_passes import ScoringPasses, scoring_passes
 from marl.algo.shaping import ShapedRewards
 from marl.config.device import device_sampler
 from marl.config.rloo_config import RLOOConfig

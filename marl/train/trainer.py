@@ -5,7 +5,7 @@ One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
 
 1. rollout (:func:`marl.rollout.collect.collect_rollout`, no grad, eval mode): this process's prompts, ``k``
    sampled completions each under the policy, cut after the stop token, their policy and reference log-probs
-   where the algorithm reads them (:mod:`marl.algo.passes`) and their scores;
+   where the algorithm reads them (:mod:`marl.algo.scoring_passes`) and their scores;
 2. rewards and advantages (:func:`marl.algo.shaping.shape_rewards`): missing-EOS penalty, optional
    normalisation, KL folded into the reward (or the token-level k3 variant), leave-one-out baseline, optional
    normalisation; a completion no reward source judged gets advantage 0, and normalisation statistics span
@@ -46,9 +46,15 @@ import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
-from marl.algo.metrics import RolloutStats, UpdateStats, rollout_metrics, sampler_gap_metrics, update_metrics
-from marl.algo.selection import sampler_correction_metrics, shape_rollout
-from marl.algo.shaping import ShapedRewards
+from marl.algo.metrics import (
+    RolloutStats,
+    UpdateStats,
+    rollout_metrics,
+    sampler_correction_metrics,
+    sampler_gap_metrics,
+    update_metrics,
+)
+from marl.algo.shaping import ShapedRewards, shape_rollout
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
 from marl.errors import PhaseMemoryError
@@ -91,7 +97,7 @@ class RLOOTrainer:
             ``input_ids`` column.
         eval_dataset: optional prompts in the same format; the periodic sample tables use them when given.
         reward_funcs: ``None`` to score with every reward adapter of the model, or one or a list of: reward
-            adapter names, reward functions called as TRL calls them (:mod:`marl.rewards.calls`: dataset
+            adapter names, reward functions called as TRL calls them (:mod:`marl.rewards.trl_calls`: dataset
             columns among the keywords), :class:`marl.rewards.RewardSource` objects, combined as ``Σ_i w_i ·
             r_i`` with ``config.reward_weights`` (1 each by default); see :mod:`marl.rewards.weighted`.
         judge: optional ``judge(texts) -> scores`` (higher is better, e.g. :func:`marl.rewards.load_judge`)

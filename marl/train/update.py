@@ -2,13 +2,14 @@
 for one policy or for several at once.
 
 ``num_ppo_epochs`` × ``num_mini_batches`` optimizer steps per rollout, each accumulating micro-batches of
-``per_device_train_batch_size`` completions: the config's clipped policy loss (:mod:`marl.algo.selection`:
+``per_device_train_batch_size`` completions: the config's clipped policy loss (:mod:`marl.algo.losses`:
 the sequence ratio of TRL v0.21's RLOO or a TRL 1.x token-level loss, with the k3 KL when it is in the
 loss), gradients averaged over processes in the backward pass, clipped to ``max_grad_norm``, one step of
 the LR schedule. A step whose loss or gradient is not finite on any process is skipped on every process;
-the schedule still moves on. Where the rollout skipped the policy's scoring pass (:mod:`marl.algo.passes`:
-one epoch, one mini-batch, no KL in the reward), each micro-batch's forward provides those log-probs,
-detached, into the rollout (the ratio's old log-probs, and the metrics' afterwards).
+the schedule still moves on. Where the rollout skipped the policy's scoring pass
+(:mod:`marl.algo.scoring_passes`: one epoch, one mini-batch, no KL in the reward), each micro-batch's
+forward provides those log-probs, detached, into the rollout (the ratio's old log-probs, and the metrics'
+afterwards).
 
 The loop (:func:`run_together`, its stages numbered) runs ONE micro-batch PER POLICY at every micro-batch
 step, one after another, each a forward and a backward pass in that policy's own view. A single run is the
@@ -50,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from marl.algo.losses import LossSettings, loss_mask, policy_loss, truncation_warning
 from marl.algo.metrics import UpdateStats
-from marl.algo.passes import reuses_samples
-from marl.algo.selection import LossSettings, loss_mask, policy_loss, truncation_warning
+from marl.algo.scoring_passes import reuses_samples
 from marl.cpu.allocator import release_freed_memory
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ class UpdatePart:
 
     def prepare(self, update: int) -> None:
         """The loss mask, the truncation warning, and the log-probs the update's forward provides where the
-        rollout skipped the policy's scoring pass (:mod:`marl.algo.passes`)."""
+        rollout skipped the policy's scoring pass (:mod:`marl.algo.scoring_passes`)."""
         config, rollout = self.step.config, self.rollout
         self.mask = loss_mask(rollout.response_mask, rollout.contains_stop, self.step.loss)
         truncated = truncation_warning(rollout.contains_stop, self.step.loss, update)

@@ -9,7 +9,7 @@ from transformers import HfArgumentParser
 
 from marl import RLOOConfig
 from marl.algo.from_trl import rloo_config_from_trl
-from marl.algo.selection import LossSettings, check_algorithm, policy_loss
+from marl.algo.losses import LossSettings, check_algorithm, policy_loss
 from marl.config.algorithms import PRESETS
 from marl.errors import ConfigError
 

@@ -1,5 +1,5 @@
 """``rloo_config_from_trl`` field by field: every field of TRL 1.16's ``GRPOConfig`` and ``RLOOConfig`` is in
-the table of :mod:`marl.algo.trl_fields` (a new TRL field fails here), each refused field is refused with its
+the table of :mod:`marl.algo.from_trl` (a new TRL field fails here), each refused field is refused with its
 reason when set, each irrelevant one changes nothing, each converted one lands where it should; TRL's batch
 structure (generation size, optimizer steps per generation, max_steps with num_iterations) and RLOO's
 normalisation epsilon are reproduced."""
@@ -14,10 +14,8 @@ import torch
 from trl import GRPOConfig
 from trl import RLOOConfig as TRLRLOOConfig
 
-from marl.algo.from_trl import rloo_config_from_trl
-from marl.algo.sampler_correction import SamplerCorrection
-from marl.algo.selection import LossSettings
-from marl.algo.trl_fields import CONVERTED, IRRELEVANT, REFUSED, field_table
+from marl.algo.from_trl import CONVERTED, IRRELEVANT, REFUSED, field_table, rloo_config_from_trl
+from marl.algo.losses import LossSettings, SamplerCorrection
 from marl.errors import ConfigError
 
 BASE = dict(output_dir="out", use_cpu=True, bf16=False, report_to="none")
@@ -58,7 +56,7 @@ def test_the_table_names_every_field_of_trls_config(class_name):
     unknown = [
         item.name for item in dataclasses.fields(config_class) if item.name not in field_table(config_class)
     ]
-    assert unknown == [], f"classify these {class_name} fields in marl/algo/trl_fields.py: {unknown}"
+    assert unknown == [], f"classify these {class_name} fields in marl/algo/from_trl.py: {unknown}"
 
 
 @pytest.mark.parametrize(("class_name", "name"), fields_with(REFUSED))

@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from marl.algo.advantages import advantage_centring
 from marl.algo.group_spread import (
     ZERO_SPREAD_LIMIT,
     ZERO_SPREAD_METRIC,
@@ -21,7 +22,6 @@ from marl.algo.group_spread import (
     flat_groups,
 )
 from marl.algo.metrics import RolloutStats, rollout_metrics
-from marl.algo.reward_normalization import advantage_centring
 from marl.algo.shaping import shape_rewards
 from marl.train.parallel import sum_over_processes
 

@@ -28,6 +28,7 @@ from accelerate import Accelerator
 from datasets import Dataset
 
 from marl.algo.advantages import configured_estimator
+from marl.algo.losses import LossSettings, policy_loss
 from marl.algo.metrics import (
     TRL_ROLLOUT_METRICS,
     RolloutStats,
@@ -35,7 +36,7 @@ from marl.algo.metrics import (
     rollout_metrics,
     update_metrics,
 )
-from marl.algo.selection import LossSettings, policy_loss, shape_rollout
+from marl.algo.shaping import shape_rollout
 from marl.config import RLOOConfig
 from marl.rewards.weighted import weighted_total
 from marl.rollout.prompts import Prompt, PromptBatch

@@ -27,9 +27,8 @@ import torch
 from datasets import Dataset
 
 from marl.algo.advantages import configured_estimator
-from marl.algo.losses import clipped_policy_loss
+from marl.algo.losses import TOKEN_LOSS_TYPES, clipped_policy_loss, token_policy_loss
 from marl.algo.tensors import masked_sum
-from marl.algo.token_losses import TOKEN_LOSS_TYPES, token_policy_loss
 
 trl = pytest.importorskip("trl")
 if trl.__version__ != "1.16.0":  # the parity is pinned to the version the table in the README names

@@ -296,3 +296,30 @@ def test_a_policy_adapter_that_trains_the_shared_base_is_refused(tiny_llama_dir,
     with pytest.raises(AdapterError) as error:
         reward_adapter_function(policy, tiny_reward_adapter, AutoTokenizer.from_pretrained(tiny_llama_dir))
     assert "bias='all'" in one_line(error)
+
+
+def test_the_deprecated_reward_adapter_function_warns_and_scores_as_the_trainer_reward(
+    tiny_llama_dir, tiny_reward_adapter
+):
+    """``marl.RewardAdapterFunction`` names its replacement in a DeprecationWarning and scores, on its own
+    base, what :func:`reward_adapter_function` scores on the policy's PeftModel; ``append_eos`` reads each
+    text ended with EOS."""
+    from marl import RewardAdapterFunction
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ours = reward_adapter_function(policy_model(tiny_llama_dir), tiny_reward_adapter, tokenizer)
+    with pytest.warns(DeprecationWarning, match=r"marl\.integrations\.trl\.reward_adapter_function"):
+        alias = RewardAdapterFunction(str(tiny_llama_dir), str(tiny_reward_adapter), name="reward")
+    assert alias.__name__ == "reward"
+    assert alias(PROMPTS, TEXTS) == pytest.approx(ours(prompts=PROMPTS, completions=TEXTS), abs=1e-5)
+    with pytest.warns(DeprecationWarning):
+        ended = RewardAdapterFunction(alias.model, name="reward", append_eos=True)
+    rows = [
+        [*tokenizer(prompt + text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        for prompt, text in zip(PROMPTS, TEXTS, strict=True)
+    ]
+    mask = torch.ones(1, 1, dtype=torch.long)
+    alone = [
+        alias.model.compute_reward_score(torch.tensor([ids]), mask.expand(1, len(ids))).item() for ids in rows
+    ]
+    assert ended(PROMPTS, TEXTS) == pytest.approx(alone, abs=1e-5)

@@ -131,7 +131,8 @@ def test_reward_adapter_function_reads_conversations_as_trl(family, family_dir, 
     adapter = save_reward_adapter(base_dir, tmp_path / "reward")
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     completions = [" a lovely charming film ", "dull", "the plot falls apart"]
-    reward = RewardAdapterFunction(str(base_dir), str(adapter), name="sentiment")
+    with pytest.warns(DeprecationWarning, match="marl.integrations.trl.reward_adapter_function"):
+        reward = RewardAdapterFunction(str(base_dir), str(adapter), name="sentiment")
     theirs = transformers_reward(
         base_dir, adapter, tokenizer, trl_reward_texts(tokenizer, CONVERSATIONS, completions)
     )

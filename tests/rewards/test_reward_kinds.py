@@ -1,5 +1,5 @@
-"""Reward source kinds (marl.rewards.kinds): the registry, the kinds marl ships, and a kind registered from
-outside the package that trains through RLOOTrainer."""
+"""Reward source kinds (marl.rewards.reward_kinds): the registry, the kinds marl ships, and a kind registered
+from outside the package that trains through RLOOTrainer."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from marl import MultiAdapterModel, RLOOTrainer
+from marl import MultiAdapterModel, RewardAdapterFunction, RLOOTrainer
 from marl.errors import ConfigError, DataError
 from marl.rewards import (
     REWARD_KINDS,
     AdapterReward,
     EosTerminatedAdapterReward,
     FunctionReward,
-    RewardAdapterFunction,
     RewardParts,
     RewardSetting,
     ScoringBatch,
@@ -118,7 +117,9 @@ def test_the_shipped_kinds_build_the_shipped_sources(tiny_llama_dir, tiny_reward
     ]
     batch = ScoringBatch(prompts, completions, encoded["input_ids"], encoded["attention_mask"])
     assert adapter.score(batch).tolist() == pytest.approx(alone, abs=1e-5)
-    as_trl_reads = RewardAdapterFunction(model, name="rm", rows_per_pass=2)
+    deprecated = "marl.integrations.trl.reward_adapter_function"
+    with pytest.warns(DeprecationWarning, match=deprecated):
+        as_trl_reads = RewardAdapterFunction(model, name="rm", rows_per_pass=2)
     rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     alone = [
         model.compute_reward_score(

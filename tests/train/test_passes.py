@@ -1,5 +1,5 @@
-"""Only the passes the algorithm needs (marl.algo.passes): with a pass skipped, every preset's losses and
-gradients are those of the same run with every pass forced on, its metrics the same up to float rounding,
+"""Only the passes the algorithm needs (marl.algo.scoring_passes): with a pass skipped, every preset's losses
+and gradients are those of the same run with every pass forced on, its metrics the same up to float rounding,
 and a count of the real forward calls shows which passes ran."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marl.algo.passes import ALL_PASSES, ScoringPasses
+from marl.algo.scoring_passes import ALL_PASSES, ScoringPasses
 from marl.config.algorithms import PRESETS
 
 from support.runs import build, tiny_config

@@ -1,14 +1,14 @@
 """Runs with the sampler correction on (``--vllm_importance_sampling_correction``): in fp32 on a CPU the
 sampler and the trainer agree to rounding, so every ratio is 1 and a corrected run ends where the plain one
 does; a mask whose bounds exclude 1 removes every token's policy term, so the policy does not move. The
-ratio and the loss against TRL's own code: tests/algo/test_sampler_correction.py."""
+ratio and the loss against TRL's own code: tests/algo/test_losses.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from marl.algo.sampler_correction import RATIO_MAX, RATIO_MEAN, RATIO_MIN
+from marl.algo.metrics import RATIO_MAX, RATIO_MEAN, RATIO_MIN
 
 from support.runs import build, tiny_config
 

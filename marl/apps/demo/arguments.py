@@ -112,7 +112,7 @@ class DemoArguments:
     reward_normalization: str = field(
         default="sum",
         metadata={
-            "help": "How the two rewards combine (marl.algo.reward_normalization): 'sum' (the weighted sum "
+            "help": "How the two rewards combine (marl.algo.shaping): 'sum' (the weighted sum "
             "of the raw scores) or 'per_reward' (GDPO: each reward minus its prompt group's mean, divided "
             "by its std, before the weighted sum; the KL penalty then weighs against those normalised "
             "units, and the default kl_coef was measured under 'sum')."
@@ -148,7 +148,7 @@ class DemoArguments:
         check_topic_weight(self.topic_weight)
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")
-        from marl.algo.reward_normalization import reward_normalization
+        from marl.algo.shaping import reward_normalization
 
         # The RLOO settings are checked where they are checked for train-rloo.
         config = demo_rloo_config(self, Path("."), self.reward_adapter)

@@ -132,7 +132,7 @@ def generate_and_score(
     one training uses by default on the model's device, :func:`marl.config.device.device_sampler`).
     ``reward_names``: the reward adapters that score each completion (default: the model's first);
     ``reward_functions``: ``module:function`` specs of reward functions, called as in training
-    (:mod:`marl.rewards.calls`) with ``columns`` (each prompt's other dataset columns) and a fresh
+    (:mod:`marl.rewards.trl_calls`) with ``columns`` (each prompt's other dataset columns) and a fresh
     ``transformers.TrainerState``. The first source fills ``reward_scores``; with ``reward_names`` or a reward
     function, each source fills its entry of ``reward_scores_by_name``.
 

@@ -20,7 +20,7 @@ written for TRL runs unchanged:
   and each ``log_extra`` column (one value per completion) is a column of the update's sample table.
 
 A function whose signature has ``**kwargs`` gets every keyword; one without gets only the keywords it names
-(so marl's older ``f(prompts, completions)`` keeps working; see :func:`call_arguments` for ``f(p, c)``), and
+(so a two-argument ``f(prompts, completions)`` works too; see :func:`call_arguments` for ``f(p, c)``), and
 a required parameter that none of the keywords fills is an error naming it. ``async def`` functions are
 awaited, those of one batch together (``asyncio.gather``), as TRL does. What a function returns is checked by
 :func:`marl.rewards.functions.check_scores` (``None`` or NaN: not judged).
@@ -237,8 +237,8 @@ def call_arguments(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(positional, keyword)`` arguments of ``function`` for ``keywords``: all of them with ``**kwargs``,
     else those it names. A function of exactly two required positional parameters, one at least that no
-    keyword fills and none named ``completions`` (marl's older ``f(p, c)`` / ``f(prompts, texts)``), gets
-    ``(prompts, completions)`` positionally, as marl called it before. Otherwise a required parameter no
+    keyword fills and none named ``completions`` (a two-argument ``f(p, c)`` / ``f(prompts, texts)``), gets
+    ``(prompts, completions)`` positionally. Otherwise a required parameter no
     keyword fills is an error naming it and the keywords there are.
 
     Example:

@@ -50,7 +50,7 @@ class RewardKind(Protocol):
 REWARD_KINDS: Registry[RewardKind] = Registry(
     "reward source kind",
     "--reward",
-    "marl.rewards.kinds.register_reward_kind",
+    "marl.rewards.reward_kinds.register_reward_kind",
     {"adapter": adapter_kind, "eos_adapter": eos_adapter_kind, "function": function_kind},
 )
 

@@ -24,9 +24,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marl.algo.sampler_correction import RATIO_MAX, RATIO_MEAN, RATIO_MIN, sampler_importance_ratio
-from marl.algo.selection import LossSettings, sampler_correction_metrics
-from marl.algo.token_losses import token_policy_loss
+from marl.algo.losses import LossSettings, sampler_importance_ratio, token_policy_loss
+from marl.algo.metrics import RATIO_MAX, RATIO_MEAN, RATIO_MIN, sampler_correction_metrics
 from marl.config import RLOOConfig
 from marl.config.sampler_correction import SAMPLER_CORRECTION_MODES
 from marl.errors import ConfigError

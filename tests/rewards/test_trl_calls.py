@@ -183,7 +183,7 @@ def test_older_marl_functions_keep_working():
 
 
 def test_async_functions_of_one_batch_are_awaited_together():
-    from marl.rewards.calls import RewardCall, run_reward_functions
+    from marl.rewards.trl_calls import RewardCall, run_reward_functions
 
     running, overlap = [], []
 
@@ -202,7 +202,7 @@ def test_a_partial_of_an_async_callable_object_is_awaited_as_trl_awaits_it():
     reward is awaited, not taken for a list."""
     import functools
 
-    from marl.rewards.calls import RewardCall, run_reward_functions
+    from marl.rewards.trl_calls import RewardCall, run_reward_functions
 
     class Scaled:
         async def __call__(self, completions, scale, **kwargs):
@@ -237,7 +237,7 @@ def test_what_reward_functions_log_is_recorded_as_trl_records_it(tiny_llama_dir,
     the step's metrics; marl puts the same columns in its sample table rows and logs the same means under the
     same names."""
     from marl.model.build import load_tokenizer
-    from marl.rewards.calls import logged_metric_means
+    from marl.rewards.trl_calls import logged_metric_means
     from marl.train.run_dir import sample_rows
 
     tokenizer = load_tokenizer(str(tiny_llama_dir))
@@ -327,7 +327,7 @@ def test_logging_errors_name_the_function_and_the_fix():
 
     from marl.errors import DataError
     from marl.rewards import FunctionReward
-    from marl.rewards.calls import RewardLog
+    from marl.rewards.trl_calls import RewardLog
     from marl.train.reward_state import reward_function_metrics
 
     def not_a_number(completions, log_metric, **kwargs):

@@ -15,14 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_rloo_math import random_rollout, shape_in_lockstep
 
-from marl.algo.advantages import get_advantage_estimator, rloo_advantages
-from marl.algo.reward_normalization import (
-    GDPO_STD_EPSILON,
-    PerRewardNormalization,
-    advantage_centring,
-    reward_normalization,
-)
-from marl.algo.shaping import shape_rewards
+from marl.algo.advantages import advantage_centring, get_advantage_estimator, rloo_advantages
+from marl.algo.shaping import GDPO_STD_EPSILON, PerRewardNormalization, reward_normalization, shape_rewards
 from marl.algo.tensors import sequence_kl, standardize
 from marl.config import RLOOConfig
 from marl.errors import ConfigError
@@ -377,7 +371,7 @@ def test_a_normalisation_registered_from_outside_is_chosen_by_name():
     """The registry is the extension point: a choice registered by a user is what ``--reward_normalization``
     NAME selects, and the config refuses nothing about it."""
     from marl.algo.advantages import rloo_advantages
-    from marl.algo.reward_normalization import (
+    from marl.algo.shaping import (
         REWARD_NORMALIZATIONS,
         PerRewardNormalization,
         register_reward_normalization,
