@@ -1,6 +1,6 @@
 """Quantized bases through bitsandbytes: the load settings and the CPU details.
 
-Every base is loaded by :mod:`marl.model.build`, which takes its quantization from here, so ``"4bit"`` means
+Every base is loaded by :mod:`marl.model.loading`, which takes its quantization from here, so ``"4bit"`` means
 the same NF4 setting everywhere. The choices and their parsing are settings (:mod:`marl.config.model`).
 
 Example:

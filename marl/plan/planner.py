@@ -113,9 +113,9 @@ def plan_memory(
     from peft import LoraConfig
 
     from marl.config.batch_sizes import local_batch_size
-    from marl.model.build import wrap_with_peft
     from marl.model.families import disable_dropout
     from marl.model.forward import enable_gradient_checkpointing
+    from marl.model.loading import wrap_with_peft
     from marl.plan.systems import SYSTEMS, check_plannable
 
     if any(getattr(config, name) is None for name in DEVICE_FIELDS):

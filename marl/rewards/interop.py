@@ -13,7 +13,7 @@ from typing import Any
 
 from marl.data.prompts import reward_model_ids
 from marl.errors import ConfigError
-from marl.model.generation import pad_token_id
+from marl.model.sampling import pad_token_id
 from marl.rewards.adapter import padded_chunks, score_chunks
 
 

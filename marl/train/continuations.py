@@ -46,7 +46,7 @@ def model_continuer(
     @functools.cache
     def load() -> tuple[Any, Any, Any]:
         from marl.cpu.threads import apply_threads
-        from marl.model.build import load_tokenizer
+        from marl.model.loading import load_tokenizer
         from marl.model.multi_adapter import MultiAdapterModel
 
         model = MultiAdapterModel.from_pretrained(

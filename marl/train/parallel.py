@@ -42,7 +42,7 @@ from accelerate.state import AcceleratorState
 from marl.algo.metrics import REDUCTION
 from marl.errors import ConfigError
 from marl.model.adapters import save_adapter
-from marl.model.generation import any_process
+from marl.model.sampling import any_process
 from marl.registry import Registry
 from marl.train import sharding
 from marl.train.launch import check_sharded_launch

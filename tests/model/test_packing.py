@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from marl import MultiAdapterModel, RLOOTrainer
-from marl.model.packing import pack_rows, probe_tolerance, read_slots
+from marl.model.rows import pack_rows, probe_tolerance, read_slots
 from marl.rollout.collect import collect_rollout
 from marl.rollout.prompts import Prompt
 from marl.rollout.samplers import SamplerSettings
@@ -313,7 +313,7 @@ def test_the_probe_refuses_a_model_that_ignores_the_4d_mask_in_every_dtype(dtype
 @pytest.mark.parametrize("quantization", ["4bit", "8bit"])
 def test_the_probe_refuses_a_quantized_bf16_model_that_ignores_the_4d_mask(quantization, broken_model_dir):
     """A quantized base in bf16 is allowed bf16's rounding (its activations are float32, its layers compute
-    in bf16: :func:`marl.model.packing.coarser_dtype`); a structural failure is still far above that."""
+    in bf16: :func:`marl.model.rows.coarser_dtype`); a structural failure is still far above that."""
     config = _MaskIgnoringConfig(
         vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
     )

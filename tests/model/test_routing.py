@@ -10,7 +10,7 @@ from peft import LoraConfig
 
 from marl import MultiAdapterModel
 from marl.errors import ConfigError
-from marl.model.records import BASE_VIEW
+from marl.model.adapters import BASE_VIEW
 
 from support.families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance
 
