@@ -200,8 +200,8 @@ def enable_gradient_checkpointing(causal_lm: torch.nn.Module) -> None:
     Non-reentrant, so the LoRA weights inside a recomputed layer get their gradients without the input
     embeddings' output requiring grad, on quantized and plain bases alike. transformers registers a hook that
     makes it require grad anyway (for reentrant checkpointing); it is removed: its ``requires_grad_`` call in
-    every forward is a graph break that made the compiled decode step fall back to eager on CUDA (torch 2.11),
-    and it only adds input-gradient work to the backward pass."""
+    every forward is a graph break that sends a compiled decode step back to eager on CUDA
+    (benchmarks/results/2026-11-26-gpu-h200.md), and it only adds input-gradient work to the backward pass."""
     if not causal_lm.is_activation_checkpointing:
         causal_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     causal_lm.disable_input_require_grads()
