@@ -13,7 +13,7 @@ the model's full ``[batch, time, vocab]`` logits: the LM head runs a chunk of po
 (:func:`logprobs_from_hidden`), a reward's score head reads one position per row (:func:`reward_scores`).
 
 A float32 log-softmax over ``[batch, time, vocab]`` is the largest tensor of an RLHF step (for a 50k
-vocabulary, 512 tokens and 64 rows it is 6.6 GB). Every function here works ``chunk_size`` positions at a
+vocabulary, 512 tokens and 64 rows it is 6.6 GB). The log-prob functions work ``chunk_size`` positions at a
 time: the chosen token's log-probability is ``logit[token] - logsumexp``, the entropy is ``-sum(p * log p)``;
 only the per-position results are kept. :func:`logprobs_from_hidden` also applies the LM head per chunk, and
 with ``recompute=True`` keeps no chunk's logits for the backward pass (they are recomputed there).
