@@ -31,10 +31,10 @@ def test_the_pure_modules_have_examples_that_really_run():
         "marl.algo.losses",
         "marl.algo.shaping",
         "marl.algo.tensors",
-        "marl.model.logprobs",
+        "marl.model.forward",
         "marl.algo.metrics",
         "marl.model.adapters",
-        "marl.model.generation",
+        "marl.model.sampling",
     ):
         finder = doctest.DocTestFinder()
         examples = [

@@ -43,7 +43,7 @@ def test_a_tiny_train_and_evaluation_raise_no_deprecation_from_marl(
     tiny_llama_dir, tmp_path, marl_deprecations, sampler
 ):
     from marl.apps.evaluate.scores import generate_and_score
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
     from marl.plan.planner import plan_for_trainer
     from marl.rewards import load_judge
 

@@ -119,7 +119,7 @@ def test_the_library_trainer_follows_the_free_cores_on_cpu_unless_threads_is_set
     governors, files, tiny_llama_dir, tmp_path
 ):
     from marl import RLOOConfig, RLOOTrainer
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
 
     for threads, expected_governors in ((0, 1), (1, 1)):
         config = RLOOConfig(

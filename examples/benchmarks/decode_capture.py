@@ -140,9 +140,8 @@ def measure(model: Any, mode: str, rows: int, shape: dict, torch: Any, cuda: boo
     """Two sample calls of a fresh decoder of ``rows`` rows in ``mode``; see the module's docstring."""
     from torch._dynamo.utils import counters
 
-    from marl.model.captured_step import capture_cuda_graphs
-    from marl.model.generation import SamplingSettings
-    from marl.model.graph_decode import BucketedDecoder
+    from marl.model.graph_decode import BucketedDecoder, capture_cuda_graphs
+    from marl.model.sampling import SamplingSettings
     from marl.rollout.graph_sampler import capture_step
 
     factory = {"eager": None, "cuda_graphs": capture_cuda_graphs(), "compile": capture_step}[mode]
@@ -185,9 +184,8 @@ def measure(model: Any, mode: str, rows: int, shape: dict, torch: Any, cuda: boo
 def update_check(model: Any, rows: int, shape: dict, torch: Any) -> dict[str, Any]:
     """A captured decoder samples, the LoRA weights change in place, it samples again: its tokens against an
     eager decoder's for the same seed (both after the change)."""
-    from marl.model.captured_step import capture_cuda_graphs
-    from marl.model.generation import SamplingSettings
-    from marl.model.graph_decode import BucketedDecoder
+    from marl.model.graph_decode import BucketedDecoder, capture_cuda_graphs
+    from marl.model.sampling import SamplingSettings
 
     failures: list[BaseException] = []
     captured = BucketedDecoder(model, rows, capture_cuda_graphs(), on_fallback=failures.append)
@@ -266,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from marl.config.model import policy_lora_config
     from marl.environment import machine_description, package_versions
-    from marl.model.build import wrap_with_peft
+    from marl.model.loading import wrap_with_peft
 
     cuda = torch.cuda.is_available() and not args.dry_run
     out = Path(args.output_dir)

@@ -8,7 +8,7 @@ The shapes are the ``cpu-long4`` setup's: SmolLM2-135M with the policy LoRA (r =
 * the floors of one decode step (``floors.py``): FLOPs / matmul throughput and weight bytes / bandwidth,
   probed in a fresh interpreter at the same thread count, and the model's own linear layers timed alone at
   the decode shapes (what the matmul library reaches at 16 rows: the floor that this CPU can actually give);
-* the median decode step of :func:`marl.model.static_decode.sample_static` and, from ``torch.profiler``, how
+* the median decode step of :func:`marl.model.sampling.sample_static` and, from ``torch.profiler``, how
   it splits into the linear layers, bitsandbytes' dequantization (quantized bases), the attention kernel, the
   other operators of the forward (norms, rotary, LoRA additions, cache writes), Python and dispatch, and the
   draw of the next token;
@@ -61,8 +61,7 @@ def decode_loop(model, step, seed: int = 1) -> tuple[float, list[float], object]
     """One ``sample_static`` call with ``step`` as its decode step: (seconds, per-step seconds, tokens)."""
     import torch
 
-    from marl.model.generation import SamplingSettings
-    from marl.model.static_decode import sample_static
+    from marl.model.sampling import SamplingSettings, sample_static
 
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40000, (PROMPTS, PROMPT_LENGTH), generator=generator)
@@ -111,7 +110,7 @@ def profile_steps(model) -> dict[str, float]:
     """Milliseconds per decode step, by part (see the module docstring), from one profiled loop."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from marl.model.static_decode import _forward_step
+    from marl.model.sampling import _forward_step
 
     inner = _forward_step(model.peft_model)
 
@@ -154,7 +153,7 @@ def profile_steps(model) -> dict[str, float]:
 def measure(quantization: str | None, compile_mode: str | None, floors: dict[str, float]) -> dict:
     import torch
 
-    from marl.model.static_decode import _forward_step
+    from marl.model.sampling import _forward_step
 
     model = load_model(quantization)
     card = model.memory_report()  # the parameter count and the weights as stored, 4-bit packing included

@@ -39,7 +39,7 @@ So what this system needs, against TRL's call: no ``disable_compile`` (marl's ex
 leaves it unset) and a static cache; marl's ``transformers`` sampler shares each prompt's prefill through a
 ``DynamicCache`` it passes in, which ``generate`` refuses beside ``cache_implementation`` and never compiles
 (``utils.py:2255-2259``, ``2458``), so this sampler lets ``generate`` prefill all k copies of a prompt, as
-TRL's does. Eval mode and no grad are marl's own for every sampler (:func:`marl.model.views.inference`).
+TRL's does. Eval mode and no grad are marl's own for every sampler (:func:`marl.model.forward.inference`).
 
 Example:
     >>> register_sampler("compiled-generate-example")
@@ -56,9 +56,9 @@ from typing import Any
 import torch
 from transformers import CompileConfig
 
-from marl.model.generation import sample
-from marl.model.routing import RowRoutes
-from marl.model.views import inference
+from marl.model.forward import inference
+from marl.model.rows import RowRoutes
+from marl.model.sampling import sample
 from marl.rollout.transformers_sampler import SampledChunk, TransformersSampler
 
 # transformers' own choice when none is given (modeling_utils.py `_default_compile_config`): inductor,

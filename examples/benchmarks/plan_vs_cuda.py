@@ -162,7 +162,7 @@ def measure(case: CudaCase, model_path: str, reward_path: str) -> dict:
 
     import marl.train.trainer
     from marl import MultiAdapterModel, RLOOTrainer
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
 
     transformers.logging.set_verbosity_error()
     torch.cuda.init()

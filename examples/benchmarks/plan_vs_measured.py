@@ -148,7 +148,7 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
     import marl.train.sweep
     import marl.train.trainer
     from marl.config.sweep import parse_sweep
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
 
     transformers.logging.set_verbosity_error()
     from measure import MemorySampler, label_calls

@@ -180,7 +180,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     from accelerate import PartialState
     from rich.console import Console
 
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.plan.fit import fit_run
     from marl.rewards import RewardParts, plan_rewards

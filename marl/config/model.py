@@ -2,8 +2,8 @@
 quantization choices, the reference modes, the default policy LoRA and how reward adapters are named.
 
 They live with the settings (:mod:`marl.config`, which imports no model code), so that each rule has one
-owner: ``RLOOConfig`` checks a setting with the same function that :mod:`marl.model.build` uses when the model
-is built from Python.
+owner: ``RLOOConfig`` checks a setting with the same function that :mod:`marl.model.loading` uses when the
+model is built from Python.
 
 Example:
     >>> parse_quantization("none") is None, parse_quantization("4bit")

@@ -39,13 +39,12 @@ from transformers import AutoTokenizer
 
 from marl.data.prompts import reward_model_ids
 from marl.errors import ConfigError, ModelError
-from marl.model import adapters, build
-from marl.model.forward import reward_scores
-from marl.model.generation import pad_token_id
+from marl.model import adapters, loading
+from marl.model.adapters import RewardAdapter, check_adapter_name
+from marl.model.forward import capture_view, restore_view, reward_scores
 from marl.model.multi_adapter import MultiAdapterModel
-from marl.model.packing import PackedRows
-from marl.model.records import RewardAdapter, check_adapter_name
-from marl.model.views import capture_view, restore_view
+from marl.model.rows import PackedRows
+from marl.model.sampling import pad_token_id
 from marl.rewards.adapter import padded_chunks, score_chunks
 
 # Adapter names TRL's trainers give adapters on the PEFT model: the policy, and the frozen copy of its
@@ -166,14 +165,14 @@ def reward_adapter_function(
     if problem is not None:
         raise ConfigError(_sharded_message(problem))
     check_adapter_name(name, [*model.peft_config, *TRL_ADAPTER_NAMES], "reward adapter")
-    folder = build.read_reward_folder(adapter_dir, allow_pickle)
+    folder = loading.read_reward_folder(adapter_dir, allow_pickle)
     base = model.get_base_model()
     lora_dtype = next((p.dtype for n, p in model.named_parameters() if "lora_" in n), torch.float32)
     # PEFT's add_adapter may switch the active adapter and freeze tensors it does not know (a policy's
     # modules_to_save): the trainer must find its model exactly as the user built it.
     state = capture_view(model)
     try:
-        reward = build.attach_reward_lora(
+        reward = loading.attach_reward_lora(
             model,
             name,
             folder,

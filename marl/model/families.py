@@ -110,6 +110,24 @@ def backbone(causal_lm: nn.Module) -> nn.Module:
     return getattr(causal_lm, causal_lm.base_model_prefix)
 
 
+def prompt_cache_can_be_shared(causal_lm: nn.Module) -> bool:
+    """Whether a prompt's KV cache can be repeated for its k samples: every layer of the model's cache holds
+    attention keys and values only. Recurrent states (Mamba layers of hybrid models such as Falcon-H1) are not
+    repeated by ``Cache.batch_repeat_interleave``, so those models prefill each sample's prompt themselves.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> prompt_cache_can_be_shared(LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128,
+        ...     num_hidden_layers=1, num_attention_heads=4, vocab_size=32)))
+        True
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache(config=causal_lm.config)
+    return all(type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers)
+
+
 def _probe_ids(causal_lm: nn.Module) -> torch.Tensor:
     vocab = causal_lm.get_output_embeddings().weight.shape[0]
     device = causal_lm.get_input_embeddings().weight.device

@@ -1,31 +1,152 @@
-"""Forward passes under the active view: token log-probs (plain and packed by prompt), reward scores and
-sampling. :class:`ForwardPasses` is the part of :class:`~marl.model.multi_adapter.MultiAdapterModel` that
-computes; the view it computes under is picked with :mod:`marl.model.views`.
+"""Forward passes of a PEFT causal LM under one adapter view: the view, hidden states, per-token
+log-probabilities and entropies in float32, and reward scores.
+:class:`~marl.model.multi_adapter.MultiAdapterModel` computes with these; so can any PEFT model that carries
+marl's adapters (a TRL trainer's, :mod:`marl.integrations.trl`).
 
-Log-probs and scores are computed from the backbone's last hidden state, never from the model's full
-``[batch, time, vocab]`` logits: the LM head runs a chunk of positions at a time (:mod:`marl.model.logprobs`),
-a reward's score head reads one position per row.
+A view is the policy (its LoRA active), its reference (adapters disabled, or the frozen copy of its starting
+weights), or a reward adapter. :func:`adapter_view` enters one without changing which parameters train, and
+leaving it restores the previous active adapter, every parameter's ``requires_grad`` and every module's
+train/eval mode exactly, also when the body raises.
+
+Log-probs and scores are computed from the backbone's last hidden state (:func:`hidden_states`), never from
+the model's full ``[batch, time, vocab]`` logits: the LM head runs a chunk of positions at a time
+(:func:`logprobs_from_hidden`), a reward's score head reads one position per row (:func:`reward_scores`).
+
+A float32 log-softmax over ``[batch, time, vocab]`` is the largest tensor of an RLHF step (for a 50k
+vocabulary, 512 tokens and 64 rows it is 6.6 GB). The log-prob functions work ``chunk_size`` positions at a
+time: the chosen token's log-probability is ``logit[token] - logsumexp``, the entropy is ``-sum(p * log p)``;
+only the per-position results are kept. :func:`logprobs_from_hidden` also applies the LM head per chunk, and
+with ``recompute=True`` keeps no chunk's logits for the backward pass (they are recomputed there).
+
+Why this head and not TRL 1.16's fused one (``add_fused_lm_head``, trl/trainer/utils.py:1548, a Triton kernel
+over tiles of positions on CUDA), which GRPOTrainer installs on the base model under its PEFT wrapper
+(grpo_trainer.py:1068):
+
+- One label per position there: its forward shifts the row's own tokens (``labels[:, 1:]``) and scores each
+  position against the next token of the same row (utils.py:1616-1654). marl's packed rows
+  (:mod:`marl.model.rows`) hold a prompt once followed by its k completions, so the prompt's last
+  position predicts k first tokens, one per completion (``PackedRows.predictors`` gathers that hidden state
+  k times), and every completion token is predicted by its own completion's previous token, not by the
+  token before it in the packed row. Here the head runs after that gather, on ``[N, hidden]`` rows with one
+  target each, which any layout (packed, unshared, the planner's probes) reduces to.
+- A LoRA on the LM head (``lora_target_modules`` naming it): TRL's kernel reads ``lm_head.weight`` and
+  ``.bias`` (utils.py:1633), which on a PEFT LoRA layer are its base layer's
+  (peft/tuners/tuners_utils.py:1943-1961), so the adapter's update to the head is left out; here the head is
+  called as a module (:class:`marl.model.families.LogitHead`), PEFT's layer included, with the family's
+  logit transform (soft-cap, scaling) after it.
 
 Example:
-    >>> with model.policy():  # doctest: +SKIP
-    ...     logprobs = model.token_logprobs(ids, mask, response_start=8, temperature=0.7)
+    >>> selective_log_softmax(torch.tensor([[1.0, 2.0, 1.0, 1.0]]), torch.tensor([1]))
+    tensor([-0.7437])
+    >>> with adapter_view(peft_model, "reward"), inference(peft_model):  # doctest: +SKIP
+    ...     hidden = hidden_states(peft_model, input_ids, attention_mask)
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
+from peft import PeftModel
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from marl.model.families import LogitHead, backbone
-from marl.model.generation import SamplingSettings, sample
-from marl.model.logprobs import logprobs_from_hidden
-from marl.model.packing import PackedRows, read_slots
-from marl.model.records import RewardAdapter
-from marl.model.routing import RowRoutes
-from marl.model.static_decode import sample_static
-from marl.model.views import AdapterViews, adapter_view, inference
+from marl.model.adapters import RewardAdapter
+from marl.model.families import backbone
+from marl.model.rows import PackedRows, read_slots
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+# ------------------------------------------------------------------ the view
+
+
+@dataclass
+class _ViewState:
+    active_adapter: str
+    adapters_disabled: bool
+    requires_grad: list[tuple[nn.Parameter, bool]]
+    training: list[tuple[nn.Module, bool]]
+
+
+def adapters_disabled(peft_model: PeftModel) -> bool:
+    """Whether ``peft_model``'s adapter layers are disabled (inside ``disable_adapter()``)."""
+    for module in peft_model.modules():
+        if isinstance(module, BaseTunerLayer):
+            return module.disable_adapters
+    return False
+
+
+def capture_view(peft_model: PeftModel) -> _ViewState:
+    """What a view changes on ``peft_model``: the active adapter, whether adapters are disabled, every
+    parameter's ``requires_grad`` and every module's train/eval mode."""
+    return _ViewState(
+        active_adapter=peft_model.active_adapter,
+        adapters_disabled=adapters_disabled(peft_model),
+        requires_grad=[(p, p.requires_grad) for p in peft_model.parameters()],
+        training=[(m, m.training) for m in peft_model.modules()],
+    )
+
+
+def restore_view(peft_model: PeftModel, state: _ViewState) -> None:
+    """Put back exactly what :func:`capture_view` recorded (``set_adapter`` flips ``requires_grad``: the
+    recorded flags are restored after it)."""
+    tuner = peft_model.base_model
+    if state.adapters_disabled:
+        tuner.disable_adapter_layers()
+    else:
+        tuner.enable_adapter_layers()
+    peft_model.set_adapter(state.active_adapter)
+    if state.adapters_disabled:
+        tuner.disable_adapter_layers()
+    for parameter, requires_grad in state.requires_grad:
+        parameter.requires_grad_(requires_grad)
+    for module, training in state.training:
+        module.training = training
+
+
+@contextlib.contextmanager
+def adapter_view(peft_model: PeftModel, adapter_name: str | None) -> Iterator[None]:
+    """Any PEFT model with adapter ``adapter_name`` active (``None``: adapters disabled) for the body; on
+    exit, also on an exception, everything :func:`capture_view` records is restored. Which parameters train is
+    not changed inside either: switching must not make a frozen adapter trainable.
+
+    Example:
+        >>> with adapter_view(peft_model, "reward"):  # doctest: +SKIP
+        ...     hidden = peft_model(input_ids).logits
+    """
+    state = capture_view(peft_model)
+    try:
+        tuner = peft_model.base_model
+        if adapter_name is None:
+            tuner.disable_adapter_layers()
+        else:
+            tuner.enable_adapter_layers()
+            peft_model.set_adapter(adapter_name)
+        for parameter, requires_grad in state.requires_grad:
+            parameter.requires_grad_(requires_grad)
+        yield
+    finally:
+        restore_view(peft_model, state)
+
+
+@contextlib.contextmanager
+def inference(peft_model: nn.Module) -> Iterator[None]:
+    """Eval mode (no dropout) and no grad for the body; every module's train/eval flag restored after."""
+    training = [(m, m.training) for m in peft_model.modules()]
+    peft_model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, flag in training:
+            module.training = flag
+
+
+# ------------------------------------------------------------------ hidden states and reward scores
 
 
 def reward_read_positions(
@@ -79,170 +200,11 @@ def enable_gradient_checkpointing(causal_lm: torch.nn.Module) -> None:
     Non-reentrant, so the LoRA weights inside a recomputed layer get their gradients without the input
     embeddings' output requiring grad, on quantized and plain bases alike. transformers registers a hook that
     makes it require grad anyway (for reentrant checkpointing); it is removed: its ``requires_grad_`` call in
-    every forward is a graph break that made the compiled decode step fall back to eager on CUDA (torch 2.11),
-    and it only adds input-gradient work to the backward pass."""
+    every forward is a graph break that sends a compiled decode step back to eager on CUDA
+    (benchmarks/results/2026-11-26-gpu-h200.md), and it only adds input-gradient work to the backward pass."""
     if not causal_lm.is_activation_checkpointing:
         causal_lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     causal_lm.disable_input_require_grads()
-
-
-class ForwardPasses(AdapterViews):
-    """Log-probs, reward scores and samples of the active view (see the module docstring)."""
-
-    logit_head: LogitHead
-
-    @property
-    def gradient_checkpointing(self) -> bool:
-        """Whether activations are recomputed in the backward pass (in train mode)."""
-        return bool(self.peft_model.get_base_model().is_activation_checkpointing)
-
-    def _hidden_states(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return hidden_states(self.peft_model, input_ids, attention_mask, position_ids)
-
-    def _logprobs(
-        self,
-        hidden: torch.Tensor,
-        targets: torch.Tensor,
-        temperature: float,
-        with_entropy: bool,
-        chunk_size: int | None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs (and entropies) of ``targets`` ``[B, T]`` predicted by ``hidden`` ``[B, T, H]``."""
-        batch, steps = targets.shape
-        result = logprobs_from_hidden(
-            hidden.reshape(batch * steps, -1),
-            targets.reshape(-1).to(hidden.device),
-            self.logit_head,
-            temperature,
-            chunk_size=chunk_size,
-            with_entropy=with_entropy,
-            # trading compute for memory: with checkpointing on, no chunk's logits wait for the backward pass
-            recompute=self.gradient_checkpointing,
-        )
-        if with_entropy:
-            return result[0].reshape(batch, steps), result[1].reshape(batch, steps)
-        return result.reshape(batch, steps)
-
-    def token_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        *,
-        response_start: int,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        chunk_size: int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Float32 log-probs of ``input_ids[:, response_start:]``, each given its prefix, under the ACTIVE
-        view.
-
-        Pick the view with :meth:`policy` / :meth:`reference`. Logits are divided by ``temperature`` (use the
-        sampling temperature). The LM head and the float32 log-softmax run ``chunk_size`` token positions at a
-        time (default 1024), so no full ``[B, T, V]`` float32 tensor exists; with gradient checkpointing on,
-        no chunk's logits are kept for the backward pass either
-        (:func:`marl.model.logprobs.logprobs_from_hidden`).
-        Gradients flow if grad is enabled. No masking is applied: the caller masks padding. Positions follow
-        the attention mask (as ``generate``), so left padding does not shift them.
-
-        Returns ``logprobs`` ``[B, T - response_start]``, and with ``with_entropy=True`` also the entropy
-        of the temperature-scaled distribution at each of those positions (detached: it is a metric).
-
-        Example:
-            >>> with model.policy():  # doctest: +SKIP
-            ...     logprobs = model.token_logprobs(ids, mask, response_start=8, temperature=0.7)
-        """
-        length = input_ids.shape[1]
-        if not 0 < response_start < length:
-            raise ValueError(
-                f"response_start must be in [1, {length - 1}] for sequences of length {length}, got "
-                f"{response_start}"
-            )
-        hidden = self._hidden_states(input_ids, attention_mask)[:, response_start - 1 : -1]
-        return self._logprobs(hidden, input_ids[:, response_start:], temperature, with_entropy, chunk_size)
-
-    def packed_token_logprobs(
-        self,
-        packed: PackedRows,
-        *,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        chunk_size: int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`token_logprobs` of every completion of ``packed`` (rows grouped by prompt, see
-        :mod:`marl.model.packing`): the same numbers up to float rounding, each prompt computed once. Returns
-        ``[R, T]`` in the order the rows were packed in."""
-        hidden = self._hidden_states(packed.input_ids, packed.attention_mask, packed.position_ids)
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        targets = packed.input_ids.reshape(-1)[packed.completion_slots]
-        return self._logprobs(flat[packed.predictors], targets, temperature, with_entropy, chunk_size)
-
-    def compute_reward_score(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        name: str | None = None,
-        packed: PackedRows | None = None,
-    ) -> torch.Tensor:
-        """One float32 score per row under reward adapter ``name`` (default: the first one): its score head
-        on the final hidden state where a transformers sequence classifier reads it
-        (:func:`reward_read_positions`), with the padding id the reward adapter was trained with.
-
-        That padding id is the one ``marl train-reward`` recorded in the adapter folder, else the base
-        tokenizer's pad token (its EOS when it has none), which is what TRL's ``RewardTrainer`` uses. With
-        pad == eos a completion ending in EOS is therefore read at the token before its EOS, as the adapter
-        was trained. Left or right padding: masked positions are padding. Runs in eval mode without grad; the
-        active adapter and modes are restored after. The head runs in float32, under autocast too (the
-        backbone keeps the caller's mixed precision). ``packed``: the same rows
-        packed by prompt (:mod:`marl.model.packing`), to compute each prompt once; the scores are the same.
-
-        Example:
-            >>> scores = model.compute_reward_score(ids, mask)  # doctest: +SKIP
-        """
-        return reward_scores(self.peft_model, self.get_reward(name), input_ids, attention_mask, packed)
-
-    def sample(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        settings: SamplingSettings,
-        past_key_values: Any = None,
-    ) -> torch.Tensor:
-        """Sample completions from ``softmax(logits / temperature)`` under the ACTIVE view, in eval mode
-        without grad; returns ``[batch, settings.max_new_tokens]`` completion ids. The model's own generation
-        config (a repetition penalty, top-k, ...) does not apply: see :func:`marl.model.generation.sample`.
-
-        Example:
-            >>> with model.policy():  # doctest: +SKIP
-            ...     completions = model.sample(ids, mask, SamplingSettings(0.7, 16, (eos,), pad))
-        """
-        with self._inference():
-            return sample(self.peft_model, input_ids, attention_mask, settings, past_key_values)
-
-    def sample_static(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        settings: SamplingSettings,
-        copies: int = 1,
-        routes: RowRoutes | None = None,
-        token_logprobs: list[torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """:meth:`sample` over a static KV cache, each prompt prefilled once for its ``copies`` samples
-        (prompt-major rows, see :func:`marl.model.static_decode.sample_static`), in eval mode without grad.
-        ``routes``: inside :meth:`routed` with these routes, one name per prompt: each prompt's rows decode
-        under its own adapter. ``token_logprobs``: receives each step's log-prob of the drawn tokens.
-
-        Example:
-            >>> with model.policy():  # doctest: +SKIP
-            ...     rows = model.sample_static(ids, mask, SamplingSettings(0.7, 16, (eos,), pad), copies=4)
-        """
-        with self._inference():
-            return sample_static(
-                self.peft_model, input_ids, attention_mask, settings, copies, routes=routes,
-                token_logprobs=token_logprobs,
-            )  # fmt: skip
 
 
 def hidden_states(
@@ -271,7 +233,7 @@ def reward_scores(
     packed: PackedRows | None = None,
 ) -> torch.Tensor:
     """One float32 score per row of reward adapter ``reward`` on any PEFT causal LM that carries it (see
-    :meth:`ForwardPasses.compute_reward_score`): in eval mode without grad, the active adapter, every
+    :meth:`MultiAdapterModel.compute_reward_score`): in eval mode without grad, the active adapter, every
     ``requires_grad`` flag and every train/eval mode restored after, also on an exception.
 
     Example:
@@ -289,3 +251,125 @@ def reward_scores(
         pooled = pooled.to(device=reward.head.weight.device, dtype=torch.float32)
         with without_autocast(pooled.device):
             return reward.head(pooled).squeeze(-1)
+
+
+# ------------------------------------------------------------------ log-probabilities, chunked over positions
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}; use 1.0 for the unscaled distribution")
+
+
+def selective_log_softmax(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Log-probability of ``tokens`` under ``softmax(logits / temperature)``, in float32.
+
+    ``logits`` is ``[..., vocab]`` in any float dtype, ``tokens`` the matching ``[...]`` integer ids. Rows are
+    upcast to float32 ``chunk_size`` at a time (default 1024), so the float32 copy that exists at once is
+    at most ``chunk_size x vocab``. Differentiable.
+
+    Example:
+        >>> logits = torch.tensor([[1.0, 2.0, 1.0, 1.0]])
+        >>> selective_log_softmax(logits, torch.tensor([1]))
+        tensor([-0.7437])
+    """
+    _check_temperature(temperature)
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} disagree: tokens must have the "
+            f"shape "
+            "of logits without the vocabulary dimension"
+        )
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    flat_tokens = tokens.reshape(-1, 1).long()
+    step = chunk_size or DEFAULT_CHUNK_SIZE
+    pieces = []
+    for start in range(0, flat_logits.shape[0], step):
+        scaled = flat_logits[start : start + step].float() / temperature
+        token_logit = scaled.gather(-1, flat_tokens[start : start + step]).squeeze(-1)
+        pieces.append(token_logit - torch.logsumexp(scaled, dim=-1))
+    if not pieces:
+        return logits.new_zeros(tokens.shape, dtype=torch.float32)
+    return torch.cat(pieces).reshape(tokens.shape)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor, temperature: float = 1.0, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Entropy (nats) of ``softmax(logits / temperature)`` over the last dimension, in float32, chunked by
+    rows.
+
+    Example:
+        >>> entropy_from_logits(torch.zeros(1, 4))  # uniform over 4 tokens: log(4)
+        tensor([1.3863])
+    """
+    _check_temperature(temperature)
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    step = chunk_size or DEFAULT_CHUNK_SIZE
+    pieces = []
+    for start in range(0, flat_logits.shape[0], step):
+        scaled = flat_logits[start : start + step].float() / temperature
+        # -sum(p * log p) rather than logsumexp(z) - sum(p * z): the latter subtracts two large, nearly equal
+        # numbers when the distribution is peaked.
+        log_probabilities = scaled - torch.logsumexp(scaled, dim=-1, keepdim=True)
+        pieces.append(-(log_probabilities.exp() * log_probabilities).sum(-1))
+    if not pieces:
+        return logits.new_zeros(logits.shape[:-1], dtype=torch.float32)
+    return torch.cat(pieces).reshape(logits.shape[:-1])
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor],
+    temperature: float = 1.0,
+    *,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+    recompute: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Float32 log-probabilities of ``targets`` ``[N]`` under ``softmax(head(hidden) / temperature)`` for
+    hidden states ``[N, hidden_size]``, ``chunk_size`` positions at a time (default 1024).
+
+    With ``recompute`` (and gradients enabled) a chunk's logits are not kept for the backward pass but
+    recomputed there: the update then holds ``chunk_size x vocab`` logits at most instead of ``N x vocab``.
+    With ``with_entropy`` the entropy of each position's distribution comes too (detached: a metric).
+
+    Example:
+        >>> head = torch.nn.Linear(2, 4, bias=False)
+        >>> with torch.no_grad():
+        ...     _ = head.weight.copy_(torch.tensor([[1.0, 0.0], [2.0, 0.0], [1.0, 0.0], [1.0, 0.0]]))
+        >>> logprobs_from_hidden(torch.tensor([[1.0, 0.0]]), torch.tensor([1]), head)
+        tensor([-0.7437], grad_fn=<CatBackward0>)
+    """
+    step = chunk_size or DEFAULT_CHUNK_SIZE
+    logprob_pieces: list[torch.Tensor] = []
+    entropy_pieces: list[torch.Tensor] = []
+
+    def chunk_logprobs(hidden_chunk: torch.Tensor, target_chunk: torch.Tensor, index: int) -> torch.Tensor:
+        logits = head(hidden_chunk)
+        # The entropy comes from the same logits (no second LM head product), on the chunk's first run only:
+        # with ``recompute`` the backward pass runs it again.
+        if with_entropy and len(entropy_pieces) == index:
+            with torch.no_grad():
+                entropy_pieces.append(entropy_from_logits(logits.detach(), temperature, chunk_size=step))
+        return selective_log_softmax(logits, target_chunk, temperature, chunk_size=step)
+
+    for index, start in enumerate(range(0, hidden.shape[0], step)):
+        hidden_chunk, target_chunk = hidden[start : start + step], targets[start : start + step]
+        if recompute and torch.is_grad_enabled():
+            piece = checkpoint(chunk_logprobs, hidden_chunk, target_chunk, index, use_reentrant=False)
+        else:
+            piece = chunk_logprobs(hidden_chunk, target_chunk, index)
+        logprob_pieces.append(piece)
+    logprobs = torch.cat(logprob_pieces) if logprob_pieces else hidden.new_zeros(0, dtype=torch.float32)
+    if with_entropy:
+        return logprobs, torch.cat(entropy_pieces) if entropy_pieces else logprobs.detach().clone()
+    return logprobs

@@ -1,7 +1,7 @@
 """A decode loop that CUDA graphs can capture: fixed row buckets, finished rows masked, one compiled step per
 bucket.
 
-:class:`BucketedDecoder` decodes like :func:`marl.model.static_decode.sample_static` (each prompt prefilled
+:class:`BucketedDecoder` decodes like :func:`marl.model.sampling.sample_static` (each prompt prefilled
 once into a static cache, its keys and values repeated for its ``copies`` samples, then one token per step)
 but every tensor the decode step reads has a FIXED shape and address:
 
@@ -14,42 +14,67 @@ but every tensor the decode step reads has a FIXED shape and address:
 - the prompt width is padded on the left to a power of two (:func:`width_bucket`), so a new batch of prompts
   mostly reuses the cache length, hence the compiled steps, of the batches before it;
 - rows of several policies (a sweep) keep each slot's adapter position in a buffer that moves with the rows
-  (:meth:`marl.model.routing.RowRoutes.follow`): the stacked LoRA layers of a GPU read it in place, so one
+  (:meth:`marl.model.rows.RowRoutes.follow`): the stacked LoRA layers of a GPU read it in place, so one
   compiled step per bucket serves every policy.
 
 The decode step (the model call) can be compiled (``compile_step``): once per bucket, with the adapter view
 active when it is traced; the adapter weights are read where they live, so a policy updated in place by the
 optimizer needs no new compilation. It can instead be captured as it is, eager, in plain CUDA graphs
-(:mod:`marl.model.captured_step`), one per bucket and cache length. Sampling stays OUTSIDE the compiled
+(:class:`CapturedStep`, below), one per bucket and cache length. Sampling stays OUTSIDE the compiled
 step: each step draws ``torch.multinomial(softmax(logits / T), 1)`` over all rows of the chunk, finished
 ones included, exactly as ``generate`` and the ``static`` decode consume the random stream: with the same
 seed and rows it draws the same tokens as they do (up to floating-point rounding of the logits, which a
 bucket of other size or a compiled kernel may change in the last bits).
+
+Plain CUDA graphs (``--graph_capture cuda_graphs``, :class:`CapturedStep`): no inductor, one
+``torch.cuda.CUDAGraph`` per set of input buffers (a row bucket at a cache length). A small model's decode
+step on a GPU is bound by kernel launches: hundreds of them, each a few microseconds of Python and dispatch
+for microseconds of work. A CUDA graph replays the recorded kernels with one launch. The decoder keeps every
+input of the step (token, attention mask, position, the static cache's keys, values and fill counter) in a
+buffer of fixed address, so a graph recorded once reads them in place at every replay, and so are the weights:
+the optimizer updates the LoRA weights in place, so a graph stays valid across updates (nothing in the step
+makes a new parameter tensor).
+
+Capturing one graph: a few eager steps on a side stream first (lazy initialisation: cuBLAS handles and
+workspaces, marl's stacked routing tensors), the cache's fill counters put back after each (a step advances
+them; it writes the keys and values of the position it decodes, which the real step writes again, the same),
+then one recorded step. Every graph allocates from one memory pool (``torch.cuda.graph_pool_handle``), and
+autocast's cache of cast weights is off while recording: a cached bfloat16 copy of a float32 LoRA weight
+would be read by every replay, stale after the first update.
+
+What the step's code checks on values does not sync inside a capture: transformers' mask functions skip
+their data-dependent shortcuts while a CUDA stream captures (``is_tracing`` counts stream capture), and a
+static cache's decode mask is materialised anyway (``allow_is_causal_skip`` is off for a compileable cache
+at one query token). Anything else that syncs (``.item()``, a copy from the host) makes the capture raise;
+the decoder then decodes eager and its owner logs why (:meth:`BucketedDecoder._run_compiled`).
 
 Example:
     >>> row_buckets(24)
     (32, 16, 8, 4, 2, 1)
     >>> width_bucket(5), width_bucket(17), width_bucket(300)
     (16, 32, 512)
+    >>> captured = CapturedStep(lambda ids, mask, positions, cache: ids)  # doctest: +SKIP
+    >>> logits = captured(ids, mask, positions, cache)  # first call: captures, then replays  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from marl.model.captured_step import CapturedStep
-from marl.model.generation import SamplingSettings
-from marl.model.records import BASE_VIEW
-from marl.model.routing import RowRoutes
-from marl.model.static_decode import _forward_step, drawn_logprobs
+from marl.model.adapters import BASE_VIEW
+from marl.model.rows import RowRoutes
+from marl.model.sampling import DecodeStep, SamplingSettings, _forward_step, drawn_logprobs
 
 # Layers whose fill is a Python int (sliding windows) are read as a constant by a compiled step: it would be
 # compiled again at every token, so models with them decode eager (:func:`compile_problem`).
 _PYTHON_COUNTERS = ("cumulative_length_int",)
+WARMUP_STEPS = 3  # eager steps before recording, as torch.cuda.make_graphed_callables runs
 
 
 def row_buckets(rows: int) -> tuple[int, ...]:
@@ -146,14 +171,14 @@ class _Buffers:
 
 
 class BucketedDecoder:
-    """Samples like :func:`marl.model.static_decode.sample_static`, in fixed-shape buckets.
+    """Samples like :func:`marl.model.sampling.sample_static`, in fixed-shape buckets.
 
     Args:
         peft_model: the model; the caller chooses the adapter view, eval mode and ``torch.no_grad``.
         max_rows: the most rows one call decodes (the sampler's rows per pass).
         compile_step: ``None`` (the step runs eager) or a function that compiles the decode step, e.g.
             ``lambda step: torch.compile(step, mode="reduce-overhead", fullgraph=True, dynamic=False)``, or
-            captures it (:func:`marl.model.captured_step.capture_cuda_graphs`: plain CUDA graphs, dropped
+            captures it (:func:`capture_cuda_graphs`: plain CUDA graphs, dropped
             with the buffers they read).
 
     Attributes:
@@ -216,7 +241,7 @@ class BucketedDecoder:
         token_logprobs: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``copies`` completions of each left-padded prompt, prompt-major, as
-        :func:`marl.model.static_decode.sample_static` returns them (``scores`` and ``token_logprobs``
+        :func:`marl.model.sampling.sample_static` returns them (``scores`` and ``token_logprobs``
         likewise); ``compiled=False``
         runs the eager step even where a compiled one exists (another adapter view). ``routes``: the
         adapter of each prompt, read by the routing the caller installed (:meth:`MultiAdapterModel.routed`);
@@ -298,3 +323,94 @@ class BucketedDecoder:
             logits = out[:, -1].float().index_select(0, live_slots)
             buffers.positions.add_(1)
         return completions
+
+
+# ------------------------------------------------------------------ the step in CUDA graphs
+
+
+class Capture(NamedTuple):
+    """One recorded step: the graph, the tensor its replays write the logits to, the seconds it took."""
+
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    seconds: float
+
+
+@contextlib.contextmanager
+def _no_cast_cache() -> Iterator[None]:
+    """Autocast as it is, without its cache of cast weights (a recorded graph would read a cached copy)."""
+    if not torch.is_autocast_enabled("cuda"):
+        yield
+        return
+    with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+        yield
+
+
+class CapturedStep:
+    """``step`` captured in one CUDA graph per input buffers, replayed at every later call with them.
+
+    Args:
+        step: the eager decode step ``(ids [A, 1], mask [A, S], positions [A, 1], cache) -> logits``; every
+            call with the same buffers must pass tensors of the same address (the decoder's buffers).
+        on_capture: told ``(rows, cache length, seconds)`` after each capture (the sampler logs it).
+
+    Attributes:
+        captures: the recorded graphs by ``(rows, cache length, input addresses)``.
+    """
+
+    def __init__(self, step: DecodeStep, on_capture: Callable[[int, int, float], None] | None = None) -> None:
+        self.step = step
+        self.on_capture = on_capture
+        self.captures: dict[tuple, Capture] = {}
+        self._pool: Any = None
+
+    def forget(self) -> None:
+        """Drop every graph: the buffers they read were freed (the decoder made buffers of another length)."""
+        self.captures.clear()
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+        key = (ids.shape[0], mask.shape[1], ids.data_ptr(), mask.data_ptr(), positions.data_ptr(), id(cache))
+        capture = self.captures.get(key)
+        if capture is None:
+            capture = self.captures[key] = self._capture(ids, mask, positions, cache)
+            if self.on_capture is not None:
+                self.on_capture(ids.shape[0], mask.shape[1], capture.seconds)
+        capture.graph.replay()
+        return capture.logits
+
+    def _capture(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Capture:
+        started = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        counters = [layer.cumulative_length.clone() for layer in cache.layers]
+
+        def put_back_counters() -> None:
+            for layer, counter in zip(cache.layers, counters, strict=True):
+                layer.cumulative_length.copy_(counter)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side), _no_cast_cache():
+                for _ in range(WARMUP_STEPS):
+                    self.step(ids, mask, positions, cache)
+                    put_back_counters()
+        finally:
+            torch.cuda.current_stream().wait_stream(side)
+            put_back_counters()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls (a data loader's pinned copies) do not break the capture
+        with _no_cast_cache(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self.step(ids, mask, positions, cache)
+        torch.cuda.synchronize()
+        return Capture(graph, logits, time.perf_counter() - started)
+
+
+def capture_cuda_graphs(on_capture: Callable[[int, int, float], None] | None = None) -> Callable:
+    """A ``compile_step`` for :class:`BucketedDecoder`: the step captured in plain
+    CUDA graphs (:class:`CapturedStep`), ``on_capture`` told each capture's seconds."""
+
+    def capture(step: DecodeStep) -> CapturedStep:
+        return CapturedStep(step, on_capture)
+
+    return capture

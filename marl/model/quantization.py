@@ -1,6 +1,6 @@
 """Quantized bases through bitsandbytes: the load settings and the CPU details.
 
-Every base is loaded by :mod:`marl.model.build`, which takes its quantization from here, so ``"4bit"`` means
+Every base is loaded by :mod:`marl.model.loading`, which takes its quantization from here, so ``"4bit"`` means
 the same NF4 setting everywhere. The choices and their parsing are settings (:mod:`marl.config.model`).
 
 Example:
@@ -75,11 +75,10 @@ def prepare_quantized_base(
 
     Its non-quantized parameters (embeddings, LM head, norms, biases) stay in the dtype they were loaded in,
     the compute dtype: ``from_pretrained(dtype=...)`` has already rounded them to it, whatever the
-    checkpoint's dtype, so a float32 copy (what PEFT's ``prepare_model_for_kbit_training`` makes, and marl did
-    before) holds the same values in twice the bytes (a Llama-3.1-8B shape in bf16: 2.1 GB), and under
-    autocast the head was cast back to bf16 at every call. They are frozen: nothing rounds them again. The
-    LoRA weights and AdamW's state are float32 all the same (PEFT makes adapter weights float32).
-    ``frozen_float32=True`` upcasts them as PEFT does (how marl loaded a base before, kept to compare).
+    checkpoint's dtype, so a float32 copy (what PEFT's ``prepare_model_for_kbit_training`` makes) would hold
+    the same values in twice the bytes, and under autocast the head would be cast back to bf16 at every call.
+    They are frozen: nothing rounds them again. The LoRA weights and AdamW's state are float32 all the same
+    (PEFT makes adapter weights float32). ``frozen_float32=True`` upcasts them as PEFT does (to compare).
 
     Gradient checkpointing is not switched on here; the caller decides (see ``MultiAdapterModel``).
     """
@@ -99,8 +98,7 @@ def prepare_quantized_base(
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     release_checkpoint_mapping(model)
-    # Quantizing cycles every float32 weight through the C heap, which keeps what they freed (a 0.5B model:
-    # 1.96 GB of anonymous memory after the load, 0.40 GB once returned).
+    # Quantizing cycles every float32 weight through the C heap, which keeps what they freed: give it back.
     release_freed_memory()
     return model
 
@@ -111,8 +109,8 @@ def release_checkpoint_mapping(model: nn.Module) -> int:
 
     transformers reads a safetensors checkpoint through a memory map. The tensors a quantized load leaves
     unquantized (embeddings, norms, biases, an untied LM head) are views of that map, so the whole file stays
-    mapped and every page read while quantizing stays resident: for SmolLM2-135M, 513 MiB of float32
-    checkpoint next to a 4-bit base of 160 MiB. Once they are copies, the map is closed and the process keeps
+    mapped and every page read while quantizing stays resident (benchmarks/results/2026-11-21-cpu-smollm2.md).
+    Once they are copies, the map is closed and the process keeps
     only the weights it uses. An unquantized base is left as it is: there the map IS the weights, held once.
     Tied tensors stay tied (each parameter object is copied once, in place).
     """

@@ -235,7 +235,7 @@ def fit_target(
     import torch
 
     from marl.data.assets import resolve_model_path
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
     from marl.model.quantization import default_compute_dtype
     from marl.plan.planner import load_model_config
     from marl.rollout.prompts import prepare_prompts

@@ -2,7 +2,7 @@
 runs them: what each phase makes.
 
 Each program calls the same code the trainer calls (the family's forward, PEFT's LoRA layers, the static
-KV cache, :func:`marl.model.packing.pack_rows`, :func:`marl.model.logprobs.logprobs_from_hidden`) on
+KV cache, :func:`marl.model.rows.pack_rows`, :func:`marl.model.forward.logprobs_from_hidden`) on
 tensors of the run's shapes, and :class:`marl.plan.trace.LiveBytes` records the largest sum of what they
 hold at once: the working set of that phase, above the weights and the training state.
 
@@ -51,11 +51,10 @@ import torch
 from torch import nn
 
 from marl.model.families import LogitHead, backbone
-from marl.model.generation import cache_argument
+from marl.model.forward import logprobs_from_hidden
 from marl.model.graph_decode import row_buckets, width_bucket
-from marl.model.logprobs import logprobs_from_hidden
-from marl.model.packing import pack_rows
-from marl.model.static_decode import _repeat_rows
+from marl.model.rows import pack_rows
+from marl.model.sampling import _repeat_rows, cache_argument
 from marl.plan.trace import LiveBytes
 
 

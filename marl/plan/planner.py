@@ -305,9 +305,9 @@ def plan_memory(
     (:class:`SweepShape`; marl only)."""
     from peft import LoraConfig
 
-    from marl.model.build import wrap_with_peft
     from marl.model.families import disable_dropout
     from marl.model.forward import enable_gradient_checkpointing
+    from marl.model.loading import wrap_with_peft
 
     if any(getattr(config, name) is None for name in DEVICE_FIELDS):
         # a config built in Python, its device settings not chosen yet: planned as a run on target.device

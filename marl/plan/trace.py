@@ -351,7 +351,7 @@ def check_plannable(causal_lm: Any) -> None:
         >>> check_plannable(meta_causal_lm(LlamaConfig(hidden_size=64, intermediate_size=128,
         ...     num_hidden_layers=1, num_attention_heads=4, vocab_size=100), torch.float32))
     """
-    from marl.model.static_decode import static_decode_problem
+    from marl.model.sampling import static_decode_problem
 
     problem = static_decode_problem(causal_lm)
     if problem is not None:

@@ -23,12 +23,12 @@ from marl.rewards.trl_calls import RewardLog
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.model.packing import PackedRows
+    from marl.model.rows import PackedRows
 
 
 class ScoringChunk(NamedTuple):
     """Rows of a :class:`ScoringBatch` a reward adapter scores in one pass: whole prompt groups, as ids with
-    their attention mask, and packed (each shared prefix once, :mod:`marl.model.packing`) or ``None``.
+    their attention mask, and packed (each shared prefix once, :mod:`marl.model.rows`) or ``None``.
     ``rows`` indexes the batch (a tensor of row numbers or a slice)."""
 
     rows: torch.Tensor | slice

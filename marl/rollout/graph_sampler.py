@@ -16,7 +16,7 @@ Which path it takes, logged once when it first samples (:attr:`GraphSampler.path
 
 - ``compiled+graphs``: a CUDA device; bf16, fp16, fp32, 4-bit and 8-bit bases alike;
 - ``eager+graphs``: a CUDA device with ``--graph_capture cuda_graphs``: the eager step captured in plain CUDA
-  graphs (:mod:`marl.model.captured_step`; seconds instead of a compilation, no fused kernels), each
+  graphs (:mod:`marl.model.graph_decode`; seconds instead of a compilation, no fused kernels), each
   capture's seconds logged; the rows of several policies (a sweep) decode with the static decode;
 - ``eager``: a CPU (compiling the step there costs more than it saves; CUDA graphs need a CUDA device), a
   model whose sliding-window cache layers count their fill in a Python int (a compiled step would be
@@ -29,7 +29,7 @@ Which path it takes, logged once when it first samples (:attr:`GraphSampler.path
 
 The rows of several policies sampled together
 (:meth:`~marl.rollout.transformers_sampler.TransformersSampler.sample_routed`, a sweep) go through the
-compiled step too: its LoRA layers are stacked (:mod:`marl.model.routing`) and read each slot's adapter
+compiled step too: its LoRA layers are stacked (:mod:`marl.model.rows`) and read each slot's adapter
 from a buffer of the decode, so every policy shares one graph per bucket. Without a compiled step they
 decode with the static decode (logged once).
 
@@ -46,10 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.model.captured_step import CapturedStep, capture_cuda_graphs
-from marl.model.graph_decode import BucketedDecoder, compile_problem
-from marl.model.records import DEFAULT_POLICY
-from marl.model.static_decode import stacked_logprobs
+from marl.model.adapters import DEFAULT_POLICY
+from marl.model.graph_decode import BucketedDecoder, CapturedStep, capture_cuda_graphs, compile_problem
+from marl.model.sampling import stacked_logprobs
 from marl.rollout.static_sampler import StaticSampler
 from marl.rollout.transformers_sampler import SampledChunk
 
@@ -80,7 +79,7 @@ class GraphSampler(StaticSampler):
         settings: a :class:`marl.rollout.samplers.SamplerSettings`.
         compile_step: how the decode step is compiled or captured: ``"auto"`` (on CUDA
             ``settings.graph_capture``, eager on a CPU), ``"compile"`` (:func:`capture_step`),
-            ``"cuda_graphs"`` (plain CUDA graphs, :mod:`marl.model.captured_step`), ``None`` (eager) or a
+            ``"cuda_graphs"`` (plain CUDA graphs, :mod:`marl.model.graph_decode`), ``None`` (eager) or a
             function of the step (e.g. ``torch.compile`` with another backend).
 
     Attributes:

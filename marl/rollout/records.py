@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.model.packing import PackedRows, pack_rows
+from marl.model.rows import PackedRows, pack_rows
 from marl.rollout import stops
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class Samples:
         return int((self.prompt_index == self.prompt_index[0]).sum())
 
     def pack(self, mask_dtype: torch.dtype) -> PackedRows:
-        """These rows packed by prompt (:mod:`marl.model.packing`): each prompt once, then its completions."""
+        """These rows packed by prompt (:mod:`marl.model.rows`): each prompt once, then its completions."""
         return pack_rows(
             self.prompt_ids,
             self.prompt_mask,

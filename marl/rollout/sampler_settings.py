@@ -31,7 +31,7 @@ class SamplerSettings:
             ``"reference"`` view.
         synced_processes: every process takes part in every forward pass (a sharded base): each keeps
             running them until the rows of every process have stopped
-            (:class:`marl.model.generation.SamplingSettings`).
+            (:class:`marl.model.sampling.SamplingSettings`).
         graph_capture: how ``--sampler graph`` captures its decode step on a GPU
             (:mod:`marl.config.device`); the other samplers capture nothing.
     """

@@ -42,7 +42,7 @@ class Sampler(Protocol):
 
     def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
         """``k`` completions of every prompt under ``view`` (``"policy"``, ``"reference"`` or the base with
-        adapters disabled, :data:`marl.model.records.BASE_VIEW`), k-major (row
+        adapters disabled, :data:`marl.model.adapters.BASE_VIEW`), k-major (row
         ``j * P + i`` is sample ``j`` of prompt ``i``), cut after their stop token and decoded."""
         ...
 

@@ -1,7 +1,7 @@
 """Scoring sampled completions, with no sampling in it: policy and reference log-probs, and the rows a reward
 adapter reads, each prompt computed once for its k completions where that is exact.
 
-Prefix sharing (:mod:`marl.model.packing`) is decided ONCE, when the :class:`Scorer` is built:
+Prefix sharing (:mod:`marl.model.rows`) is decided ONCE, when the :class:`Scorer` is built:
 :attr:`Scorer.share_prompt_prefix` is what was asked for, unless the model's packing probe failed (a warning
 says so). The only per-batch question left is whether a packed batch fits the model's sliding attention
 window (:meth:`Scorer.can_pack`). The trainer's update packs its micro-batches with the same scorer.
@@ -23,9 +23,9 @@ import torch
 
 from marl.algo.scoring_passes import ALL_PASSES, ScoringPasses
 from marl.data.prompts import left_pad, reward_model_ids
-from marl.model.generation import pad_token_id
-from marl.model.packing import PackedRows, attention_window, pack_rows, packing_mask_dtype
-from marl.model.records import BASE_VIEW
+from marl.model.adapters import BASE_VIEW
+from marl.model.rows import PackedRows, attention_window, pack_rows, packing_mask_dtype
+from marl.model.sampling import pad_token_id
 from marl.rewards import ScoringBatch, ScoringChunk
 from marl.rewards.trl_calls import columns_per_row, parsed_replies, parses_responses
 

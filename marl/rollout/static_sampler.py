@@ -2,7 +2,7 @@
 
 Each prompt is prefilled once; its cache is repeated for its k samples inside a ``StaticCache`` sized prompt
 + response, then every step runs the model on the unfinished rows only and draws from exactly
-``softmax(logits / T)`` (:func:`marl.model.static_decode.sample_static`). Rows are chunked and ordered as the
+``softmax(logits / T)`` (:func:`marl.model.sampling.sample_static`). Rows are chunked and ordered as the
 ``transformers`` sampler chunks and orders them and the random stream is consumed as ``generate`` consumes
 it, so the same seed gives the same completions as ``--sampler transformers`` (up to floating-point rounding
 of the logits).
@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from marl.model.static_decode import stacked_logprobs, static_decode_problem
+from marl.model.sampling import stacked_logprobs, static_decode_problem
 from marl.rollout.transformers_sampler import SampledChunk, TransformersSampler
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.model.routing import RowRoutes
+    from marl.model.rows import RowRoutes
     from marl.rollout.prompts import PromptBatch
     from marl.rollout.sampler_settings import SamplerSettings
 

@@ -1,7 +1,7 @@
 """The ``transformers`` sampler (``--sampler transformers``): ``generate`` on the training model.
 
 It samples with :meth:`marl.MultiAdapterModel.sample` (exactly ``softmax(logits / T)``, see
-:mod:`marl.model.generation`) under the policy or the reference view of the one shared base, prefilling each
+:mod:`marl.model.sampling`) under the policy or the reference view of the one shared base, prefilling each
 prompt once for its k samples, and cuts every completion after its stop token
 (:meth:`marl.rollout.records.Samples.from_responses`). It reads the live adapter weights, so it has nothing
 to refresh when the policy changes.
@@ -20,10 +20,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from marl.errors import ConfigError, DataError
-from marl.model.generation import SamplingSettings, eos_token_ids, pad_token_id, prompt_cache_can_be_shared
-from marl.model.multi_adapter import position_ids_from_mask
-from marl.model.records import BASE_VIEW, DEFAULT_POLICY, REFERENCE_VIEW
-from marl.model.routing import RowRoutes
+from marl.model.adapters import BASE_VIEW, DEFAULT_POLICY, REFERENCE_VIEW
+from marl.model.families import prompt_cache_can_be_shared
+from marl.model.forward import position_ids_from_mask
+from marl.model.rows import RowRoutes
+from marl.model.sampling import SamplingSettings, eos_token_ids, pad_token_id
 from marl.rollout.prompts import Prompt, PromptBatch
 from marl.rollout.records import Samples
 
@@ -91,7 +92,7 @@ class TransformersSampler:
 
     def sample(self, prompts: PromptBatch, k: int, *, view: str = "policy") -> Samples:
         """``k`` completions of every prompt under ``view`` (``"policy"``, ``"reference"`` or the base,
-        :data:`marl.model.records.BASE_VIEW`), k-major."""
+        :data:`marl.model.adapters.BASE_VIEW`), k-major."""
         return self._samples(prompts, k, *self._generate(prompts, k, view))
 
     def sample_routed(self, prompts: PromptBatch, k: int, policies: Sequence[str]) -> Samples:

@@ -61,7 +61,7 @@ from marl.algo.metrics import REDUCTION
 from marl.errors import ConfigError
 from marl.model.adapters import save_adapter
 from marl.model.families import backbone
-from marl.model.generation import any_process
+from marl.model.sampling import any_process
 from marl.registry import Registry
 from marl.train.launch import check_sharded_launch
 

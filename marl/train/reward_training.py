@@ -66,11 +66,11 @@ if TYPE_CHECKING:
 
 
 def _load_reward_base(path: str, quantization: str | None, dtype: torch.dtype):
-    """The base as a one-label sequence classifier (through :func:`marl.model.build.load_base`, the one base
+    """The base as a one-label sequence classifier (through :func:`marl.model.loading.load_base`, the one base
     loader) and its tokenizer, padding with a token other than EOS."""
     from transformers import AutoModelForSequenceClassification
 
-    from marl.model.build import load_base, load_tokenizer
+    from marl.model.loading import load_base, load_tokenizer
 
     tokenizer = load_tokenizer(path)
     _pad_with_a_token_other_than_eos(tokenizer)
@@ -339,7 +339,7 @@ def model_continuer(
 
     @functools.cache
     def load() -> tuple[Any, Any, Any]:
-        from marl.model.build import load_tokenizer
+        from marl.model.loading import load_tokenizer
         from marl.model.multi_adapter import MultiAdapterModel
 
         model = MultiAdapterModel.from_pretrained(

@@ -59,7 +59,7 @@ from marl.config.sweep import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember
 from marl.cpu.allocator import release_freed_memory
 from marl.errors import CheckpointError, ConfigError, PhaseMemoryError
 from marl.model.multi_adapter import MultiAdapterModel
-from marl.model.routing import routing_problem
+from marl.model.rows import routing_problem
 from marl.rewards.weighted import weighted_total
 from marl.rollout.collect import collect_rollout, complete_for_metrics, split_rollout
 from marl.rollout.prompts import prompts_for_update

@@ -155,7 +155,7 @@ def warm_start_policy(
     from trl import SFTConfig, SFTTrainer
 
     from marl.data.assets import resolve_model_path
-    from marl.model.build import load_base, load_tokenizer
+    from marl.model.loading import load_base, load_tokenizer
 
     output_dir = check_output_dir(output_dir)  # an adapter already there is not overwritten
     started = time.perf_counter()

@@ -25,7 +25,7 @@ backward pass accumulating into its own adapter's gradients only (the other adap
 view, and their gradients accumulated so far are left as they are). Every policy's optimizer steps after the
 mini-batch's last micro-batch.
 
-Why not one forward and backward pass over every policy's rows, routed per row (:mod:`marl.model.routing`,
+Why not one forward and backward pass over every policy's rows, routed per row (:mod:`marl.model.rows`,
 as the decode and scoring do)? Measured once (4 policies, cpu-long4 shapes:
 ``benchmarks/results/2026-11-26-sweep-cpu-long4.md``), that joint micro-batch was slower than the four runs'
 separate updates and held every policy's activations at once (peak memory 1.83-1.93x a run's). One

@@ -65,7 +65,7 @@ def test_the_library_imports_and_trains_without_the_demo_packages(tiny_llama_dir
 
     import marl
     from support.tiny import tiny_rloo_config
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
 
     model_dir, output_dir = sys.argv[1], sys.argv[2]
     config = tiny_rloo_config(output_dir, model_name_or_path=model_dir, total_episodes=4, num_ppo_epochs=1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from marl.apps.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation, win_rate
-from marl.model.records import BASE_VIEW
+from marl.model.adapters import BASE_VIEW
 
 from support.tiny import write_jsonl
 
@@ -183,7 +183,7 @@ def test_a_policy_started_from_an_adapter_is_measured_against_the_base_and_its_s
     equal to it, so the policy ties its start everywhere, and the base's completions are those of a model
     whose reference is the base."""
     from marl.apps.evaluate.scores import generate_and_score, summarize
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import load_judge
 

@@ -19,7 +19,7 @@ from marl.data.praise_pairs import (
 )
 from marl.data.preferences import describe_preference_data, load_preference_data
 from marl.data.prompts import tokenize_prompt
-from marl.model.build import load_tokenizer
+from marl.model.loading import load_tokenizer
 from marl.train.reward_training import model_continuer
 
 from support.families import FAMILIES

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.errors import AdapterError, ConfigError, ModelError
 from marl.integrations.trl import reward_adapter_function
-from marl.model.packing import probe_tolerance
+from marl.model.rows import probe_tolerance
 
 from support.families import FAMILIES, FAMILY_SPECS
 from support.trl_reward import (

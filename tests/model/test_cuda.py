@@ -19,7 +19,7 @@ import torch
 from test_families import PROMPT_ROWS, TEMPERATURE, family_logits, left_padded, load, move_policy
 from transformers import AutoTokenizer
 
-from marl.model.generation import pad_token_id
+from marl.model.sampling import pad_token_id
 
 from support.families import FAMILIES, FAMILY_SPECS, logprob_tolerance
 from support.kill_resume import Kill, command, make_world, metrics_without_eps, run_cli

@@ -29,7 +29,7 @@ from transformers import (
 
 from marl import MultiAdapterModel, RLOOTrainer
 from marl.errors import ModelError
-from marl.model.generation import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
+from marl.model.sampling import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
 from marl.rollout import stops
 from marl.rollout.collect import collect_rollout
 

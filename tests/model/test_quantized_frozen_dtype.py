@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig
 from transformers import AutoTokenizer
 
-import marl.model.build
+import marl.model.loading
 from marl import MultiAdapterModel
 from marl.model.quantization import prepare_quantized_base
 
@@ -30,7 +30,7 @@ def load(family, model_dir, reward_dir, monkeypatch, frozen_float32: bool) -> Mu
     def prepare(model, quantization, **_):
         return prepare_quantized_base(model, quantization, frozen_float32=frozen_float32)
 
-    monkeypatch.setattr(marl.model.build, "prepare_quantized_base", prepare)
+    monkeypatch.setattr(marl.model.loading, "prepare_quantized_base", prepare)
     torch.manual_seed(0)
     exclude = list(FAMILY_SPECS[family].lora_exclude_modules) or None
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=exclude)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOTrainer
 from marl.errors import AdapterError
-from marl.model.build import _check_only_policies_train
+from marl.model.loading import _check_only_policies_train
 
 from support.tiny import save_reward_adapter, tiny_rloo_config
 

@@ -198,7 +198,7 @@ def test_a_folder_without_config_json_is_refused_in_one_sentence(tmp_path):
 
 def test_the_trainer_plan_uses_the_longest_prompt_and_the_card_shows_it(tiny_llama_dir, tmp_path):
     from marl.apps.train_rloo import memory_card_with_plan
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
     from marl.train.trainer import RLOOTrainer
 
     config = tiny_rloo_config(tmp_path, model_name_or_path=str(tiny_llama_dir))

@@ -18,8 +18,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl.data_utils import apply_chat_template, is_conversational
 
 from marl import MultiAdapterModel, RewardAdapterFunction
-from marl.model.generation import pad_token_id
-from marl.model.packing import attention_window
+from marl.model.rows import attention_window
+from marl.model.sampling import pad_token_id
 from marl.rewards import AdapterReward, EosTerminatedAdapterReward
 from marl.rollout.prompts import prepare_prompts
 from marl.rollout.samplers import SamplerSettings

@@ -145,7 +145,7 @@ def marl_rewards(model_dir, tokenizer, rows, completion_ids, functions, with_bat
 def test_trl_documented_reward_functions_score_as_in_trl(tiny_llama_dir, rows, functions):
     from trl.rewards import get_soft_overlong_punishment, think_format_reward
 
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_llama_dir))
     completion_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in COMPLETIONS]
@@ -236,7 +236,7 @@ def test_what_reward_functions_log_is_recorded_as_trl_records_it(tiny_llama_dir,
     """TRL keeps log_extra columns for its completions table and log_metric values, averaged per name, for
     the step's metrics; marl puts the same columns in its sample table rows and logs the same means under the
     same names."""
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
     from marl.rewards.trl_calls import logged_metric_means
     from marl.train.run_dir import sample_rows
 
@@ -287,7 +287,7 @@ def test_where_the_tokenizer_parses_responses_functions_get_the_parsed_reply_as_
     from trl import GRPOConfig, GRPOTrainer
     from trl.chat_template_utils import parse_response, qwen3_template
 
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
 
     model_dir = family_dir("qwen2")  # ChatML, as the Qwen3 response template reads it
     tokenizer = load_tokenizer(str(model_dir))

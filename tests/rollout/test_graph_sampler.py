@@ -15,9 +15,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import AutoTokenizer, StaticCache
 
 from marl import MultiAdapterModel
-from marl.model.generation import SamplingSettings, pad_token_id
 from marl.model.graph_decode import BucketedDecoder, compile_problem
-from marl.model.static_decode import _forward_step
+from marl.model.sampling import SamplingSettings, _forward_step, pad_token_id
 from marl.rollout import stops
 from marl.rollout.graph_sampler import GraphSampler
 from marl.rollout.prompts import Prompt

@@ -13,8 +13,7 @@ from test_graph_sampler import assert_decode_samples_what_it_scores
 from test_static_sampler import load
 from torch._dynamo.utils import counters
 
-from marl.model.captured_step import CapturedStep, capture_cuda_graphs
-from marl.model.graph_decode import BucketedDecoder
+from marl.model.graph_decode import BucketedDecoder, CapturedStep, capture_cuda_graphs
 from marl.rollout.graph_sampler import capture_step
 
 from support.runs import build, tiny_config

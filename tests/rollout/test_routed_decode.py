@@ -10,9 +10,8 @@ from peft import LoraConfig
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel
-from marl.model.generation import SamplingSettings, pad_token_id
-from marl.model.routing import RowRoutes
-from marl.model.static_decode import sample_static
+from marl.model.rows import RowRoutes
+from marl.model.sampling import SamplingSettings, pad_token_id, sample_static
 from marl.rollout import stops
 from marl.rollout.prompts import Prompt
 from marl.rollout.samplers import SamplerSettings, get_sampler

@@ -16,8 +16,13 @@ from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel
 from marl.algo.metrics import SAMPLER_GAP_MAX, SAMPLER_GAP_MEAN
-from marl.model.generation import SamplingSettings, generate_exactly, pad_token_id
-from marl.model.static_decode import sample_static, static_decode_problem
+from marl.model.sampling import (
+    SamplingSettings,
+    generate_exactly,
+    pad_token_id,
+    sample_static,
+    static_decode_problem,
+)
 from marl.rollout import stops
 from marl.rollout.prompts import Prompt
 from marl.rollout.samplers import SamplerSettings, get_sampler

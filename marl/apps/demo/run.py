@@ -64,7 +64,7 @@ def run_demo(arguments: DemoArguments) -> dict[str, Any]:
     from marl.apps.evaluate.report import results_table, write_results
     from marl.apps.evaluate.scores import generate_and_score, summarize
     from marl.apps.train_rloo import memory_card_with_plan
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import load_judge
     from marl.train.curves import plot_training_curves

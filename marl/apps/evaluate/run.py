@@ -262,7 +262,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     from marl.cpu.threads import apply_threads
     from marl.data.gold_judge import check_gold_judge
     from marl.data.prompts import describe_prompt_source, load_prompt_dataset, prompt_source
-    from marl.model.build import load_tokenizer
+    from marl.model.loading import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import load_judge
     from marl.rollout.samplers import get_sampler

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from marl.errors import ConfigError
-from marl.model.generation import SamplingSettings
-from marl.model.multi_adapter import MultiAdapterModel, position_ids_from_mask, reward_read_positions
+from marl.model.forward import position_ids_from_mask, reward_read_positions
+from marl.model.multi_adapter import MultiAdapterModel
+from marl.model.sampling import SamplingSettings
 
 from support.families import FAMILIES, FAMILY_SPECS
 from support.tiny import TINY_ARCHITECTURES, build_tiny_tokenizer, train_reward_adapter_with_trl

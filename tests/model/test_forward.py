@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from marl.model.logprobs import entropy_from_logits, logprobs_from_hidden, selective_log_softmax
+from marl.model.forward import entropy_from_logits, logprobs_from_hidden, selective_log_softmax
 
 
 def _reference(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):

@@ -1,4 +1,4 @@
-"""The one base loader: a base model, loaded once, and its named adapters, returned as plain records.
+"""The only loader: a base model, loaded once, and its named adapters, returned as a plain record.
 
 Every base marl uses is loaded here (:func:`load_base`): the RLOO model's causal LM (:func:`load`) and the
 sequence classifier that reward training puts a LoRA on. Every adapter folder is read once, before the base is
@@ -9,7 +9,7 @@ log-prob head reproduces the model's forward and that train mode computes what e
 (:mod:`marl.model.families`).
 
 This module knows nothing of :class:`~marl.model.multi_adapter.MultiAdapterModel`: it returns what it loaded
-(the records of :mod:`marl.model.records`) and the model stores it.
+(:class:`LoadedModel`, with the adapter records of :mod:`marl.model.adapters`) and the model stores it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from marl.config.model import check_reference_mode, parse_quantization, policy_lora_config
 from marl.errors import AdapterError, ModelError
 from marl.model import adapters
+from marl.model.adapters import PolicyAdapter, RewardAdapter, check_adapter_name, reference_adapter_name
 from marl.model.families import (
     LogitHead,
     backbone,
@@ -40,15 +41,22 @@ from marl.model.families import (
 )
 from marl.model.forward import enable_gradient_checkpointing
 from marl.model.quantization import bitsandbytes_config, default_compute_dtype, prepare_quantized_base
-from marl.model.records import (
-    LoadedModel,
-    PolicyAdapter,
-    RewardAdapter,
-    check_adapter_name,
-    reference_adapter_name,
-)
 
 PolicySpec = LoraConfig | str | os.PathLike | None
+
+
+@dataclass
+class LoadedModel:
+    """What :func:`load` returns: the PEFT model with every adapter attached and settled,
+    and the records the model keeps (policies first-added first: the first is the default)."""
+
+    peft_model: PeftModel
+    name_or_path: str
+    quantization: str | None
+    dtype: torch.dtype
+    logit_head: LogitHead
+    policies: dict[str, PolicyAdapter]
+    rewards: dict[str, RewardAdapter]
 
 
 @dataclass
@@ -382,7 +390,7 @@ def load_tokenizer(path: str) -> Any:
 
 def _tokenizer_pad_token_id(path: str) -> int:
     """The padding id TRL's ``RewardTrainer`` would have used with this base's tokenizer (pad, else EOS)."""
-    from marl.model.generation import pad_token_id
+    from marl.model.sampling import pad_token_id
 
     try:
         tokenizer = load_tokenizer(path)
