@@ -143,7 +143,7 @@ def measure(model: Any, mode: str, rows: int, shape: dict, torch: Any, cuda: boo
     from marl.model.captured_step import capture_cuda_graphs
     from marl.model.generation import SamplingSettings
     from marl.model.graph_decode import BucketedDecoder
-    from marl.rollout.graph_sampler import capture_step
+    from marl.rollout.samplers import capture_step
 
     factory = {"eager": None, "cuda_graphs": capture_cuda_graphs(), "compile": capture_step}[mode]
     failures: list[BaseException] = []

@@ -142,7 +142,7 @@ class RolloutStats:
 
     @classmethod
     def of(cls, rollout: Any, shaped: ShapedRewards, k: int | None = None) -> RolloutStats:
-        """From a :class:`marl.rollout.records.Rollout` (with the policy's log-probs, which the update
+        """From a :class:`marl.rollout.completions.Rollout` (with the policy's log-probs, which the update
         provides where the rollout skipped that pass) and its shaped rewards; with ``k`` (completions per
         prompt) the flat groups are counted too."""
         source_judged = ~torch.isnan(rollout.source_scores)

@@ -44,7 +44,7 @@ from marl.errors import ConfigError
 
 if TYPE_CHECKING:
     from marl.config.rloo_config import RLOOConfig
-    from marl.rollout.records import Rollout
+    from marl.rollout.completions import Rollout
 
 
 def check_algorithm(config: RLOOConfig) -> None:

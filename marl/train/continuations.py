@@ -61,7 +61,7 @@ def model_continuer(
 
         from marl.config.device import device_sampler
         from marl.config.rloo_config import RLOOConfig
-        from marl.rollout.prompts import prepare_text_prompts
+        from marl.data.prompts import prepare_text_prompts
         from marl.rollout.samplers import SamplerSettings, get_sampler
 
         # Loaded once, for the training and the held-out pairs alike.

@@ -100,17 +100,17 @@ def test_a_conversation_ending_in_an_assistant_message_is_continued_as_trl_rende
 
 
 def test_an_instructed_continuation_answers_the_instruction(family_dir, monkeypatch):
-    from marl.rollout import prompts as rollout_prompts
+    from marl.data import prompts as prompts_module
 
     seen = []
-    prepare = rollout_prompts.prepare_prompts
+    prepare = prompts_module.prepare_prompts
 
     def recorded(dataset, tokenizer, name, **kwargs):
         prepared = prepare(dataset, tokenizer, name, **kwargs)
         seen.extend(prompt.text for prompt in prepared)
         return prepared
 
-    monkeypatch.setattr(rollout_prompts, "prepare_prompts", recorded)
+    monkeypatch.setattr(prompts_module, "prepare_prompts", recorded)
     model_dir: Path = family_dir("qwen2")
     tokenizer = load_tokenizer(str(model_dir))
     continue_like = model_continuer(str(model_dir), quantization=None, seed=5, threads=1)

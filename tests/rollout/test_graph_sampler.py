@@ -15,13 +15,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import AutoTokenizer, StaticCache
 
 from marl import MultiAdapterModel
+from marl.data.prompts import Prompt
 from marl.model.generation import SamplingSettings, pad_token_id
 from marl.model.graph_decode import BucketedDecoder, compile_problem
 from marl.model.static_decode import _forward_step
-from marl.rollout import stops
-from marl.rollout.graph_sampler import GraphSampler
-from marl.rollout.prompts import Prompt
-from marl.rollout.samplers import SamplerSettings
+from marl.rollout.completions import response_lengths, response_mask
+from marl.rollout.samplers import GraphSampler, SamplerSettings
 
 from support.families import FAMILIES, logprob_tolerance, position_ids_from_mask
 from support.runs import build, tiny_config
@@ -87,8 +86,8 @@ def assert_decode_samples_what_it_scores(model, family_dir, family, dtype, decod
     torch.manual_seed(0)
     with model.policy(), model._inference():
         completions = decoder.sample(ids, mask, settings, copies, scores=scores)
-        lengths = stops.response_lengths(completions, settings.stop_token_ids)
-        valid = stops.response_mask(lengths, completions.shape[1])
+        lengths = response_lengths(completions, settings.stop_token_ids)
+        valid = response_mask(lengths, completions.shape[1])
         sequences = torch.cat([ids.repeat_interleave(copies, dim=0), completions], dim=1)
         full_mask = torch.cat([mask.repeat_interleave(copies, dim=0), valid.long()], dim=1)
         scored = model.token_logprobs(sequences, full_mask, response_start=width, temperature=TEMPERATURE)
@@ -154,7 +153,7 @@ def test_a_compiled_sampler_compiles_once_per_bucket_across_updates_that_change_
     settings = SamplerSettings(
         TEMPERATURE, 10, stop_token_id=int(free.flatten().mode().values), rows_per_pass=8
     )
-    with caplog.at_level(logging.INFO, logger="marl.rollout.graph_sampler"):
+    with caplog.at_level(logging.INFO, logger="marl.rollout.samplers"):
         compiled = GraphSampler(model, tokenizer, settings, compile_step=compiled_with(counter))
         eager = GraphSampler(model, tokenizer, settings, compile_step=None)
         prompts = compiled.batch([Prompt(tuple(row), "p") for row in PROMPT_ROWS])
@@ -195,7 +194,7 @@ def test_sliding_window_families_decode_eager_and_say_why(family, family_dir, ca
     assert sampler.path == "eager" and "Python int" in sampler.path_reason
     config = model.peft_model.get_base_model().config
     assert compile_problem(StaticCache(config=config, max_cache_len=8)) == sampler.path_reason
-    with caplog.at_level(logging.INFO, logger="marl.rollout.graph_sampler"):
+    with caplog.at_level(logging.INFO, logger="marl.rollout.samplers"):
         sampler.sample(sampler.batch([Prompt((20, 31, 42), "p")]), 2)
     assert "--sampler graph decodes eager: its ['StaticSlidingWindowLayer'] cache layers" in caplog.text
 
@@ -254,7 +253,7 @@ def test_a_capture_that_fails_decodes_eager_and_logs_why(family_dir, caplog):
     assert captured.path == "eager+graphs" and "torch.cuda.CUDAGraph" in captured.path_reason
     eager = GraphSampler(model, tokenizer, settings, compile_step=None)
     prompts = captured.batch([Prompt(tuple(row), "p") for row in PROMPT_ROWS])
-    with caplog.at_level(logging.INFO, logger="marl.rollout.graph_sampler"):
+    with caplog.at_level(logging.INFO, logger="marl.rollout.samplers"):
         torch.manual_seed(0)
         drawn = captured.sample(prompts, 2).response_ids
     assert captured.path == "eager" and captured.path_reason.startswith("capturing the decode step failed: ")

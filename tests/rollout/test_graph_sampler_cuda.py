@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 from marl.model.captured_step import CapturedStep, capture_cuda_graphs
 from marl.model.graph_decode import BucketedDecoder
-from marl.rollout.graph_sampler import capture_step
+from marl.rollout.samplers import capture_step
 
 from support.runs import build, tiny_config
 

@@ -8,9 +8,14 @@ import torch
 
 from marl import RLOOConfig
 from marl.errors import ConfigError
-from marl.rollout.samplers import SAMPLERS, SamplerSettings, get_sampler, register_sampler
-from marl.rollout.static_sampler import StaticSampler
-from marl.rollout.transformers_sampler import TransformersSampler
+from marl.rollout.samplers import (
+    SAMPLERS,
+    SamplerSettings,
+    StaticSampler,
+    TransformersSampler,
+    get_sampler,
+    register_sampler,
+)
 from marl.train.build import check_components
 
 from support.runs import build, tiny_config

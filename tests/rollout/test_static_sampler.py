@@ -16,12 +16,11 @@ from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel
 from marl.algo.metrics import SAMPLER_GAP_MAX, SAMPLER_GAP_MEAN
+from marl.data.prompts import Prompt
 from marl.model.generation import SamplingSettings, generate_exactly, pad_token_id
 from marl.model.static_decode import sample_static, static_decode_problem
-from marl.rollout import stops
-from marl.rollout.prompts import Prompt
-from marl.rollout.samplers import SamplerSettings, get_sampler
-from marl.rollout.static_sampler import StaticSampler
+from marl.rollout.completions import response_lengths, response_mask, truncate_after_stop_token
+from marl.rollout.samplers import SamplerSettings, StaticSampler, get_sampler
 from marl.train.phase_guard import is_measurement
 
 from support.families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance, position_ids_from_mask
@@ -82,7 +81,7 @@ def test_the_same_seed_draws_the_tokens_of_the_transformers_sampler(family, fami
 def test_a_model_with_recurrent_states_samples_with_generate_and_says_why(family_dir, caplog):
     model = load(family_dir, "falcon_h1")
     tokenizer = AutoTokenizer.from_pretrained(family_dir("falcon_h1"))
-    with caplog.at_level(logging.WARNING, logger="marl.rollout.static_sampler"):
+    with caplog.at_level(logging.WARNING, logger="marl.rollout.samplers"):
         sampler = StaticSampler(model, tokenizer, SamplerSettings(TEMPERATURE, 4))
     assert "LinearAttention" in sampler.fallback_reason
     assert "--sampler static samples with generate for this model" in caplog.text
@@ -111,8 +110,8 @@ def test_static_decode_samples_from_the_distribution_it_scores(family, dtype, fa
     torch.manual_seed(0)
     with model.policy(), torch.no_grad():
         completions = sample_static(model.peft_model.eval(), ids, mask, settings, scores=scores)
-        lengths = stops.response_lengths(completions, settings.stop_token_ids)
-        valid = stops.response_mask(lengths, completions.shape[1])
+        lengths = response_lengths(completions, settings.stop_token_ids)
+        valid = response_mask(lengths, completions.shape[1])
         sequences = torch.cat([ids, completions], dim=1)
         full_mask = torch.cat([mask, valid.long()], dim=1)
         scored = model.token_logprobs(sequences, full_mask, response_start=width, temperature=TEMPERATURE)
@@ -131,10 +130,8 @@ def test_static_decode_samples_from_the_distribution_it_scores(family, dtype, fa
         with model.policy(), torch.no_grad():
             generated = generate_exactly(model.peft_model, ids, mask, settings)[:, width:]
         assert torch.equal(
-            stops.truncate_after_stop_token(completions, settings.stop_token_ids, pad)[0][
-                :, : generated.shape[1]
-            ],
-            stops.truncate_after_stop_token(generated, settings.stop_token_ids, pad)[0],
+            truncate_after_stop_token(completions, settings.stop_token_ids, pad)[0][:, : generated.shape[1]],
+            truncate_after_stop_token(generated, settings.stop_token_ids, pad)[0],
         )
 
 
