@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from marl.data.gold_judge import gold_judge_scores
+from marl.data.fixed_rules import gold_judge_scores
 from marl.rewards.functions import call_user_function, check_scores, import_function
 
 

@@ -1,5 +1,5 @@
 """A model's own continuations of text openings, sampled as an RLOO rollout samples them: the model-written
-sides of the on-topic reward's pairs (:mod:`marl.data.topic_pairs`).
+sides of the on-topic reward's pairs (:mod:`marl.data.continuation_pairs`).
 
 Two models write them: the base with its adapters off (the ``reference`` view), i.e. the text a policy
 starts from, and optionally a trained policy adapter on that base (the ``policy`` view), i.e. the text a
@@ -27,14 +27,15 @@ def model_continuer(
     threads: int = 0,
     policy_adapter: str | None = None,
 ) -> Callable[[Sequence[str], Sequence[str]], list[str]]:
-    """A ``continue_like(openings, continuations)`` function (:data:`marl.data.topic_pairs.ContinueLike`)
-    that loads ``model_name_or_path`` (with ``quantization``, and the PEFT folder ``policy_adapter`` when
-    given) once, on its first call, and samples its continuation of each opening at the rollouts' default
-    temperature (:class:`marl.RLOOConfig`), seeded per batch from ``seed``, with ``threads`` torch threads as
-    ``--threads`` sets them (:func:`marl.cpu.threads.apply_threads`). Without ``policy_adapter`` the base
-    writes (adapters off); with it, that policy does. Called with ``instruction=TEXT``, it continues each
-    opening as the start of the model's chat answer to the user message ``TEXT`` (the tokenizer's chat
-    template), and the returned text is that answer's continuation.
+    """A ``continue_like(openings, continuations)`` function
+    (:data:`marl.data.continuation_pairs.ContinueLike`) that loads ``model_name_or_path`` (with
+    ``quantization``, and the PEFT folder ``policy_adapter`` when given) once, on its first call, and samples
+    its continuation of each opening at the rollouts' default temperature (:class:`marl.RLOOConfig`), seeded
+    per batch from ``seed``, with ``threads`` torch threads as ``--threads`` sets them
+    (:func:`marl.cpu.threads.apply_threads`). Without ``policy_adapter`` the base writes (adapters off); with
+    it, that policy does. Called with ``instruction=TEXT``, it continues each opening as the start of the
+    model's chat answer to the user message ``TEXT`` (the tokenizer's chat template), and the returned text is
+    that answer's continuation.
 
     Example:
         >>> continue_like = model_continuer("smollm2-135m-instruct", quantization="4bit", seed=0)

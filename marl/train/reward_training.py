@@ -26,9 +26,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from marl.cpu.threads import apply_threads
-from marl.data.praise_pairs import PRAISE_DATASET
+from marl.data.continuation_pairs import FILM_DATASET, PRAISE_DATASET, TOPIC_DATASET
 from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
-from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError, DataError, ModelError
 from marl.model.adapters import check_target_modules, write_reward_reading
 from marl.model.quantization import default_compute_dtype
