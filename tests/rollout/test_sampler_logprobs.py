@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_static_sampler import PROMPT_ROWS, TEMPERATURE, load
+from test_samplers import PROMPT_ROWS, TEMPERATURE, load
 from transformers import AutoTokenizer
 
 from marl.algo.metrics import SAMPLER_GAP_MAX, SAMPLER_GAP_MEAN, sampler_gap, sampler_gap_metrics

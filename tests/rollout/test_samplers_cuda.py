@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_graph_sampler import assert_decode_samples_what_it_scores
-from test_static_sampler import load
+from test_samplers import assert_decode_samples_what_it_scores, load
 from torch._dynamo.utils import counters
 
 from marl.model.captured_step import CapturedStep, capture_cuda_graphs
