@@ -62,8 +62,8 @@ def collect_rollout(
         "sampling",
         lambda: sampler.sample(batch, k) if policies is None else sampler.sample_routed(batch, k, policies),
     )
-    # On CPU the C heap keeps the sampler's freed cache through scoring's peak: trim it (memory-plan results,
-    # benchmarks/results/2026-11-25-memory-plan.md).
+    # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring's peak: trim it
+    # (benchmarks/results/2026-11-25-memory-plan.md).
     release_freed_memory()
     passes = scorer.passes if passes is None else passes
     return run_phase("scoring", lambda: _scored(samples, scorer, reward, trainer_state, policies, passes))
