@@ -38,7 +38,7 @@ fi
 log="$(mktemp)"
 if "$PYTHON" -c "import pytest, hypothesis" 2>/dev/null; then
     if [ "$quick" = 1 ]; then
-        tests=(tests/rollout/test_graph_sampler_cuda.py -k "bfloat16 or a_bf16_run")
+        tests=(tests/rollout/test_samplers_cuda.py -k "bfloat16 or a_bf16_run")
     else
         tests=(tests/)
     fi

@@ -13,7 +13,7 @@ from peft import LoraConfig
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel
-from marl.rollout.prompts import Prompt
+from marl.data.prompts import Prompt
 from marl.rollout.samplers import SAMPLERS, SamplerSettings, get_sampler
 
 from support.benchmark_scripts import benchmark_modules

@@ -142,7 +142,7 @@ def measure(model: Any, mode: str, rows: int, shape: dict, torch: Any, cuda: boo
 
     from marl.model.graph_decode import BucketedDecoder, capture_cuda_graphs
     from marl.model.sampling import SamplingSettings
-    from marl.rollout.graph_sampler import capture_step
+    from marl.rollout.samplers import capture_step
 
     factory = {"eager": None, "cuda_graphs": capture_cuda_graphs(), "compile": capture_step}[mode]
     failures: list[BaseException] = []

@@ -59,7 +59,7 @@ from transformers import CompileConfig
 from marl.model.forward import inference
 from marl.model.rows import RowRoutes
 from marl.model.sampling import sample
-from marl.rollout.transformers_sampler import SampledChunk, TransformersSampler
+from marl.rollout.samplers import SampledChunk, TransformersSampler
 
 # transformers' own choice when none is given (modeling_utils.py `_default_compile_config`): inductor,
 # mode="reduce-overhead", fullgraph=False, dynamic=None. Passed explicitly so the path is named, not implied.

@@ -16,8 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from marl.data.praise_pairs import PAN_INSTRUCTION, PRAISE_INSTRUCTION
-from marl.data.topic_pairs import FILM_REVIEW_CUE, OPENING_WORDS
+from marl.data.continuation_pairs import FILM_REVIEW_CUE, OPENING_WORDS, PAN_INSTRUCTION, PRAISE_INSTRUCTION
 
 # Each request: (text before the opening, chat instruction whose answer the opening begins).
 REQUESTS = {
@@ -46,8 +45,8 @@ def main() -> None:
     arguments = parser.parse_args()
 
     from marl.data import assets
-    from marl.data.gold_judge import gold_judge_scores
-    from marl.data.topic_pairs import shuffled_snippet_rows
+    from marl.data.continuation_pairs import shuffled_snippet_rows
+    from marl.data.fixed_rules import gold_judge_scores
     from marl.train.reward_training import model_continuer
 
     rows = shuffled_snippet_rows(assets.split_rotten_tomatoes(seed=0)["reward"], OPENING_WORDS, 0)

@@ -58,7 +58,7 @@ def main() -> None:
 
     import torch
 
-    from marl.data.gold_judge import gold_judge_scores
+    from marl.data.fixed_rules import gold_judge_scores
 
     torch.set_num_threads(options.threads)
     # read_completions yields each prompt's base completion, then its policy completion.

@@ -1,5 +1,5 @@
 """Does an on-topic reward adapter pay for naming the film? Its mean score on held-out completions that name
-the film (``marl.data.topicality.names_the_film``, the demo's fixed word list) against those that do not.
+the film (``marl.data.fixed_rules.names_the_film``, the demo's fixed word list) against those that do not.
 
 The completions come from ``eval_completions.jsonl`` files that ``marl demo`` writes (the base's and the
 policy's completion of each held-out prompt). Each text is the prompt and its completion followed by the EOS
@@ -65,7 +65,7 @@ def main() -> None:
 
     import torch
 
-    from marl.data.topicality import names_the_film
+    from marl.data.fixed_rules import names_the_film
 
     torch.set_num_threads(1)
     score = load_adapter_scorer(options.adapter)

@@ -71,7 +71,7 @@ from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import masked_sum
 
 if TYPE_CHECKING:
-    from marl.rollout.records import Rollout
+    from marl.rollout.completions import Rollout
 
 # Field metadata key: how :func:`marl.train.parallel.sum_over_processes` combines a record's field over
 # processes, "min" or "max" (unset: the sum).
@@ -150,7 +150,7 @@ class RolloutStats:
 
     @classmethod
     def of(cls, rollout: Any, shaped: ShapedRewards, k: int | None = None) -> RolloutStats:
-        """From a :class:`marl.rollout.records.Rollout` (with the policy's log-probs, which the update
+        """From a :class:`marl.rollout.completions.Rollout` (with the policy's log-probs, which the update
         provides where the rollout skipped that pass) and its shaped rewards; with ``k`` (completions per
         prompt) the flat groups are counted too."""
         source_judged = ~torch.isnan(rollout.source_scores)

@@ -80,7 +80,7 @@ from marl.registry import Registry
 
 if TYPE_CHECKING:
     from marl.config.rloo_config import RLOOConfig
-    from marl.rollout.records import Rollout
+    from marl.rollout.completions import Rollout
 
 # GDPO's epsilon of the per-source group std and of the batch std, as TRL 1.16's "normalize_then_sum".
 GDPO_STD_EPSILON = GRPO_STD_EPSILON

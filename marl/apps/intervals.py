@@ -104,7 +104,7 @@ def _bigrams(text: str) -> list[tuple[str, str]]:
 
 
 def _distinct_2(bigrams: Sequence[list[tuple[str, str]]], rows: Sequence[int]) -> float:
-    """:func:`marl.data.topicality.distinct_2` of the completions ``rows`` (their bigrams precomputed)."""
+    """:func:`marl.data.fixed_rules.distinct_2` of the completions ``rows`` (their bigrams precomputed)."""
     chosen = [pair for row in rows for pair in bigrams[row]]
     return len(set(chosen)) / len(chosen) if chosen else 0.0
 
@@ -128,7 +128,7 @@ def verdict_intervals(
         >>> sorted(out), [round(bound, 3) for bound in out["win_rate"]]
         (['base', 'distinct_2_ratio', 'judge_gain', 'policy', 'win_rate'], [0.342, 1.0])
     """
-    from marl.data.topicality import names_the_film
+    from marl.data.fixed_rules import names_the_film
 
     size = len(base_texts)
     if not size or {len(policy_texts), len(base_judge), len(policy_judge)} != {size}:

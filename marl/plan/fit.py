@@ -235,10 +235,10 @@ def fit_target(
     import torch
 
     from marl.data.assets import resolve_model_path
+    from marl.data.prompts import prepare_prompts
     from marl.model.loading import load_tokenizer
     from marl.model.quantization import default_compute_dtype
     from marl.plan.planner import load_model_config
-    from marl.rollout.prompts import prepare_prompts
 
     model_config = load_model_config(config.model_name_or_path)
     tokenizer = load_tokenizer(resolve_model_path(config.model_name_or_path))

@@ -390,7 +390,7 @@ def plan_memory(
             peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
         )
         # the graph sampler keeps its bucket's buffers for the run (a sharded base decodes with the static
-        # sampler's loop, marl.rollout.graph_sampler)
+        # sampler's loop, marl.rollout.samplers)
         graph_buffers = (0, 0)
         if system == "marl" and config.sampler == "graph" and config.parallelism != "fsdp2":
             graph_buffers = graph_buffer_bytes(peft_model, sampling_shapes)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from marl.data.gold_judge import gold_judge_scores
+from marl.data.fixed_rules import gold_judge_scores
 from marl.errors import ConfigError, DataError
 from marl.rewards.batch import RewardBuilder, RewardParts, RewardSource, ScoringBatch
 from marl.rewards.trl_calls import RewardCall, callable_name, is_async, run_reward_functions

@@ -1,12 +1,12 @@
 """One rollout: prompts in, sampled and scored completions out, with no gradients.
 
 1. the sampler (:mod:`marl.rollout.samplers`) draws ``k`` completions of every prompt under the policy,
-   cut after their stop token (:class:`marl.rollout.records.Samples`, k-major: row ``j * P + i`` is sample
+   cut after their stop token (:class:`marl.rollout.completions.Samples`, k-major: row ``j * P + i`` is sample
    ``j`` of prompt ``i``);
 2. the scorer (:class:`marl.rollout.scoring.Scorer`) computes their policy and reference log-probs in
    float32 at the sampling temperature (the passes the algorithm reads, :mod:`marl.algo.scoring_passes`),
    and the rows the reward sources read;
-3. the reward adds its scores: a :class:`marl.rollout.records.Rollout` holds everything an update needs.
+3. the reward adds its scores: a :class:`marl.rollout.completions.Rollout` holds everything an update needs.
 
 Example:
     >>> rollout = collect_rollout(sampler, scorer, prompts, k=4, reward=reward)  # doctest: +SKIP
@@ -26,11 +26,11 @@ from marl.algo.scoring_passes import POLICY_PASS, ScoringPasses
 from marl.algo.shaping import ShapedRewards
 from marl.algo.tensors import sequence_kl
 from marl.cpu.allocator import release_freed_memory
-from marl.rollout.records import Rollout, Samples
+from marl.rollout.completions import Rollout, Samples
 
 if TYPE_CHECKING:
+    from marl.data.prompts import Prompt
     from marl.rewards import WeightedRewards
-    from marl.rollout.prompts import Prompt
     from marl.rollout.samplers import Sampler
     from marl.rollout.scoring import Scorer
 
@@ -62,8 +62,8 @@ def collect_rollout(
         "sampling",
         lambda: sampler.sample(batch, k) if policies is None else sampler.sample_routed(batch, k, policies),
     )
-    # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring (measured on SmolLM2 in
-    # 4-bit: scoring's peak 900 MiB with it, 790 without; a trim takes milliseconds).
+    # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring's peak: trim it
+    # (benchmarks/results/2026-11-25-memory-plan.md).
     release_freed_memory()
     passes = scorer.passes if passes is None else passes
     return run_phase("scoring", lambda: _scored(samples, scorer, reward, trainer_state, policies, passes))

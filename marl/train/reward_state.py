@@ -48,8 +48,8 @@ def reward_trainer_state(trainer: Any) -> Any:
 
 def reward_function_metrics(rollout: Any, metrics: Mapping[str, float]) -> dict[str, float]:
     """What the run's reward functions logged with ``log_metric`` while scoring ``rollout`` (this process's
-    :class:`marl.rollout.records.Rollout`), to log with the update's ``metrics`` under the names given: each
-    the mean of every value any process logged during the update's rollout, as TRL averages them. Every
+    :class:`marl.rollout.completions.Rollout`), to log with the update's ``metrics`` under the names given:
+    each the mean of every value any process logged during the update's rollout, as TRL averages them. Every
     process calls it (it gathers the names and sums). A name that is one of marl's own metrics is an error
     naming it.
 

@@ -16,8 +16,8 @@ messages) go through the tokenizer's chat template.
 After training, this module scores every held-out pair itself and reports the pairwise accuracy, the fraction
 of pairs with ``score(chosen) > score(rejected)``, before and after training.
 
-Model-written pairs (the on-topic, on-film and praise pairs of :mod:`marl.data.topic_pairs` and
-:mod:`marl.data.praise_pairs`) take their model-written sides from :func:`model_continuer`: a model's own
+Model-written pairs (the on-topic, on-film and praise pairs of :mod:`marl.data.continuation_pairs`) take
+their model-written sides from :func:`model_continuer`: a model's own
 continuations of text openings, sampled as an RLOO rollout samples them. Two models write them: the base with
 its adapters off (the ``reference`` view), i.e. the text a policy starts from, and optionally a trained policy
 adapter on that base (the ``policy`` view), i.e. the text a policy drifts into. Each opening is a plain-text
@@ -36,9 +36,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from marl.cpu.threads import apply_threads
-from marl.data.praise_pairs import PRAISE_DATASET
+from marl.data.continuation_pairs import FILM_DATASET, PRAISE_DATASET, TOPIC_DATASET
 from marl.data.preferences import check_preference_pairs, describe_preference_data, load_preference_data
-from marl.data.topic_pairs import FILM_DATASET, TOPIC_DATASET
 from marl.errors import ConfigError, DataError, ModelError
 from marl.model.adapters import check_target_modules, write_reward_reading
 from marl.model.quantization import default_compute_dtype
@@ -321,8 +320,9 @@ def model_continuer(
     threads: int = 0,
     policy_adapter: str | None = None,
 ) -> Callable[[Sequence[str], Sequence[str]], list[str]]:
-    """A ``continue_like(openings, continuations)`` function (:data:`marl.data.topic_pairs.ContinueLike`)
-    that loads ``model_name_or_path`` (with ``quantization``, and the PEFT folder ``policy_adapter`` when
+    """A ``continue_like(openings, continuations)`` function
+    (:data:`marl.data.continuation_pairs.ContinueLike`) that loads ``model_name_or_path`` (with
+    ``quantization``, and the PEFT folder ``policy_adapter`` when
     given) once, on its first call, and samples its continuation of each opening at the rollouts' default
     temperature (:class:`marl.RLOOConfig`), seeded per batch from ``seed``, with ``threads`` torch threads as
     ``--threads`` sets them (:func:`marl.cpu.threads.apply_threads`). Without ``policy_adapter`` the base
@@ -354,7 +354,7 @@ def model_continuer(
 
         from marl.config.device import device_sampler
         from marl.config.rloo_config import RLOOConfig
-        from marl.rollout.prompts import prepare_text_prompts
+        from marl.data.prompts import prepare_text_prompts
         from marl.rollout.samplers import SamplerSettings, get_sampler
 
         # Loaded once, for the training and the held-out pairs alike.

@@ -17,7 +17,7 @@ from marl.train import run_dir
 from marl.train.reward_state import reward_trainer_state
 
 if TYPE_CHECKING:
-    from marl.rollout.records import Rollout
+    from marl.rollout.completions import Rollout
 
 SAMPLE_TABLE_ROWS = 8
 # Held-out prompts a judge scores at each sample table: enough for a readable curve, cheap next to an update.

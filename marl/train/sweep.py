@@ -57,13 +57,13 @@ from marl.config.device import device_sampler
 from marl.config.rloo_config import RLOOConfig
 from marl.config.sweep import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember
 from marl.cpu.allocator import release_freed_memory
+from marl.data.prompts import prompts_for_update
 from marl.errors import CheckpointError, ConfigError, PhaseMemoryError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.model.rows import routing_problem
 from marl.rewards.weighted import weighted_total
 from marl.rollout.collect import collect_rollout, complete_for_metrics, split_rollout
-from marl.rollout.prompts import prompts_for_update
-from marl.rollout.records import Rollout
+from marl.rollout.completions import Rollout
 from marl.rollout.samplers import get_sampler
 from marl.train import run_dir
 from marl.train.checkpoints import rng_state

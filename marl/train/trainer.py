@@ -57,11 +57,11 @@ from marl.algo.metrics import (
 from marl.algo.shaping import ShapedRewards, shape_rollout
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
+from marl.data.prompts import prompts_for_update
 from marl.errors import PhaseMemoryError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
-from marl.rollout.prompts import prompts_for_update
-from marl.rollout.records import Rollout
+from marl.rollout.completions import Rollout
 from marl.train import checkpoints, run_dir
 from marl.train.build import build_training_parts
 from marl.train.curves import training_curves_note

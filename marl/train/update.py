@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from marl.config.batch_sizes import BatchSizes
     from marl.config.rloo_config import RLOOConfig
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.rollout.records import Rollout
+    from marl.rollout.completions import Rollout
     from marl.rollout.samplers import Sampler
     from marl.rollout.scoring import Scorer
     from marl.train.parallel import Parallelism

@@ -20,7 +20,7 @@ from marl.algo.shaping import (
     shape_rewards,
 )
 from marl.algo.tensors import STD_EPSILON, masked_sum, sequence_kl, standardize
-from marl.rollout import stops
+from marl.rollout.completions import response_lengths, response_mask, truncate_after_stop_token
 
 # k = 4 samples of P = 3 prompts, k-major: row j * P + i is sample j of prompt i.
 SEED_REWARDS = [1.0, 2.0, 3.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
@@ -84,7 +84,7 @@ def test_leave_one_out_rejects_bad_group_sizes():
 
 def test_truncate_after_stop_token_keeps_the_stop_and_pads_the_rest():
     responses = torch.tensor([[5, 6, 1, 7, 1], [5, 6, 7, 8, 9], [1, 5, 5, 5, 5]])
-    truncated, contains = stops.truncate_after_stop_token(responses, stop_token_ids=(1,), pad_token_id=0)
+    truncated, contains = truncate_after_stop_token(responses, stop_token_ids=(1,), pad_token_id=0)
     assert truncated.tolist() == [[5, 6, 1, 0, 0], [5, 6, 7, 8, 9], [1, 0, 0, 0, 0]]
     assert contains.tolist() == [True, False, True]
 
@@ -92,20 +92,20 @@ def test_truncate_after_stop_token_keeps_the_stop_and_pads_the_rest():
 def test_lengths_and_mask_when_pad_equals_eos():
     # pad == eos == 1: the EOS must stay valid (it is part of the action) and the padding after it must not.
     responses = torch.tensor([[5, 6, 1, 1, 1], [5, 1, 1, 1, 1]])
-    lengths = stops.response_lengths(responses, stop_token_ids=(1,))
+    lengths = response_lengths(responses, stop_token_ids=(1,))
     assert lengths.tolist() == [3, 2]
-    mask = stops.response_mask(lengths, responses.shape[1])
+    mask = response_mask(lengths, responses.shape[1])
     assert mask.tolist() == [[True, True, True, False, False], [True, True, False, False, False]]
-    assert stops.response_lengths(responses, stop_token_ids=()).tolist() == [5, 5]
+    assert response_lengths(responses, stop_token_ids=()).tolist() == [5, 5]
 
 
 def test_several_stop_tokens_each_end_a_completion():
     # Llama-3.x-Instruct ends turns with <|eot_id|> as well as <|end_of_text|>: both must stop
     responses = torch.tensor([[5, 7, 2, 9, 9], [5, 6, 6, 3, 2], [5, 6, 6, 6, 6]])
-    truncated, contains = stops.truncate_after_stop_token(responses, stop_token_ids=(2, 3), pad_token_id=0)
+    truncated, contains = truncate_after_stop_token(responses, stop_token_ids=(2, 3), pad_token_id=0)
     assert truncated.tolist() == [[5, 7, 2, 0, 0], [5, 6, 6, 3, 0], [5, 6, 6, 6, 6]]
     assert contains.tolist() == [True, True, False]
-    assert stops.response_lengths(responses, stop_token_ids=(2, 3)).tolist() == [3, 4, 5]
+    assert response_lengths(responses, stop_token_ids=(2, 3)).tolist() == [3, 4, 5]
 
 
 def test_missing_eos_penalty_lowers_only_completions_without_eos():

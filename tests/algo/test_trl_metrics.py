@@ -38,9 +38,9 @@ from marl.algo.metrics import (
 )
 from marl.algo.shaping import shape_rollout
 from marl.config import RLOOConfig
+from marl.data.prompts import Prompt, PromptBatch
 from marl.rewards.weighted import weighted_total
-from marl.rollout.prompts import Prompt, PromptBatch
-from marl.rollout.records import Rollout, Samples
+from marl.rollout.completions import Rollout, Samples
 from marl.train.parallel import record_values, sum_over_processes
 
 trl = pytest.importorskip("trl")

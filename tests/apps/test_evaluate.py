@@ -157,8 +157,7 @@ def test_evaluate_works_with_a_tokenizer_without_pad_token(family_dir, eval_setu
 def test_the_sampler_flag_picks_a_registered_sampler(eval_setup, tmp_path):
     """``--sampler`` reaches the registry: a test-only sampler registered from outside marl samples every
     completion of the evaluation, and the results equal the default sampler's (it wraps it)."""
-    from marl.rollout.samplers import SAMPLERS, register_sampler
-    from marl.rollout.transformers_sampler import TransformersSampler
+    from marl.rollout.samplers import SAMPLERS, TransformersSampler, register_sampler
 
     calls: list[str] = []
 

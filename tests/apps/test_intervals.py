@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from marl.apps.demo.rewards import topicality_summary
 from marl.apps.demo.verdict import verdict_rows
 from marl.apps.intervals import bootstrap_intervals, format_interval, verdict_intervals, wilson_interval
-from marl.data.topicality import distinct_2, film_share
+from marl.data.fixed_rules import distinct_2, film_share
 
 
 @settings(max_examples=200, deadline=None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl.data import assets, gold_judge
+from marl.data import assets
 from marl.errors import MissingPathError, ModelError
 
 from support.tiny import save_tiny_model
@@ -310,20 +310,3 @@ def test_held_out_prompts_can_exclude_training_prompts(reviews) -> None:
     assert unfiltered & train, "generic openings repeat across movies; the test needs one to be meaningful"
     assert not held_out & train
     assert held_out == unfiltered - train
-
-
-# --- judge --------------------------------------------------------------------------------------------------
-
-
-def test_gold_judge_ranks_positive_above_negative() -> None:
-    positive, negative, neutral = gold_judge.gold_judge_scores(
-        [
-            "A wonderful, moving film with brilliant acting.",
-            "A dull, awful mess. I hated it.",
-            "The film is 90 minutes.",
-        ]
-    )
-    assert positive > 0.5
-    assert negative < -0.5
-    assert negative < neutral < positive
-    assert all(-1.0 <= score <= 1.0 for score in (positive, negative, neutral))

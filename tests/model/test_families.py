@@ -30,7 +30,6 @@ from transformers import (
 from marl import MultiAdapterModel, RLOOTrainer
 from marl.errors import ModelError
 from marl.model.sampling import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
-from marl.rollout import stops
 from marl.rollout.collect import collect_rollout
 
 from support.families import (
@@ -146,7 +145,7 @@ def test_rollout_samples_from_the_distribution_it_scores(family, dtype, family_d
         )
         completions = output.sequences[:, prompt_length:]
         steps = completions.shape[1]
-        valid = stops.response_mask(stops.response_lengths(completions, stop_ids), steps)
+        valid = response_mask(response_lengths(completions, stop_ids), steps)
         full_mask = torch.cat([mask, valid.long()], dim=1)
         scored = model.token_logprobs(
             output.sequences, full_mask, response_start=prompt_length, temperature=TEMPERATURE

@@ -27,14 +27,13 @@ from transformers import (
 )
 
 from marl import MultiAdapterModel, RLOOTrainer
+from marl.data.prompts import Prompt
 from marl.errors import ConfigError
 from marl.model.adapters import BASE_VIEW
 from marl.model.rows import pack_rows, probe_tolerance, read_slots
 from marl.rollout.collect import collect_rollout
-from marl.rollout.prompts import Prompt
-from marl.rollout.samplers import SamplerSettings
+from marl.rollout.samplers import SamplerSettings, TransformersSampler
 from marl.rollout.scoring import Scorer
-from marl.rollout.transformers_sampler import TransformersSampler
 
 from support.families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance
 from support.tiny import save_reward_adapter, tiny_rloo_config

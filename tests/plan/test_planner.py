@@ -236,9 +236,8 @@ def test_the_graph_samplers_buffers_are_planned_as_it_allocates_them(family, fam
     sliding-window layers hold the window only)."""
     from transformers import AutoTokenizer
 
-    from marl.rollout.graph_sampler import GraphSampler
-    from marl.rollout.prompts import Prompt
-    from marl.rollout.samplers import SamplerSettings
+    from marl.data.prompts import Prompt
+    from marl.rollout.samplers import GraphSampler, SamplerSettings
 
     from support.runs import build, tiny_config
 

@@ -18,13 +18,12 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from trl.data_utils import apply_chat_template, is_conversational
 
 from marl import MultiAdapterModel, RewardAdapterFunction
+from marl.data.prompts import prepare_prompts
 from marl.model.rows import attention_window
 from marl.model.sampling import pad_token_id
 from marl.rewards import AdapterReward, EosTerminatedAdapterReward
-from marl.rollout.prompts import prepare_prompts
-from marl.rollout.samplers import SamplerSettings
+from marl.rollout.samplers import SamplerSettings, TransformersSampler
 from marl.rollout.scoring import Scorer
-from marl.rollout.transformers_sampler import TransformersSampler
 
 from support.families import FAMILIES, FAMILY_SPECS
 from support.tiny import save_reward_adapter

@@ -101,10 +101,10 @@ def marl_rewards(model_dir, tokenizer, rows, completion_ids, functions, with_bat
     ``with_batch``, also the scored batch and the k-major row of each prompt-major row)."""
     from transformers import TrainerState
 
+    from marl.data.prompts import PromptBatch, prepare_prompts
     from marl.model.multi_adapter import MultiAdapterModel
     from marl.rewards import FunctionReward, WeightedRewards
-    from marl.rollout.prompts import PromptBatch, prepare_prompts
-    from marl.rollout.records import Samples
+    from marl.rollout.completions import Samples
     from marl.rollout.scoring import Scorer
 
     prompts = prepare_prompts(rows, tokenizer, "prompts", context_length=None, response_length=8)

@@ -10,10 +10,10 @@ from peft import LoraConfig
 from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel
+from marl.data.prompts import Prompt
 from marl.model.rows import RowRoutes
 from marl.model.sampling import SamplingSettings, pad_token_id, sample_static
-from marl.rollout import stops
-from marl.rollout.prompts import Prompt
+from marl.rollout.completions import response_lengths, response_mask
 from marl.rollout.samplers import SamplerSettings, get_sampler
 
 from support.families import FAMILIES, FAMILY_SPECS, logprob_tolerance, position_ids_from_mask
@@ -65,9 +65,9 @@ def test_each_row_is_drawn_from_its_own_policy_while_rows_leave(family, family_d
         completions = sample_static(
             model.peft_model.eval(), ids, mask, settings, copies, scores=scores, routes=routes
         )
-    lengths = stops.response_lengths(completions, settings.stop_token_ids)
+    lengths = response_lengths(completions, settings.stop_token_ids)
     assert bool((lengths < completions.shape[1]).any())
-    valid = stops.response_mask(lengths, completions.shape[1])[:, : len(scores)]
+    valid = response_mask(lengths, completions.shape[1])[:, : len(scores)]
     sampled = torch.stack([torch.log_softmax(step.float(), dim=-1) for step in scores], dim=1)
     sequences = torch.cat([ids.repeat_interleave(copies, dim=0), completions], dim=1)
     full_mask = torch.cat([mask.repeat_interleave(copies, dim=0), valid.long()], dim=1)
@@ -123,7 +123,7 @@ def test_a_compiled_sweep_decode_draws_the_static_tokens_and_compiles_once_per_b
     finish), never again when the LoRA weights change in place, drawing the routed static decode's tokens."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from marl.rollout.graph_sampler import GraphSampler
+    from marl.rollout.samplers import GraphSampler
 
     model = two_policies(family_dir, "llama")
     tokenizer = AutoTokenizer.from_pretrained(family_dir("llama"))

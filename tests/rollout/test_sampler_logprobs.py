@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_static_sampler import PROMPT_ROWS, TEMPERATURE, load
+from test_samplers import PROMPT_ROWS, TEMPERATURE, load
 from transformers import AutoTokenizer
 
 from marl.algo.metrics import SAMPLER_GAP_MAX, SAMPLER_GAP_MEAN, sampler_gap, sampler_gap_metrics
-from marl.rollout.prompts import Prompt
+from marl.data.prompts import Prompt
 from marl.rollout.samplers import SamplerSettings, get_sampler
 from marl.rollout.scoring import Scorer
 

@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.model.memory import stored_bytes
-from marl.rollout.records import Rollout, Samples
+from marl.rollout.completions import Rollout, Samples
 from marl.train import parallel
 
 PROMPTS, K = 4, 2

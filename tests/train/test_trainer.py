@@ -14,9 +14,9 @@ from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOTrainer
 from marl.algo.metrics import TRL_ROLLOUT_METRICS
+from marl.data.prompts import Prompt
 from marl.errors import ConfigError, DataError
 from marl.rollout.collect import collect_rollout
-from marl.rollout.prompts import Prompt
 from marl.train.phase_guard import PHASES, is_measurement
 from marl.train.sample_tables import JUDGED_EVAL_ROWS
 

@@ -116,7 +116,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     from marl.algo.shaping import shape_rewards
     from marl.algo.tensors import masked_sum
     from marl.train import parallel
-    from marl.rollout.records import Rollout, Samples
+    from marl.rollout.completions import Rollout, Samples
 
     torch.set_num_threads(1)
     model_dir, output_dir = sys.argv[1], sys.argv[2]

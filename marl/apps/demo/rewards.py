@@ -4,8 +4,8 @@ sentiment adapter's recipe (``marl demo --train_reward`` runs it again).
 
 - ``sentiment``: the shipped sentiment adapter (fresh vs rotten snippets of the same movie);
 - ``topic``: the shipped on-film adapter (the base model's continuation of a review opening when told it reads
-  a film review vs its continuation of the bare opening, :func:`marl.data.topic_pairs.build_film_pairs`), a
-  second LoRA + score head on the same loaded base.
+  a film review vs its continuation of the bare opening,
+  :func:`marl.data.continuation_pairs.build_film_pairs`), a second LoRA + score head on the same loaded base.
 
 With both, the on-topic weight is measured at the start unless given: base completions of training prompts
 are scored by both adapters, and the weight makes the on-topic scores spread half as widely as the sentiment
@@ -239,7 +239,7 @@ def topicality_summary(
         >>> topicality_summary(base, policy)
         {'base': {'film_share': 1.0, 'distinct_2': 1.0}, 'policy': {'film_share': 0.0, 'distinct_2': 0.75}}
     """
-    from marl.data.topicality import distinct_2, film_share
+    from marl.data.fixed_rules import distinct_2, film_share
 
     named = {"base": base, "policy": policy, **({"reference": reference} if reference is not None else {})}
     return {

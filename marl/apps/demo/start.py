@@ -93,7 +93,7 @@ def start_demo(arguments: DemoArguments, console: Any, sweep_names: list[str] | 
     demo's extra and the reward adapter; rebuild the sentiment adapter when asked; read the prompts; make the
     RLOO config (writing to ``<output_dir>/policy``, or to ``<output_dir>`` whose members' folders a sweep
     adds) and the warm start when asked."""
-    from marl.data.gold_judge import check_gold_judge
+    from marl.data.fixed_rules import check_gold_judge
     from marl.data.prompts import rotten_tomatoes_prompts
     from marl.train.curves import pyplot
     from marl.train.run_dir import plan_start

@@ -49,7 +49,7 @@ def run_demo_sweep(arguments: DemoArguments) -> dict[str, Any]:
     from marl.apps.evaluate.report import write_results
     from marl.apps.evaluate.scores import generate_and_score
     from marl.apps.train_rloo import memory_card_with_plan
-    from marl.data.topicality import distinct_2, film_share
+    from marl.data.fixed_rules import distinct_2, film_share
     from marl.model.loading import load_tokenizer
     from marl.rewards import load_judge
     from marl.train.sweep import SweepTrainer, build_sweep_model

@@ -260,7 +260,7 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     from marl.apps.evaluate.folders import check_one_base
     from marl.config.model import reward_adapter_folders
     from marl.cpu.threads import apply_threads
-    from marl.data.gold_judge import check_gold_judge
+    from marl.data.fixed_rules import check_gold_judge
     from marl.data.prompts import describe_prompt_source, load_prompt_dataset, prompt_source
     from marl.model.loading import load_tokenizer
     from marl.model.multi_adapter import MultiAdapterModel

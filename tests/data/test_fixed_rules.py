@@ -1,11 +1,12 @@
-"""The fixed-rule checks of what a policy writes: the film named, distinct bigrams."""
+"""The fixed-rule checks of what a policy writes: the gold judge's sentiment, the film named, distinct
+bigrams."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from marl.data.topicality import FILM_WORDS, distinct_2, film_share, names_the_film
+from marl.data.fixed_rules import FILM_WORDS, distinct_2, film_share, gold_judge_scores, names_the_film
 
 texts = st.lists(st.text(alphabet="ab fil", max_size=30), max_size=8)
 
@@ -38,3 +39,17 @@ def test_distinct_2_counts_bigrams_within_each_completion_only():
     assert distinct_2(["a film", "a film"]) == 0.5
     assert distinct_2(["A Film", "a film"]) == 0.5  # lower case
     assert distinct_2(["one", ""]) == 0.0
+
+
+def test_gold_judge_ranks_positive_above_negative() -> None:
+    positive, negative, neutral = gold_judge_scores(
+        [
+            "A wonderful, moving film with brilliant acting.",
+            "A dull, awful mess. I hated it.",
+            "The film is 90 minutes.",
+        ]
+    )
+    assert positive > 0.5
+    assert negative < -0.5
+    assert negative < neutral < positive
+    assert all(-1.0 <= score <= 1.0 for score in (positive, negative, neutral))
