@@ -31,6 +31,7 @@ from marl import MultiAdapterModel, RLOOTrainer
 from marl.errors import ModelError
 from marl.model.sampling import SamplingSettings, eos_token_ids, generate_exactly, pad_token_id
 from marl.rollout.collect import collect_rollout
+from marl.rollout.completions import response_lengths, response_mask
 
 from support.families import (
     DTYPES,
