@@ -35,8 +35,9 @@ WEIGHT_PROBE_PROMPTS = 64
 # Half the sentiment scores' spread: at equal spreads the on-film reward took over the advantages once the
 # policy found the film, and the text collapsed (benchmarks/results/2026-11-25-two-reward-demo.md).
 TOPIC_SPREAD_SHARE = 0.5
-# KL coefficient by number of rewards: with two, a smaller one let the text collapse into a template both
-# rewards pay for (benchmarks/results/2026-11-25-two-reward-demo.md; one: 2026-11-22-demo-tuning.md).
+# KL coefficient by number of rewards: with two, the one-reward value let the text collapse into a template
+# both rewards pay for (benchmarks/results/2026-11-25-two-reward-demo.md; one reward:
+# benchmarks/results/2026-11-22-demo-tuning.md).
 DEMO_KL_COEF = {1: 0.15, 2: 0.3}
 KL_COEF_HELP = f"{DEMO_KL_COEF[1]} with one reward, {DEMO_KL_COEF[2]} with two"
 # Completions per prompt by number of rewards, episodes per update unchanged: with two, k=8 keeps the film

@@ -336,7 +336,7 @@ def fill_from_training_run(
         for run in runs:
             value = run.get(key, default)
             if name == "stop_at_eos" and key in run:
-                # a run's "none" (or, before EOS was the default, None) ran to the limit
+                # a run whose stop_token is "none" (or None: no stop token) ran to the limit
                 value = run[key] == "eos"
             values.append(value)
         if len(folders) > 1:
