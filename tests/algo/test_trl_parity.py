@@ -32,7 +32,7 @@ from marl.algo.tensors import masked_sum
 from marl.algo.token_losses import TOKEN_LOSS_TYPES, token_policy_loss
 
 trl = pytest.importorskip("trl")
-if trl.__version__ != "1.16.0":  # the parity is pinned to the version the table in the README names
+if trl.__version__ != "1.16.0":  # the parity is pinned to the version "Coming from TRL" names
     pytest.skip(f"parity pinned to TRL 1.16.0, found {trl.__version__}", allow_module_level=True)
 
 ROWS, LENGTH, K = 6, 5, 2
