@@ -10,7 +10,7 @@
 # 3. --fit auto and the out-of-memory retry (examples/benchmarks/fit_check.py), also with --quick.
 # --quick fits a short GPU session (about 10 minutes, estimated): the graph sampler's capture tests in bf16, and one run
 # each of marl's graph and eager decodes and TRL's RLOOTrainer at both shapes in bf16.
-# Without CUDA it says so and exits 0 without running anything: the CPU suite (README, "Development") covers the rest.
+# Without CUDA it says so and exits 0 without running anything: the CPU suite (docs/development.md) covers the rest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

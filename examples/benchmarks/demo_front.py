@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from marl.apps.demo.rewards import TARGET_DISTINCT_2_RATIO
+from marl.apps.demo.verdict import TARGET_DISTINCT_2_RATIO
 
 FIVE_SEEDS = (0, 1, 2, 3, 4)
 
@@ -53,7 +53,7 @@ def keeps_film(result: dict[str, float]) -> bool:
 
 
 def keeps_variety(result: dict[str, float]) -> bool:
-    """As the demo's verdict decides it (:func:`marl.apps.demo.rewards.topicality_rows`)."""
+    """As the demo's verdict decides it (:func:`marl.apps.demo.verdict.topicality_rows`)."""
     return result["distinct_policy"] / result["distinct_base"] >= TARGET_DISTINCT_2_RATIO
 
 

@@ -1,4 +1,5 @@
-"""How every ``marl`` command reads its flags: ``HfArgumentParser`` dataclasses through TRL's ``TrlParser``.
+"""How every ``marl`` command reads its words and flags: ``HfArgumentParser`` dataclasses through TRL's
+``TrlParser``.
 
 ``--config file.yaml`` supplies defaults that command-line flags override, as in TRL's scripts; the file is
 checked here so that a missing file, bad YAML or an unknown key is named in one line. A list flag may be
@@ -9,13 +10,28 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marl.apps.boundary import DEBUG_ENVIRONMENT_VARIABLE
 from marl.errors import ConfigError
+
+# ``--debug`` (or MARL_DEBUG=1) shows the traceback of an error in the input too (marl.apps.cli).
+DEBUG_FLAG = "--debug"
+DEBUG_ENVIRONMENT_VARIABLE = "MARL_DEBUG"
+
+
+def argv_words(argv: Sequence[str] | None) -> list[str]:
+    """The words of a command: ``argv``, or the process's own arguments when ``None``.
+
+    Example:
+        >>> argv_words(("--seed", "1"))
+        ['--seed', '1']
+    """
+    return list(sys.argv[1:] if argv is None else argv)
+
 
 # TRL 1.x names (RLOOConfig / GRPOConfig, and the RLOO trainer before it) of settings marl names otherwise.
 # They are not aliases: a TRL name gets a one-line hint with marl's flag.

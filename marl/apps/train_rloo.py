@@ -11,8 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from marl.apps.boundary import argv_words
-from marl.apps.flags import parse_flags
+from marl.apps.flags import argv_words, parse_flags
 from marl.config.checks import check_fields
 from marl.data.prompts import dataset_name_field
 from marl.errors import ConfigError

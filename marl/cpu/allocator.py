@@ -4,15 +4,13 @@ A CPU training step allocates and frees gigabytes of activations. Where glibc se
 the speed and the peak:
 
 - ``heap`` (the default): blocks up to 32 MiB come from the heap, which keeps what they free and hands it to
-  the next tensor. These are the thresholds glibc's own adjustment reaches in any PyTorch process once a
-  large block was freed. This is also how TRL and other PyTorch programs run.
+  the next tensor: the thresholds glibc's own adjustment reaches in any PyTorch process once a large block was
+  freed, and how TRL and other PyTorch programs run.
 - ``maps``: every block of 1 MiB or more is its own memory map, given back when freed. The peak is closer to
-  what the tensors hold, but every page of every new block is faulted in again. Measured on SmolLM2-135M,
-  fp32, one thread (``grpo`` update on 1,072 tokens, gradient checkpointing): ``maps`` held 1,131 MiB of
-  anonymous memory at the update's peak against 1,828 MiB with ``heap``. The update also took 1.4× as long:
-  30 against 21 s, 3.3 million page faults against 0.8 million. The machine was a 2-core VM where a fault
-  costs about 3 µs; on bare metal a fault is cheaper, so the gap should be smaller there.
+  what the tensors hold, but every page of every new block is faulted in again.
 
+``heap`` is the default because faulting every activation in again cost a CPU update more time than the heap's
+higher peak costs memory (docs/results/benchmarks.md, benchmarks/results/2026-11-26-cpu-grpo-heap.md).
 With either setting the trainer gives the heap back between phases (:func:`release_freed_memory`), so the
 memory held between updates is the same; a sweep's update also gives it back after each policy's micro-batch
 (:func:`marl.train.update.accumulate`). The memory planner's CPU figures are validated with ``maps``
@@ -94,9 +92,8 @@ def release_freed_memory() -> bool:
     whether it could (glibc only).
 
     The heap keeps what freed tensors held, in the middle as well as at the top: after a training step on
-    CPU, most of the process's anonymous memory can be free heap that no tensor uses (measured: 1.4 GB of
-    1.9 GB after an update of SmolLM2-135M on 1,400 tokens). ``malloc_trim`` returns it; it takes
-    milliseconds. The trainer calls it between phases.
+    CPU, most of the process's anonymous memory can be free heap that no tensor uses. ``malloc_trim`` returns
+    it quickly; the trainer calls it between phases.
 
     Example:
         >>> release_freed_memory() in (True, False)

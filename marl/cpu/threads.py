@@ -2,14 +2,13 @@
 
 Torch splits each operation over its threads and waits for the slowest. When another process takes one of the
 cores, the thread on that core runs only part of the time and every operation waits for it, while the other
-threads spin: on a 2-core machine an update of ``marl demo`` went from about 18 s alone to 74–170 s beside one
-other CPU-bound process. With one thread per free core it runs at the speed of the cores it actually has.
+threads spin, so an update beside one other CPU-bound process takes several times as long as alone
+(docs/guides/demo.md). With one thread per free core it runs at the speed of the cores it actually has.
 
 Every command and :class:`marl.RLOOTrainer` take the same ``threads`` setting (:func:`threads_field`): 0, the
 default, follows the free cores on CPU; ``N`` fixes torch's thread count at ``N`` and turns the following off.
-Within a unit of work too (:meth:`FreeCoreThreads.follow`): a job started mid-update costs that update a
-second at 2 threads, not the rest of it (measured before: an update of about 25 s alone unfinished after 7
-minutes when three other jobs started at its beginning).
+Within a unit of work too (:meth:`FreeCoreThreads.follow`): a job started mid-update costs that update about
+:data:`WITHIN_WORK_SECONDS`, not the rest of it.
 """
 
 from __future__ import annotations

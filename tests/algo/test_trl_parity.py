@@ -31,7 +31,7 @@ from marl.algo.losses import TOKEN_LOSS_TYPES, clipped_policy_loss, token_policy
 from marl.algo.tensors import masked_sum
 
 trl = pytest.importorskip("trl")
-if trl.__version__ != "1.16.0":  # the parity is pinned to the version the table in the README names
+if trl.__version__ != "1.16.0":  # the parity is pinned to the version "Coming from TRL" names
     pytest.skip(f"parity pinned to TRL 1.16.0, found {trl.__version__}", allow_module_level=True)
 
 ROWS, LENGTH, K = 6, 5, 2

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from marl.apps.demo import DemoArguments, demo_rloo_config, verdict_rows
-from marl.apps.demo.policy import DEMO_LEARNING_RATE
+from marl.apps.demo.arguments import DEMO_LEARNING_RATE
 from marl.apps.demo.rewards import DEMO_KL_COEF, DEMO_RLOO_K, reward_recipe_flags
 from marl.train.curves import PANELS, logged_panels, plot_training_curves
 from marl.train.run_dir import read_metrics_file

@@ -19,9 +19,9 @@ from marl.apps.demo.rewards import (
     parse_rewards,
     reward_adapter_entries,
     topic_weighing,
-    topicality_summary,
     weigh_rewards,
 )
+from marl.apps.demo.verdict import topicality_summary
 from marl.errors import ConfigError
 
 from support.tiny import refused

@@ -12,9 +12,8 @@ import torch
 
 from marl.apps.cli import main
 from marl.apps.evaluate import COMPLETIONS_FILE, RESULTS_FILE, EvaluateArguments, run_evaluation
-from marl.apps.evaluate.ranking import rank_policies
+from marl.apps.evaluate.ranking import rank_policies, wilson_interval
 from marl.apps.evaluate.scores import ScoredCompletions
-from marl.apps.intervals import wilson_interval
 
 from support.tiny import refused, write_jsonl
 

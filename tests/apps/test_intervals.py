@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marl.apps.demo.rewards import topicality_summary
-from marl.apps.demo.verdict import verdict_rows
-from marl.apps.intervals import bootstrap_intervals, format_interval, verdict_intervals, wilson_interval
+from marl.apps.demo.verdict import format_interval, topicality_summary, verdict_intervals, verdict_rows
+from marl.apps.evaluate.ranking import bootstrap_intervals, wilson_interval
 from marl.data.fixed_rules import distinct_2, film_share
 
 

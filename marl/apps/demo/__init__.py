@@ -1,7 +1,6 @@
-"""``marl demo``, one program in one folder: its settings (:mod:`~marl.apps.demo.arguments`), what it
-does before training (:mod:`~marl.apps.demo.start`), its rewards (:mod:`~marl.apps.demo.rewards`), its
-optional warm start (:mod:`~marl.apps.demo.policy`), the run (:mod:`~marl.apps.demo.run`), the sweep
-(:mod:`~marl.apps.demo.sweep`) and the verdict (:mod:`~marl.apps.demo.verdict`)."""
+"""``marl demo``, one program in one folder: its settings and starting policy
+(:mod:`~marl.apps.demo.arguments`), its rewards (:mod:`~marl.apps.demo.rewards`), the pipeline for one policy
+or a sweep (:mod:`~marl.apps.demo.pipeline`) and the verdict (:mod:`~marl.apps.demo.verdict`)."""
 
 from marl.apps.demo.arguments import (
     REWARD_ADAPTER_NAME,
@@ -10,7 +9,7 @@ from marl.apps.demo.arguments import (
     check_demo_sweep,
     demo_rloo_config,
 )
-from marl.apps.demo.run import run_demo
+from marl.apps.demo.pipeline import run_demo
 from marl.apps.demo.verdict import verdict_rows
 
 __all__ = [

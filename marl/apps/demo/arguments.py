@@ -1,5 +1,14 @@
-"""The settings of ``marl demo`` (:class:`DemoArguments`, checked in one line before any work) and the RLOO
-config they make (:func:`demo_rloo_config`), for one policy and for a sweep (:func:`check_demo_sweep`).
+"""The settings of ``marl demo`` (:class:`DemoArguments`, checked in one line before any work), the RLOO
+config they make (:func:`demo_rloo_config`), for one policy and for a sweep (:func:`check_demo_sweep`), and
+the policy it starts from.
+
+That start is a fresh LoRA, or with ``--warm_start_epochs`` (:func:`warm_start_demo_policy`) one first
+fine-tuned on what positive critics wrote about the RL prompts' movies (the supervised step of the classic
+RLHF recipe, :mod:`marl.train.trl_trainers`), which RLOO then trains with a frozen copy of it as the KL
+reference. From a fresh LoRA the policy finds the reward adapter's taste for an upbeat storytelling register
+before it finds reviews, and the win rate and the variety of the text trade against each other through the
+KL; from critics' text it already writes reviews, which name the film
+(benchmarks/results/2026-11-25-two-reward-demo.md, section 6).
 
 Example:
     >>> arguments = DemoArguments(sweep=["learning_rate=5e-4,1e-3", "kl_coef=0.15,0.3"])
@@ -9,11 +18,11 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from marl.apps.demo import policy as demo_policy
 from marl.apps.demo.rewards import (
     DEMO_KL_COEF,
     DEMO_RLOO_K,
@@ -36,6 +45,64 @@ from marl.errors import ConfigError
 
 if TYPE_CHECKING:
     from marl.config.rloo_config import RLOOConfig
+
+WARM_START_FOLDER = "warm-start"
+# Fresh (positive) snippets only: they made a better start than all snippets (two-reward-demo.md, section 6).
+WARM_START_LABEL = 1
+WARM_START_LEARNING_RATE = 3e-4
+# Seconds of one epoch by free cores, for the expected duration: measured on one, scaled to two as the RL
+# completions scale (MEASURED_SECONDS_PER_COMPLETION of marl.apps.demo.pipeline).
+WARM_START_SECONDS_PER_EPOCH = {1: 238.0, 2: 238.0 * 0.49 / 0.80}
+# RLOO's learning rate: lower after a warm start, whose LoRA (both factors non-zero) moves faster per step
+# than a fresh one (B = 0) (benchmarks/results/2026-11-25-two-reward-demo.md, section 6).
+DEMO_LEARNING_RATE = {True: 3e-4, False: 1e-3}
+LEARNING_RATE_HELP = f"{DEMO_LEARNING_RATE[True]:g} after a warm start, {DEMO_LEARNING_RATE[False]:g} without"
+
+
+def rl_learning_rate(warm_start_epochs: float, learning_rate: float | None) -> float:
+    """The demo's RLOO learning rate: ``learning_rate`` if given, else the one for a warm-started (epochs
+    > 0) or a fresh policy LoRA; negative epochs are refused.
+
+    Example:
+        >>> rl_learning_rate(0.0, None), rl_learning_rate(1.0, None), rl_learning_rate(1.0, 5e-4)
+        (0.001, 0.0003, 0.0005)
+    """
+    if warm_start_epochs < 0:
+        raise ConfigError(f"--warm_start_epochs={warm_start_epochs} must be 0 (no warm start) or more")
+    return DEMO_LEARNING_RATE[warm_start_epochs > 0] if learning_rate is None else learning_rate
+
+
+def warm_start_demo_policy(
+    output_dir: Path, config: RLOOConfig, epochs: float, log: Callable[[str], Any] = print
+) -> str:
+    """Fine-tune the policy LoRA of ``config`` (the demo's RLOO config) for ``epochs`` on the fresh snippets
+    of the seed's RL movies, each split into its opening (an RL prompt) and the rest cut to the completion
+    length, on the 4-bit embedded base; saved in ``output_dir/warm-start``, whose path it returns."""
+    from marl.data.assets import EMBEDDED_MODEL_ID
+    from marl.data.prompts import rotten_tomatoes_warm_start
+    from marl.train.trl_trainers import warm_start_policy
+
+    log("[bold]2/4[/bold] warm-starting the policy LoRA on critics' text (supervised)")
+    folder = output_dir / WARM_START_FOLDER
+    summary = warm_start_policy(
+        EMBEDDED_MODEL_ID,
+        rotten_tomatoes_warm_start(seed=config.seed, label=WARM_START_LABEL),
+        folder,
+        lora_config=config.policy_lora_config(),
+        quantization=config.quantization,
+        learning_rate=WARM_START_LEARNING_RATE,
+        num_train_epochs=epochs,
+        max_completion_tokens=config.response_length,
+        seed=config.seed,
+        threads=config.threads,
+    )
+    log(
+        f"warm start: {summary['examples']} fresh critic snippets of the RL movies, "
+        f"{summary['optimizer_steps']} steps, mean loss {summary['train_loss_mean']:.2f}, "
+        f"{summary['wall_time_s']:.0f} s ({folder})"
+    )
+    return str(folder)
+
 
 # Sample tables during training, each scoring held-out prompts with the reward adapter and VADER (the curves).
 DEMO_SAMPLE_GENERATIONS = 8
@@ -103,7 +170,7 @@ class DemoArguments:
         },
     )
     learning_rate: float | None = field(
-        default=None, metadata={"help": f"RLOO's learning rate. Default: {demo_policy.LEARNING_RATE_HELP}."}
+        default=None, metadata={"help": f"RLOO's learning rate. Default: {LEARNING_RATE_HELP}."}
     )
     kl_coef: float | None = field(
         default=None,
@@ -133,7 +200,7 @@ class DemoArguments:
             "help": "Train several policies at once on the one base, as marl train-rloo --sweep does: "
             "FIELD=V1,V2,... (repeat the flag for a grid, e.g. --sweep learning_rate=5e-4,1e-3 --sweep "
             "kl_coef=0.15,0.3). Each policy writes to <output_dir>/<its name>; the held-out evaluation "
-            "ranks them (marl.apps.demo.sweep)."
+            "ranks them (marl.apps.demo.pipeline)."
         },
     )
 
@@ -144,7 +211,7 @@ class DemoArguments:
             self.kl_coef = DEMO_KL_COEF[len(rewards)]
         if self.rloo_k is None:
             self.rloo_k = DEMO_RLOO_K[len(rewards)]
-        self.learning_rate = demo_policy.rl_learning_rate(self.warm_start_epochs, self.learning_rate)
+        self.learning_rate = rl_learning_rate(self.warm_start_epochs, self.learning_rate)
         check_topic_weight(self.topic_weight)
         if self.num_eval_prompts < 1:
             raise ConfigError(f"--num_eval_prompts={self.num_eval_prompts} must be a positive integer")

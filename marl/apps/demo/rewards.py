@@ -1,6 +1,5 @@
 """The rewards of ``marl demo``: which reward adapters it trains against, with which weights and KL
-coefficient, the fixed-rule checks of what no reward sees (the film named, distinct bigrams), and the
-sentiment adapter's recipe (``marl demo --train_reward`` runs it again).
+coefficient, and the sentiment adapter's recipe (``marl demo --train_reward`` runs it again).
 
 - ``sentiment``: the shipped sentiment adapter (fresh vs rotten snippets of the same movie);
 - ``topic``: the shipped on-film adapter (the base model's continuation of a review opening when told it reads
@@ -8,10 +7,8 @@ sentiment adapter's recipe (``marl demo --train_reward`` runs it again).
   :func:`marl.data.continuation_pairs.build_film_pairs`), a second LoRA + score head on the same loaded base.
 
 With both, the on-topic weight is measured at the start unless given: base completions of training prompts
-are scored by both adapters, and the weight makes the on-topic scores spread half as widely as the sentiment
-scores (:data:`TOPIC_SPREAD_SHARE` of :func:`balancing_weight`). At equal spreads the on-film reward took over
-the advantages once the policy found the film, and the policy collapsed into one template that both rewards
-pay for (benchmarks/results/2026-11-25-two-reward-demo.md).
+are scored by both adapters, and the weight makes the on-topic scores spread :data:`TOPIC_SPREAD_SHARE` times
+as widely as the sentiment scores (:func:`balancing_weight`).
 """
 
 from __future__ import annotations
@@ -35,23 +32,18 @@ REWARD_CHOICES = ("sentiment", "topic")
 ADAPTER_NAMES = {"sentiment": "reward", "topic": "topic"}
 # Base completions of training prompts scored to measure the on-topic weight.
 WEIGHT_PROBE_PROMPTS = 64
-# How widely the weighted on-topic scores spread, as a share of the sentiment scores' spread, chosen by
-# measurement (benchmarks/results/2026-11-25-two-reward-demo.md, section 3): at 1.0 distinct-2 missed on every
-# seed; at 0.5 it holds on 4 of 5, but the win rate reaches its target on 1 of 5.
+# Half the sentiment scores' spread: at equal spreads the on-film reward took over the advantages once the
+# policy found the film, and the text collapsed (benchmarks/results/2026-11-25-two-reward-demo.md).
 TOPIC_SPREAD_SHARE = 0.5
-# The KL coefficient by the number of rewards, each chosen by measurement: the sentiment reward alone
-# (benchmarks/results/2026-11-22-demo-tuning.md); with the on-topic reward too, 0.15 let the text collapse
-# into a template that both rewards pay for (2026-11-25-two-reward-demo.md).
+# KL coefficient by number of rewards: with two, the one-reward value let the text collapse into a template
+# both rewards pay for (benchmarks/results/2026-11-25-two-reward-demo.md; one reward:
+# benchmarks/results/2026-11-22-demo-tuning.md).
 DEMO_KL_COEF = {1: 0.15, 2: 0.3}
 KL_COEF_HELP = f"{DEMO_KL_COEF[1]} with one reward, {DEMO_KL_COEF[2]} with two"
-# Completions per prompt by the number of rewards, the episodes per update unchanged: with two rewards, 8 is
-# the setting of the measured front that keeps the film and the variety on all five seeds
-# (benchmarks/results/2026-11-26-demo-front.md); one reward keeps the 4 it was tuned with.
+# Completions per prompt by number of rewards, episodes per update unchanged: with two, k=8 keeps the film
+# and the variety on every seed (benchmarks/results/2026-11-26-demo-front.md).
 DEMO_RLOO_K = {1: 4, 2: 8}
 RLOO_K_HELP = f"{DEMO_RLOO_K[1]} with one reward, {DEMO_RLOO_K[2]} with two"
-# Targets of the fixed-rule checks: the policy names the film at least as often as the base, and keeps at
-# least this share of the base's distinct bigrams.
-TARGET_DISTINCT_2_RATIO = 0.9
 
 
 def parse_rewards(value: str) -> tuple[str, ...]:
@@ -226,66 +218,6 @@ def reward_means_by_name(samples: dict[str, Any]) -> dict[str, dict[str, float]]
         }
         for name in names
     }
-
-
-def topicality_summary(
-    base: Sequence[str], policy: Sequence[str], reference: Sequence[str] | None = None
-) -> dict[str, dict[str, float]]:
-    """The fixed-rule checks of base and policy completions (and of the policy's start, ``reference``, when
-    given): the share naming the film and distinct-2.
-
-    Example:
-        >>> base, policy = ["the film is fine", "a slow plot"], ["an immersive journey", "an immersive ride"]
-        >>> topicality_summary(base, policy)
-        {'base': {'film_share': 1.0, 'distinct_2': 1.0}, 'policy': {'film_share': 0.0, 'distinct_2': 0.75}}
-    """
-    from marl.data.fixed_rules import distinct_2, film_share
-
-    named = {"base": base, "policy": policy, **({"reference": reference} if reference is not None else {})}
-    return {
-        name: {"film_share": film_share(texts), "distinct_2": distinct_2(texts)}
-        for name, texts in named.items()
-    }
-
-
-def topicality_rows(
-    topic: dict[str, dict[str, float]], intervals: dict[str, Any] | None = None
-) -> list[tuple[str, str, str, bool]]:
-    """Verdict rows ``(check, target, measured, passed)`` of :func:`topicality_summary`'s output, each value
-    with its 95% interval when ``intervals`` (:func:`marl.apps.intervals.verdict_intervals`) is given.
-
-    Example:
-        >>> rows = topicality_rows({"base": {"film_share": 0.1, "distinct_2": 0.8},
-        ...                         "policy": {"film_share": 0.2, "distinct_2": 0.7}})
-        >>> [row[3] for row in rows]
-        [True, False]
-    """
-    from marl.apps.intervals import format_interval
-
-    base, policy = topic["base"], topic["policy"]
-    ratio = policy["distinct_2"] / base["distinct_2"] if base["distinct_2"] else 0.0
-    intervals = intervals or {}
-
-    def ci(model: str, name: str, spec: str) -> str:
-        return format_interval(intervals.get(model, {}).get(name), spec)
-
-    return [
-        (
-            "stays on the film: completions naming it (fixed word list)",
-            ">= base",
-            f"base {base['film_share']:.1%}{ci('base', 'film_share', '.1%')} → "
-            f"policy {policy['film_share']:.1%}{ci('policy', 'film_share', '.1%')}",
-            policy["film_share"] >= base["film_share"],
-        ),
-        (
-            "varied text: distinct-2",
-            f">= {TARGET_DISTINCT_2_RATIO}× base",
-            f"base {base['distinct_2']:.3f}{ci('base', 'distinct_2', '.3f')} → "
-            f"policy {policy['distinct_2']:.3f}{ci('policy', 'distinct_2', '.3f')} "
-            f"({ratio:.2f}×{format_interval(intervals.get('distinct_2_ratio'), '.2f')})",
-            ratio >= TARGET_DISTINCT_2_RATIO,
-        ),
-    ]
 
 
 def reward_recipe_flags(shipped_dir: Path = SHIPPED_ADAPTERS_DIR / SENTIMENT_ADAPTER_NAME) -> list[str]:

@@ -1,41 +1,127 @@
-"""Several policies ranked on the same held-out prompts: what ``marl evaluate`` prints for several policy
-folders (a sweep's members, say).
+"""Several policies ranked on the same held-out prompts, what ``marl evaluate`` prints for several policy
+folders (a sweep's members, say), and the 95% intervals of the ranking and of the demo's verdict.
 
 Every policy samples the same prompts with the same seeds and the base samples them once
 (:func:`marl.apps.evaluate.scores.generate_and_score` with ``policies``), so every policy's scores pair with
 every other's prompt by prompt. :func:`rank_policies` orders the policies by their mean judge score and gives
-each number a 95% interval (:mod:`marl.apps.intervals`):
+each number a 95% interval:
 
-- the mean judge score and the mean reward score: a bootstrap over the prompts;
-- the judge win rate over the base: Wilson, a tie counting half;
+- the mean judge score and the mean reward score: a bootstrap over the prompts (:func:`bootstrap_intervals`);
+- the judge win rate over the base: a Wilson score interval (:func:`wilson_interval`), a tie counting half;
 - the gap to the first: the mean over the prompts of (this policy's judge score − the first's), a paired
   bootstrap. When its interval holds 0 these prompts cannot tell the policy from the first: the table marks
   it ``≈ #1``, else ``< #1``;
-- distinct-2 of the completions: half-samples of the prompts.
+- distinct-2 of the completions: half of the prompts drawn without replacement (half-samples), since a
+  resample drawn with replacement repeats completions, whose bigrams are all repeats, which lowers distinct-2
+  by itself and widens its spread (docs/guides/demo.md).
 
-Every bootstrap draws the same resamples (paired) with a fixed seed, so a ranking is reproducible.
+Every bootstrap draws the same resamples (paired) with a fixed seed, so a ranking is reproducible, and every
+interval is the percentile interval moved by ``measured − mean over resamples``, so that it centres on the
+measured value.
 
 Example:
     >>> differing_settings({"a": {"learning_rate": 1e-4, "seed": 0, "output_dir": "runs/a"},
     ...                     "b": {"learning_rate": 3e-4, "seed": 0, "output_dir": "runs/b"}})
     {'a': {'learning_rate': 0.0001}, 'b': {'learning_rate': 0.0003}}
+    >>> [round(bound, 3) for bound in wilson_interval(8, 10)]
+    [0.49, 0.943]
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import random
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from marl.apps.evaluate.report import JUDGE_NAMES
-from marl.apps.evaluate.scores import win_rate
-from marl.apps.intervals import Interval, _bigrams, _distinct_2, bootstrap_intervals, wilson_interval
+import numpy
+
+from marl.apps.evaluate.scores import JUDGE_NAMES, win_rate
 
 if TYPE_CHECKING:
     from marl.apps.evaluate.scores import ScoredCompletions
+
+# Resamples of every bootstrap interval, and their fixed seed (the intervals of a run are reproducible).
+BOOTSTRAP_RESAMPLES = 1000
+BOOTSTRAP_SEED = 0
+CONFIDENCE = 0.95
+
+Interval = tuple[float, float]
+
+
+def wilson_interval(successes: float, trials: int, confidence: float = CONFIDENCE) -> Interval:
+    """The Wilson score interval of the proportion ``successes / trials`` (``successes`` may hold halves, a
+    tie counting half); ``(nan, nan)`` without trials.
+
+    Example:
+        >>> [round(bound, 4) for bound in wilson_interval(0, 20)]
+        [0.0, 0.1611]
+    """
+    if trials <= 0:
+        return (math.nan, math.nan)
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    share = successes / trials
+    centre = (share + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z / (1 + z * z / trials) * math.sqrt(share * (1 - share) / trials + z * z / (4 * trials * trials))
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def bootstrap_intervals(
+    statistics_of: Mapping[str, Callable[[Sequence[int]], float]],
+    size: int,
+    *,
+    seed: int = BOOTSTRAP_SEED,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    confidence: float = CONFIDENCE,
+    half_samples: bool = False,
+) -> dict[str, Interval]:
+    """Bootstrap intervals of statistics of ``size`` items: each statistic is called with the indices of a
+    resample (``size`` drawn with replacement, or with ``half_samples`` ``size // 2`` without; the same
+    indices for every statistic: paired) and returns a number. The interval is the percentile interval moved
+    by ``statistic(all) − mean over resamples``, so that it centres on the measured value.
+
+    Example:
+        >>> values = [1.0, 2.0, 3.0, 4.0]
+        >>> low, high = bootstrap_intervals({"mean": lambda rows: sum(values[i] for i in rows) / len(rows)},
+        ...                                 4)["mean"]
+        >>> low < 2.5 < high
+        True
+    """
+    if size < (2 if half_samples else 1):
+        raise ValueError(f"a bootstrap of {size} items: too few")
+    generator = random.Random(seed)
+    draws = {name: [] for name in statistics_of}
+    for _ in range(resamples):
+        if half_samples:
+            rows = generator.sample(range(size), size // 2)
+        else:
+            rows = [generator.randrange(size) for _ in range(size)]
+        for name, statistic in statistics_of.items():
+            draws[name].append(statistic(rows))
+    tail = (1 - confidence) / 2
+    intervals = {}
+    for name, statistic in statistics_of.items():
+        values = draws[name]
+        shift = statistic(range(size)) - statistics.fmean(values)
+        # numpy's default quantile: linear between the neighbouring order statistics
+        low, high = numpy.quantile(values, [tail, 1 - tail])
+        intervals[name] = (float(low) + shift, float(high) + shift)
+    return intervals
+
+
+def _bigrams(text: str) -> list[tuple[str, str]]:
+    return list(itertools.pairwise(text.lower().split()))
+
+
+def _distinct_2(bigrams: Sequence[list[tuple[str, str]]], rows: Sequence[int]) -> float:
+    """:func:`marl.data.fixed_rules.distinct_2` of the completions ``rows`` (their bigrams precomputed)."""
+    chosen = [pair for row in rows for pair in bigrams[row]]
+    return len(set(chosen)) / len(chosen) if chosen else 0.0
+
 
 # Settings of a run's rloo_config.json that say where it ran and what its adapter is called, not how it
 # trained (a sweep names each member's folder and policy): never shown as a difference.
@@ -235,35 +321,3 @@ def ranking_table(
         _number(scores.length, ".1f"),
     )
     return table
-
-
-def rank_and_report(
-    samples: Mapping[str, ScoredCompletions], folders: Mapping[str, str], title: str, judge: str = "vader"
-) -> tuple[dict[str, ScoredCompletions], dict[str, Any], Any]:
-    """From :func:`marl.apps.evaluate.scores.generate_and_score`'s ``samples`` of the policies ``folders``
-    (adapter name → the policy folder), keyed ``"base"`` and by adapter name: the samples keyed by each
-    policy's label (:func:`marl.apps.evaluate.folders.policy_labels`), the summary written as
-    ``eval_results.json`` (``base``; ``policies`` with each one's means, win rate over the base and folder;
-    ``ranking``, best first) and the ranking's table."""
-    from dataclasses import asdict
-
-    from marl.apps.evaluate.folders import policy_labels, run_record
-
-    labels = dict(zip(folders, policy_labels(list(folders.values())), strict=True))
-    base = samples["base"]
-    by_label = {labels[name]: samples[name] for name in folders}
-    runs = {labels[name]: run_record(folder) for name, folder in folders.items()}
-    ranked = rank_policies(by_label, base, differing_settings(runs))
-    summary: dict[str, Any] = {
-        "base": asdict(base.means()),
-        "policies": {
-            labels[name]: {
-                "folder": folder,
-                **asdict(by_label[labels[name]].means()),
-                "comparison": asdict(win_rate(by_label[labels[name]].judge_scores, base.judge_scores)),
-            }
-            for name, folder in folders.items()
-        },
-        "ranking": [asdict(policy) | {"tied_with_first": policy.tied_with_first} for policy in ranked],
-    }
-    return {"base": base, **by_label}, summary, ranking_table(ranked, base, title=title, judge=judge)

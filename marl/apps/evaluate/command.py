@@ -2,13 +2,22 @@
 
 ONE model is loaded (base + policy adapter + reward adapter); base and policy sample the same prompts and each
 completion is scored (:mod:`marl.apps.evaluate.scores`: reward adapter, judge, length, KL to the reference);
-the means, the judge win rate of the policy over the base and every completion are printed and written
-(:mod:`marl.apps.evaluate.report`). Prompts the policy was trained on are evaluated with a warning, never
-shown as held-out.
+the means, the judge win rate of the policy over the base and every completion are printed and written.
+Prompts the policy was trained on are evaluated with a warning, never shown as held-out.
+
+The policy folders it is given are run folders, or a sweep's folder whose member folders are runs; what each
+run recorded (its ``rloo_config.json``) fills the unset sampling settings, and several policies are checked,
+before any model loads, to be evaluable on one base with one way of sampling, then ranked
+(:mod:`marl.apps.evaluate.ranking`).
+
+Example:
+    >>> policy_labels(["runs/sweep/lr-1e-4", "runs/sweep/lr-3e-4"])
+    ['lr-1e-4', 'lr-3e-4']
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -16,33 +25,174 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.apps.evaluate.folders import check_same_settings, policy_folders, run_record
-from marl.apps.evaluate.ranking import rank_and_report
-from marl.apps.evaluate.report import COMPLETIONS_FILE, RESULTS_FILE, results_table, write_results
-from marl.apps.evaluate.scores import generate_and_score, summarize, win_rate
+from marl.apps.evaluate.ranking import differing_settings, rank_policies, ranking_table
+from marl.apps.evaluate.scores import (
+    COMPLETIONS_FILE,
+    RESULTS_FILE,
+    ScoredCompletions,
+    generate_and_score,
+    results_table,
+    summarize,
+    win_rate,
+    write_results,
+)
 from marl.config.checks import check_fields, check_seed
 from marl.cpu.threads import check_threads, threads_field
 from marl.data.prompts import dataset_name_field
-from marl.errors import ConfigError
+from marl.errors import AdapterError, ConfigError
 from marl.model.quantization import parse_quantization
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
-# What ``marl evaluate``'s module has always offered; the measurements and the report live beside it.
-__all__ = [
-    "COMPLETIONS_FILE",
-    "RESULTS_FILE",
-    "EvaluateArguments",
-    "are_training_prompts",
-    "generate_and_score",
-    "results_table",
-    "run_evaluation",
-    "summarize",
-    "training_run_dataset",
-    "win_rate",
-    "write_results",
-]
+# Names a policy's label may not take: the other keys of a row of eval_completions.jsonl.
+RESERVED_LABELS = ("base", "prompt", "")
+
+
+def run_record(folder: str | Path) -> dict[str, Any]:
+    """What the run that wrote the policy folder ``folder`` (its run folder, or one of its ``checkpoint-N``
+    folders) recorded in its ``rloo_config.json``; ``{}`` when there is no readable record."""
+    from marl.train.run_dir import CONFIG_FILE
+
+    folder = Path(folder)
+    for config_file in (folder / CONFIG_FILE, folder.parent / CONFIG_FILE):
+        if config_file.is_file():
+            try:
+                record = json.loads(config_file.read_text())
+            except (OSError, ValueError):
+                return {}
+            return record if isinstance(record, dict) else {}
+    return {}
+
+
+def sweep_members(folder: Path) -> list[Path]:
+    """The member run folders of a sweep's folder, in name order: its sub-folders that hold a run's record or
+    a policy adapter; ``[]`` when ``folder`` is a policy folder itself or holds no run. A member without its
+    adapter (an unfinished run) is refused."""
+    from marl.model.adapters import ADAPTER_CONFIG_NAME as CONFIG_NAME
+    from marl.train.run_dir import CONFIG_FILE
+
+    if not folder.is_dir() or (folder / CONFIG_NAME).is_file():
+        return []
+    members = sorted(
+        sub
+        for sub in folder.iterdir()
+        if sub.is_dir() and ((sub / CONFIG_NAME).is_file() or (sub / CONFIG_FILE).is_file())
+    )
+    for member in members:
+        if not (member / CONFIG_NAME).is_file():
+            raise AdapterError(
+                f"--policy_adapter {folder}: its member {member.name} has no policy adapter ({CONFIG_NAME}): "
+                "its run has not finished. Finish or resume it, or pass the finished members with "
+                "--policy_adapter DIR each"
+            )
+    return members
+
+
+def policy_folders(given: Sequence[str]) -> list[str]:
+    """The policy folders of ``--policy_adapter`` (each repeat of the flag): a folder as given, or a sweep's
+    folder replaced by its members (:func:`sweep_members`). A folder named twice is refused.
+
+    Example:
+        >>> policy_folders(["runs/a", "runs/b"])  # folders that do not exist are checked when loaded
+        ['runs/a', 'runs/b']
+    """
+    folders: list[str] = []
+    for text in given:
+        members = sweep_members(Path(text))
+        folders.extend([str(member) for member in members] or [text])
+    seen: dict[Path, str] = {}
+    for folder in folders:
+        resolved = Path(folder).resolve()
+        if resolved in seen:
+            raise ConfigError(
+                f"--policy_adapter names {folder} twice ({seen[resolved]}): name each policy folder once"
+            )
+        seen[resolved] = folder
+    return folders
+
+
+def policy_labels(folders: Sequence[str]) -> list[str]:
+    """How the results name each policy: its folder's name, or its whole path where names repeat (or would
+    be mistaken for another key of the results)."""
+    names = [Path(folder).name for folder in folders]
+    return [
+        str(Path(folder).resolve()) if names.count(name) > 1 or name in RESERVED_LABELS else name
+        for folder, name in zip(folders, names, strict=True)
+    ]
+
+
+def check_one_base(folders: Sequence[str]) -> None:
+    """Refuse policies trained on different bases (each adapter's ``adapter_config.json`` records its base):
+    a ranking samples every policy on the one base that is loaded. Folders that are not policies are refused
+    here, before any model loads."""
+    from marl.model.adapters import read_policy_folder, same_model
+
+    remedy = "pass it with --reward_adapter, and give --policy_adapter the folders of policies"
+    bases = {
+        folder: read_policy_folder(folder, allow_pickle=False, flag="--policy_adapter", remedy=remedy).config
+        for folder in folders
+    }
+    first_folder = folders[0]
+    first = bases[first_folder].get("base_model_name_or_path")
+    for folder, config in bases.items():
+        base = config.get("base_model_name_or_path")
+        if first and base and not same_model(base, first):
+            raise AdapterError(
+                f"--policy_adapter {first_folder} and {folder} were trained on different bases ({first!r}, "
+                f"{base!r}): a ranking samples every policy on one base. Evaluate them separately"
+            )
+
+
+def check_same_settings(values: dict[str, Any], flag: str) -> None:
+    """Refuse several policies whose runs sampled differently (``values``: policy folder → the run's value of
+    the setting of ``flag``) when the flag is unset: every policy of a ranking is sampled one way.
+
+    Example:
+        >>> check_same_settings({"runs/a": 0.7, "runs/b": 1.0}, "--temperature")
+        Traceback (most recent call last):
+        ...
+        marl.errors.ConfigError: the policies' runs differ in --temperature (runs/a: 0.7, runs/b: 1.0): ...
+    """
+    if len({json.dumps(value, default=str) for value in values.values()}) <= 1:
+        return
+    differing = ", ".join(f"{folder}: {value}" for folder, value in values.items())
+    if flag == "--model_name_or_path":
+        raise ConfigError(
+            f"the policies' runs trained on different bases ({differing}): a ranking samples every policy "
+            "on one base. Evaluate them separately"
+        )
+    raise ConfigError(
+        f"the policies' runs differ in {flag} ({differing}): pass {flag} to sample every policy the same way"
+    )
+
+
+def rank_and_report(
+    samples: Mapping[str, ScoredCompletions], folders: Mapping[str, str], title: str, judge: str = "vader"
+) -> tuple[dict[str, ScoredCompletions], dict[str, Any], Any]:
+    """From :func:`marl.apps.evaluate.scores.generate_and_score`'s ``samples`` of the policies ``folders``
+    (adapter name → the policy folder), keyed ``"base"`` and by adapter name: the samples keyed by each
+    policy's label (:func:`policy_labels`), the summary written as
+    ``eval_results.json`` (``base``; ``policies`` with each one's means, win rate over the base and folder;
+    ``ranking``, best first) and the ranking's table (:mod:`marl.apps.evaluate.ranking`)."""
+    labels = dict(zip(folders, policy_labels(list(folders.values())), strict=True))
+    base = samples["base"]
+    by_label = {labels[name]: samples[name] for name in folders}
+    runs = {labels[name]: run_record(folder) for name, folder in folders.items()}
+    ranked = rank_policies(by_label, base, differing_settings(runs))
+    summary: dict[str, Any] = {
+        "base": asdict(base.means()),
+        "policies": {
+            labels[name]: {
+                "folder": folder,
+                **asdict(by_label[labels[name]].means()),
+                "comparison": asdict(win_rate(by_label[labels[name]].judge_scores, base.judge_scores)),
+            }
+            for name, folder in folders.items()
+        },
+        "ranking": [asdict(policy) | {"tied_with_first": policy.tied_with_first} for policy in ranked],
+    }
+    return {"base": base, **by_label}, summary, ranking_table(ranked, base, title=title, judge=judge)
 
 
 @dataclass
@@ -168,7 +318,7 @@ def fill_from_training_run(
     (so that evaluation samples as the run did: its base, length, temperature and stop), else with
     ``marl evaluate``'s defaults; returns those taken from the run. With several policy ``folders`` (default:
     ``--policy_adapter``'s), their runs must agree on each unset setting
-    (:func:`marl.apps.evaluate.folders.check_same_settings`).
+    (:func:`check_same_settings`).
 
     Example:
         >>> arguments = EvaluateArguments(output_dir="out")  # no policy: no run to read
@@ -186,7 +336,7 @@ def fill_from_training_run(
         for run in runs:
             value = run.get(key, default)
             if name == "stop_at_eos" and key in run:
-                # a run's "none" (or, before EOS was the default, None) ran to the limit
+                # a run whose stop_token is "none" (or None: no stop token) ran to the limit
                 value = run[key] == "eos"
             values.append(value)
         if len(folders) > 1:
@@ -257,7 +407,6 @@ def run_evaluation(arguments: EvaluateArguments) -> dict[str, Any]:
     """
     from rich.console import Console
 
-    from marl.apps.evaluate.folders import check_one_base
     from marl.config.model import reward_adapter_folders
     from marl.cpu.threads import apply_threads
     from marl.data.fixed_rules import check_gold_judge
