@@ -1,8 +1,8 @@
 """From a config's algorithm settings to the estimator and the loss, and the combinations that are refused.
 
-:func:`check_algorithm` runs in :func:`marl.train.build.check_components`, right after the command line is
-parsed: an unknown loss, one of TRL 1.16's losses that marl does not implement, or settings that would do
-nothing with the chosen loss or estimator are a :class:`~marl.errors.ConfigError` naming the fields and the
+:func:`check_algorithm` runs in :func:`marl.train.training_parts.check_components`, right after the command
+line is parsed: an unknown loss, one of TRL 1.16's losses that marl does not implement, or settings that would
+do nothing with the chosen loss or estimator are a :class:`~marl.errors.ConfigError` naming the fields and the
 fix. :func:`policy_loss` computes one micro-batch's loss from the numbers the config gives it
 (:class:`LossSettings`, taken from the config once when the run's parts are built).
 

@@ -10,7 +10,7 @@ of a chunk in one batched pass, each row routed through its own policy (a chunk 
 ``local_rollout_forward_batch_size`` rows per policy): its working set is that of ``policies`` times the
 rows. Scoring runs the same chunks of ``local_rollout_forward_batch_size`` rows as a run (rows of several
 policies in one chunk, each through its own adapter), and the update runs ONE policy's micro-batch at a time
-(``per_device_train_batch_size`` rows, in that policy's own view, :mod:`marl.train.update`): neither
+(``per_device_train_batch_size`` rows, in that policy's own view, :mod:`marl.train.training_parts`): neither
 working set grows with the number of policies.
 
 Example:

@@ -269,10 +269,10 @@ def plan_memory(
 def plan_for_trainer(trainer: Any, policies: int = 1) -> MemoryPlan:
     """The plan of a built ``RLOOTrainer``'s run: its config, its model's config, its device and processes,
     and its longest training prompt; with ``policies`` > 1, of a sweep of that many policies like it."""
-    parallelism = trainer.parallelism
+    parallelism = trainer.parts.parallelism
     target = PlanTarget(
         device="cuda" if parallelism.device.type == "cuda" else "cpu",
-        prompt_length=max(len(prompt.ids) for prompt in trainer.train_prompts),
+        prompt_length=max(len(prompt.ids) for prompt in trainer.parts.train_prompts),
         num_processes=parallelism.num_processes,
         compute_dtype=trainer.model.dtype,
     )

@@ -222,7 +222,7 @@ def test_training_with_the_graph_sampler_reproduces_the_static_sampler(tiny_llam
     graph = tmp_path / "graph"
     trainer = build(tiny_llama_dir, tiny_config(graph, total_episodes=32, sampler="graph"))
     trainer.train()
-    assert trainer.sampler.path == "eager"  # on a CPU
+    assert trainer.parts.sampler.path == "eager"  # on a CPU
     assert metrics(graph) == metrics(static)
     adapter = "adapter_model.safetensors"
     assert (graph / adapter).read_bytes() == (static / adapter).read_bytes()
@@ -268,5 +268,8 @@ def test_a_capture_that_fails_decodes_eager_and_logs_why(family_dir, caplog):
 def test_the_trainer_passes_graph_capture_to_the_graph_sampler(tiny_llama_dir, tmp_path):
     config = tiny_config(tmp_path / "run", sampler="graph", graph_capture="cuda_graphs")
     trainer = build(tiny_llama_dir, config)
-    assert trainer.sampler.settings.graph_capture == "cuda_graphs"
-    assert trainer.sampler.path == "eager" and "CUDA graphs need a CUDA device" in trainer.sampler.path_reason
+    assert trainer.parts.sampler.settings.graph_capture == "cuda_graphs"
+    assert (
+        trainer.parts.sampler.path == "eager"
+        and "CUDA graphs need a CUDA device" in trainer.parts.sampler.path_reason
+    )

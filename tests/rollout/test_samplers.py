@@ -11,7 +11,7 @@ from marl.errors import ConfigError
 from marl.rollout.samplers import SAMPLERS, SamplerSettings, get_sampler, register_sampler
 from marl.rollout.static_sampler import StaticSampler
 from marl.rollout.transformers_sampler import TransformersSampler
-from marl.train.build import check_components
+from marl.train.training_parts import check_components
 
 from support.runs import build, tiny_config
 
@@ -68,7 +68,7 @@ def test_a_registered_sampler_samples_every_rollout_and_hears_of_every_optimizer
     # 2 updates of 8 prompts x k=2; 2 epochs x 2 mini-batches: 4 optimizer steps per update
     config = tiny_config(tmp_path / "run", total_episodes=32, sampler=counting_sampler)
     trainer = build(tiny_llama_dir, config)
-    sampler = trainer.sampler
+    sampler = trainer.parts.sampler
     assert isinstance(sampler, CountingSampler)
     assert sampler.settings.temperature == config.temperature and sampler.settings.rows_per_pass == 64
     history = trainer.train()
@@ -89,7 +89,7 @@ def test_skipped_optimizer_steps_do_not_notify_the_sampler(tiny_llama_dir, tmp_p
     with pytest.warns(RuntimeWarning, match="no reward source judged"):
         trainer.train()
     assert trainer.state.skipped_optimizer_steps == 4
-    assert len(trainer.sampler.sampled) == 1 and trainer.sampler.notified == []
+    assert len(trainer.parts.sampler.sampled) == 1 and trainer.parts.sampler.notified == []
 
 
 class OutsideStaticSampler(StaticSampler):

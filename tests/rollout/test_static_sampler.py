@@ -22,7 +22,7 @@ from marl.rollout import stops
 from marl.rollout.prompts import Prompt
 from marl.rollout.samplers import SamplerSettings, get_sampler
 from marl.rollout.static_sampler import StaticSampler
-from marl.train.phase_guard import is_measurement
+from marl.train.memory_guard import is_measurement
 
 from support.families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance, position_ids_from_mask
 from support.runs import build, tiny_config
