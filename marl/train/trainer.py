@@ -403,7 +403,10 @@ def train_policies(
                     trainer.shaped_rewards(rollout) for trainer, rollout in zip(trainers, rolled, strict=True)
                 ]
                 # 3. the policy update of every policy some reward source judged
-                parts = list(map(RLOOTrainer.update_part, trainers, rolled, shaped, labels))
+                parts = [
+                    trainer.update_part(rollout, own, label)
+                    for trainer, rollout, own, label in zip(trainers, rolled, shaped, labels, strict=True)
+                ]
                 judged = [part for part in parts if part is not None]
                 done = iter(update_policies(judged, guard, first.state.update + 1) if judged else [])
                 release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout

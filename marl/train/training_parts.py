@@ -179,9 +179,8 @@ def build_training_parts(
     if config.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     # The parallelism started every process from process 0's policy and may have replaced its tensors (FSDP2):
-    # read them now, and let a sampler keeping its own copy of the policy copy the starting weights.
+    # read them after it, and let a sampler keeping its own copy of the policy copy the starting weights.
     parameters = model.policy_parameters(policy)
-    # A sampler keeping its own copy of the policy copies the starting weights.
     sampler = get_sampler(config.sampler)(
         model,
         tokenizer,
