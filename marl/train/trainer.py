@@ -1,6 +1,5 @@
 """``RLOOTrainer``: the RLOO loop on one base model with adapter views, on parts built once from the config
-(:mod:`marl.train.training_parts`), and its reports (progress bar, sample tables, the ``trainer_state``
-reward functions receive).
+(:mod:`marl.train.training_parts`), and its reports (metrics, progress bar, sample tables).
 
 The loop, :func:`train_policies`, reads top to bottom; a run is it with one trainer, a sweep
 (:class:`marl.train.sweep_trainer.SweepTrainer`) with one per policy. Each update:
@@ -28,8 +27,6 @@ Example:
     >>> tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)  # doctest: +SKIP
     >>> trainer = RLOOTrainer(config, model, tokenizer, train_dataset=prompts)  # doctest: +SKIP
     >>> history = trainer.train()  # doctest: +SKIP
-    >>> progress_description(config)
-    'RLOO (KL in the reward, kl_coef=0.05)'
 """
 
 from __future__ import annotations
@@ -496,7 +493,13 @@ def update_policies(
 
 
 def progress_description(config: Any) -> str:
-    """The bar's title: the ``--algorithm`` preset and where its KL acts, with its coefficient."""
+    """The bar's title: the ``--algorithm`` preset and where its KL acts, with its coefficient.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> progress_description(SimpleNamespace(algorithm="grpo", kl_placement="loss", kl_coef=0.0))
+        'GRPO (KL in the loss, β=0)'
+    """
     where = "in the loss, β" if config.kl_placement == "loss" else "in the reward, kl_coef"
     return f"{config.algorithm.upper()} (KL {where}={config.kl_coef:g})"
 

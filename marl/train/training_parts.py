@@ -1,4 +1,5 @@
-"""What an RLOO run trains with, built once from its config, and the policy update among those parts.
+"""What an RLOO run trains with, built once from its config, the policy update among those parts, and what
+reward functions see of the run (:func:`reward_trainer_state`, :func:`reward_function_metrics`).
 
 :func:`check_components` resolves every registry name of a config (advantage estimator, sampler, parallelism),
 checks the loss and its combination with the other algorithm settings (:mod:`marl.algo.selection`), and
