@@ -173,7 +173,7 @@ class SweepTrainer:
 
     Attributes:
         members: the members, in order. trainers: each member's :class:`marl.RLOOTrainer` (its state,
-            metrics, optimizer, checkpoints). state, config, sizes, output_dir: the first member's.
+            metrics, optimizer, checkpoints). state, config, sizes, parts, output_dir: the first member's.
     """
 
     def __init__(
@@ -228,6 +228,10 @@ class SweepTrainer:
     @property
     def sizes(self) -> Any:
         return self.trainers[0].parts.sizes
+
+    @property
+    def parts(self) -> Any:
+        return self.trainers[0].parts
 
     @property
     def output_dir(self) -> Path:
