@@ -14,14 +14,14 @@ _PUBLIC = {
     "RLOOConfig": "marl.config.rloo_config",
     "RLOOTrainer": "marl.train.trainer",
     "RewardAdapterFunction": "marl.integrations.trl",
-    "SweepTrainer": "marl.train.sweep",
+    "SweepTrainer": "marl.train.sweep_trainer",
 }
 
 if TYPE_CHECKING:
     from marl.config.rloo_config import RLOOConfig
     from marl.integrations.trl import RewardAdapterFunction
     from marl.model.multi_adapter import MultiAdapterModel
-    from marl.train.sweep import SweepTrainer
+    from marl.train.sweep_trainer import SweepTrainer
     from marl.train.trainer import RLOOTrainer
 
 __all__ = [

@@ -51,7 +51,7 @@ OUT_OF_MEMORY_EXIT_CODE = 3
 
 
 class PhaseMemoryError(MarlError, MemoryError):
-    """A phase of the run ran out of memory at every size tried (:mod:`marl.train.phase_guard`).
+    """A phase of the run ran out of memory at every size tried (:mod:`marl.train.memory_guard`).
 
     Attributes:
         phase: ``sampling``, ``scoring`` or ``update``.

@@ -4,6 +4,7 @@ modules. These are the rules that keep each extension point a one-file change (d
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,34 @@ def test_the_root_holds_few_modules() -> None:
 def test_modules_stay_small(module: str) -> None:
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines; split it along what it does (limit {MAX_LINES})"
+
+
+# Modules by concept, not by a line cap: a concern that grows past this is split along what it does.
+MAX_MODULES = 90
+# A date or an issue number in a comment goes stale where nobody looks; link a dated results file by path.
+RESULTS_LINK = re.compile(r"benchmarks/results/[\w.-]+")
+STALE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b|\b[Ii]ssues? #?\d+\b|(?<![\w&])#\d{2,}\b")
+
+
+def test_the_package_has_few_modules() -> None:
+    modules = [path for path in PACKAGE.rglob("*.py") if path.name not in ("__init__.py", "__main__.py")]
+    assert len(modules) <= MAX_MODULES, f"marl/ has {len(modules)} modules: merge what is one concept"
+
+
+def test_no_module_basename_means_two_things() -> None:
+    names: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name not in ("__init__.py", "__main__.py"):
+            names.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    repeated = {name: paths for name, paths in names.items() if len(paths) > 1}
+    assert not repeated, f"one name for different concepts: {repeated}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_comments_cite_no_dates_or_issue_numbers(module: str) -> None:
+    stale = [
+        f"{number}: {line.strip()}"
+        for number, line in enumerate(MODULES[module].read_text().splitlines(), start=1)
+        if STALE.search(RESULTS_LINK.sub("", line))
+    ]
+    assert not stale, f"{module} cites a date or an issue number (link a results file instead): {stale}"

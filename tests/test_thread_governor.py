@@ -140,7 +140,7 @@ def test_the_library_trainer_follows_the_free_cores_on_cpu_unless_threads_is_set
             reward_funcs=lambda p, c: [0.0] * len(c),
         )
         assert len(governors) == expected_governors
-        assert (governors[0] in trainer.callbacks) == (threads == 0)
+        assert (governors[0] in trainer.parts.callbacks) == (threads == 0)
     assert torch.get_num_threads() == 1
 
 
@@ -198,7 +198,7 @@ def hog_from_the_first_sample(trainer, monkeypatch, stack: contextlib.ExitStack)
     """Start a CPU hog when the update's sampling starts (within the update, after the governor's measure
     between updates); returns a list that receives the time it started."""
     started: list[float] = []
-    sample = trainer.sampler.sample
+    sample = trainer.parts.sampler.sample
 
     def sample_beside_a_hog(*args, **kwargs):
         if not started:
@@ -206,7 +206,7 @@ def hog_from_the_first_sample(trainer, monkeypatch, stack: contextlib.ExitStack)
             started.append(time.perf_counter())
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr(trainer.sampler, "sample", sample_beside_a_hog)
+    monkeypatch.setattr(trainer.parts.sampler, "sample", sample_beside_a_hog)
     return started
 
 

@@ -151,7 +151,7 @@ def run_checks(work: Path, dry_run: bool) -> dict:
     script, config = parse_train_rloo_args(words(work, model, shape, "b", "--fit", "off"))
     trainer = build_rloo_trainer(script, config)
     if not dry_run:
-        trainer.callbacks.append(lambda state, metrics: state.update == 1 and cap(device, lowered))
+        trainer.parts.callbacks.append(lambda state, metrics: state.update == 1 and cap(device, lowered))
     started = time.perf_counter()
     try:
         trainer.train(**train_arguments(script))

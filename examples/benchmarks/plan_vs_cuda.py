@@ -178,10 +178,10 @@ def measure(case: CudaCase, model_path: str, reward_path: str) -> dict:
             tokenizer,
             datasets.Dataset.from_dict({"prompt": _prompts(tokenizer, case.prompt_tokens)}),
         )
-        assert trainer.parallelism.device.type == "cuda", "the run is not on the GPU"
+        assert trainer.parts.parallelism.device.type == "cuda", "the run is not on the GPU"
         widths = record_prompt_widths(trainer)
         label_calls(peaks, marl.train.trainer, "collect_rollout", "scoring")
-        label_calls(peaks, trainer.sampler, "sample", "sampling")
+        label_calls(peaks, trainer.parts.sampler, "sample", "sampling")
         label_calls(peaks, trainer, "_update", "update")
         trainer.train()
         torch.cuda.synchronize()

@@ -11,7 +11,7 @@ The configurations: the bundled SmolLM2-135M in fp32, 4-bit and 8-bit, with and 
 checkpointing and prefix packing, k 2 to 8, prompts of 32 to 256 tokens and completions of 32 to 128; and
 the family table's tiny models (``tests/support/families.py``), whose tensors are a few MB, so that what they
 measure is mostly the runtime's own memory; and sweeps of 2 and 4 policies trained at once on one base
-(``policies``: ``marl.train.sweep.SweepTrainer``, the members differing in their seed), planned with
+(``policies``: ``marl.train.sweep_trainer.SweepTrainer``, the members differing in their seed), planned with
 ``plan_memory(..., policies=N)``.
 
     python examples/benchmarks/plan_vs_measured.py            # every configuration (about 15 min on 2 cores)
@@ -145,7 +145,7 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
     import torch  # noqa: F401  (the runtime is part of the baseline, the model is not)
     import transformers
 
-    import marl.train.sweep
+    import marl.train.sweep_trainer
     import marl.train.trainer
     from marl.config.sweep import parse_sweep
     from marl.model.loading import load_tokenizer
@@ -169,19 +169,21 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
             first, rollout_owner, sample = trainer, marl.train.trainer, "sample"
         else:  # a sweep: the members differ in their seed
             members = parse_sweep([f"seed={','.join(map(str, range(case.policies)))}"], config)
-            model = marl.train.sweep.build_sweep_model([member.config for member in members])
-            trainer = marl.train.sweep.SweepTrainer(members, model, tokenizer, prompts, reward_funcs=reward)
-            first, rollout_owner, sample = trainer.trainers[0], marl.train.sweep, "sample_routed"
+            model = marl.train.sweep_trainer.build_sweep_model([member.config for member in members])
+            trainer = marl.train.sweep_trainer.SweepTrainer(
+                members, model, tokenizer, prompts, reward_funcs=reward
+            )
+            first, rollout_owner, sample = trainer.trainers[0], marl.train.sweep_trainer, "sample_routed"
         sampler.mark("after load")
         sampler.set_base_phase("other")
         widths = record_prompt_widths(first)
         tensor_peaks: dict[str, float] = {}
         if tensors:  # the rollout's count includes its sampling
-            count_tensors(first.sampler, sample, "sampling", tensor_peaks)
+            count_tensors(first.parts.sampler, sample, "sampling", tensor_peaks)
             count_tensors(rollout_owner, "collect_rollout", "rollout", tensor_peaks)
             count_tensors(trainer, "_update", "update", tensor_peaks)
         label_calls(sampler, rollout_owner, "collect_rollout", "scoring")
-        label_calls(sampler, first.sampler, sample, "generation")
+        label_calls(sampler, first.parts.sampler, sample, "generation")
         label_calls(sampler, trainer, "_update", "update")
         trainer.train()
     memory = sampler.stop()
@@ -203,14 +205,14 @@ def record_prompt_widths(trainer) -> set[int]:
     """The widths of the prompt batches ``trainer`` samples from, filled in as it runs (the planner is given
     the longest)."""
     widths: set[int] = set()
-    batch = trainer.sampler.batch
+    batch = trainer.parts.sampler.batch
 
     def batch_and_measure(*args, **kwargs):
         prompts = batch(*args, **kwargs)
         widths.add(int(prompts.ids.shape[1]))
         return prompts
 
-    trainer.sampler.batch = batch_and_measure
+    trainer.parts.sampler.batch = batch_and_measure
     return widths
 
 

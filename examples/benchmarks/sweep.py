@@ -1,11 +1,11 @@
 """A sweep of N policies trained at once on one base against the N runs one after another: episodes/s, the
 decode phase and peak memory, for N = 1, 2, 4 and 8 (issue 44).
 
-- ``sweep-N``: ONE process trains N policies at once (``marl.train.sweep.SweepTrainer``; the members differ in
-  their seed, ``--sweep seed=0,1,...``, or with ``--swept learning_rate`` in their learning rate on one seed,
-  so that they draw the same prompts and the reward and reference passes compute each prompt once for all of
-  them): every update samples all policies' rows in one batched decode, scores them in the same passes and
-  runs each policy's micro-batches in one loop.
+- ``sweep-N``: ONE process trains N policies at once (``marl.train.sweep_trainer.SweepTrainer``; the members
+  differ in their seed, ``--sweep seed=0,1,...``, or with ``--swept learning_rate`` in their learning rate on
+  one seed, so that they draw the same prompts and the reward and reference passes compute each prompt once
+  for all of them): every update samples all policies' rows in one batched decode, scores them in the same
+  passes and runs each policy's micro-batches in one loop.
 - ``run``: one process trains one policy (``marl.RLOOTrainer``). N runs one after another are N such
   processes: their episodes/s is one run's (each trains the same shapes), their time N runs' (each loads
   the base again: shown with the loads too), their peak memory one run's.
@@ -104,7 +104,7 @@ def run_job(job: dict, sampler: MemorySampler) -> dict:
     import torch
     import transformers
 
-    import marl.train.sweep
+    import marl.train.sweep_trainer
     import marl.train.trainer
     from marl import MultiAdapterModel, RLOOTrainer
     from marl.config.sweep import parse_sweep
@@ -125,16 +125,16 @@ def run_job(job: dict, sampler: MemorySampler) -> dict:
             first, rollout_owner, sample = trainer, marl.train.trainer, "sample"
         else:
             members = parse_sweep([member_spec(job.get("swept", "seed"), base, job["policies"])], base)
-            model = marl.train.sweep.build_sweep_model([member.config for member in members])
+            model = marl.train.sweep_trainer.build_sweep_model([member.config for member in members])
             tokenizer = transformers.AutoTokenizer.from_pretrained(model.name_or_path)
-            trainer = marl.train.sweep.SweepTrainer(members, model, tokenizer, prompts)
-            first, rollout_owner, sample = trainer.trainers[0], marl.train.sweep, "sample_routed"
+            trainer = marl.train.sweep_trainer.SweepTrainer(members, model, tokenizer, prompts)
+            first, rollout_owner, sample = trainer.trainers[0], marl.train.sweep_trainer, "sample_routed"
         sampler.mark("after load")
         sampler.set_base_phase("other")
         # the rollout (generation inside it, then the log-probs and the rewards) and the update
         labelled = [
             label_calls(sampler, rollout_owner, "collect_rollout", "scoring"),
-            label_calls(sampler, first.sampler, sample, "generation"),
+            label_calls(sampler, first.parts.sampler, sample, "generation"),
             label_calls(sampler, trainer, "_update", "update", mark="after update"),
         ]
         history = trainer.train()

@@ -377,20 +377,20 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
         sampler.mark("after load")
         sampler.set_base_phase("other")
         lengths: set[int] = set()
-        sample = trainer.sampler.sample
+        sample = trainer.parts.sampler.sample
 
         def sample_and_count(*args, **kwargs):
             samples = sample(*args, **kwargs)
             lengths.update(samples.response_mask.sum(dim=1).tolist())
             return samples
 
-        trainer.sampler.sample = sample_and_count
+        trainer.parts.sampler.sample = sample_and_count
         sampling_seconds: list[float] = []
-        _timed(trainer.sampler, "sample", sampling_seconds, torch)
+        _timed(trainer.parts.sampler, "sample", sampling_seconds, torch)
         # The rollout (generation, then the policy/reference log-probs and the reward) and the update.
         labelled = [
             label_calls(sampler, marl.train.trainer, "collect_rollout", "scoring"),
-            label_calls(sampler, trainer.sampler, "sample", "generation"),
+            label_calls(sampler, trainer.parts.sampler, "sample", "generation"),
             label_calls(sampler, trainer, "_update", "update", mark="after update"),
         ]
         history = trainer.train()
@@ -403,8 +403,10 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
     result.update(checkpoint_after_load=checkpoint, checkpoint_at_end=mapped_file_memory(model_path))
     result.update(phases_labelled=all(labelled), lengths=sorted(lengths))
     result.update(sampling_figures(sampling_seconds, config))
-    result["sampler_path"] = getattr(trainer.sampler, "path", None)
-    result["capture_seconds"] = sum(getattr(trainer.sampler, "capture_seconds", {}).values())  # cudagraph
+    result["sampler_path"] = getattr(trainer.parts.sampler, "path", None)
+    result["capture_seconds"] = sum(
+        getattr(trainer.parts.sampler, "capture_seconds", {}).values()
+    )  # cudagraph
     # |sampler log-prob - trainer log-prob| per update (where the sampler keeps its log-probs)
     for name, key in (("mean", "logprob_gap_mean"), ("max", "logprob_gap_max")):
         result[key] = [

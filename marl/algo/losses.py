@@ -333,9 +333,10 @@ def sampler_importance_ratio(
 
 
 def check_algorithm(config: RLOOConfig) -> None:
-    """Refuse, right after the command line is parsed (:func:`marl.train.build.check_components`), an unknown
-    loss, one of TRL 1.16's losses that marl does not implement, and settings that would do nothing with the
-    chosen loss or estimator: a :class:`~marl.errors.ConfigError` naming the fields and the fix.
+    """Refuse, right after the command line is parsed (:func:`marl.train.training_parts.check_components`),
+    an unknown loss, one of TRL 1.16's losses that marl does not implement, and settings that would do
+    nothing with the chosen loss or estimator: a :class:`~marl.errors.ConfigError` naming the fields and the
+    fix.
 
     Example:
         >>> from marl.config import RLOOConfig

@@ -199,7 +199,8 @@ def train_rloo_main(argv: Sequence[str] | None = None, prog: str = "marl train-r
             "so resuming starts from the beginning"
         )
         return (
-            f"after {trainer.state.update} of {trainer.sizes.num_total_batches} updates; {saved}. Resume "
+            f"after {trainer.state.update} of {trainer.parts.sizes.num_total_batches} updates; {saved}. "
+            "Resume "
             f"with: {command_line(prog, resume_words(words))}"
         )
 
@@ -281,7 +282,7 @@ def plan_main(argv: Sequence[str] | None = None, prog: str = "marl plan") -> Any
     with error_boundary(prog, words):
         from marl.apps.plan import PlanArguments, run_plan
         from marl.config.rloo_config import RLOOConfig
-        from marl.train.build import check_components
+        from marl.train.training_parts import check_components
 
         arguments, config = parse_flags([PlanArguments, RLOOConfig], prog, words)
         check_components(config)

@@ -108,11 +108,11 @@ def parse_train_rloo_args(
     reward_settings(script, config)  # a bad --reward fails here, before any work
     # Every registry name (advantage estimator, sampler, parallelism) is resolved before any work; imported
     # here, after the flags, so that --help does not load torch.
-    from marl.train.build import check_components
+    from marl.train.training_parts import check_components
 
     check_components(config)
     if script.sweep:
-        from marl.train.sweep import check_sweep_configs
+        from marl.train.sweep_trainer import check_sweep_configs
 
         if script.resume_from_checkpoint not in (None, "latest"):
             raise ConfigError(
@@ -198,7 +198,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         for line in fit.lines():
             print(f"marl: {line}", file=sys.stderr)
     if members:
-        from marl.train.sweep import SweepTrainer, build_sweep_model
+        from marl.train.sweep_trainer import SweepTrainer, build_sweep_model
 
         model = build_sweep_model([member.config for member in members])
     else:
@@ -238,7 +238,7 @@ def memory_card_with_plan(trainer: Any) -> Any:
     # max_memory_allocated does not see the CUDA runtime
     outside = plan.target.runtime_bytes if plan.target.device == "cuda" else 0
     runs[0].phases.planned = {name: peak - outside for name, peak in peaks.items()}
-    card = trainer.model.memory_report([run.policy for run in runs])
+    card = trainer.model.memory_report([run.parts.policy for run in runs])
     return dataclasses.replace(card, predicted_peaks=peaks)
 
 

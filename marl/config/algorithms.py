@@ -156,7 +156,7 @@ def resolve_algorithm(settings: Any) -> None:
 
 def check_algorithm_settings(settings: Any) -> None:
     """Refuse settings that cannot hold whatever the loss (names of losses and estimators are checked by
-    :func:`marl.train.build.check_components`).
+    :func:`marl.train.training_parts.check_components`).
 
     Example:
         >>> from types import SimpleNamespace

@@ -3,7 +3,7 @@
 A sweep trains several policy LoRAs on ONE base in one process: every update samples all policies' rows in one
 batched decode and scores them in the same packed passes, each row routed through its own policy
 (:mod:`marl.model.rows`), then runs every policy's update in one loop, one micro-batch per policy at each
-micro-batch step (:mod:`marl.train.update`). So a setting may differ between policies only where
+micro-batch step (:mod:`marl.train.training_parts`). So a setting may differ between policies only where
 the shared passes do not read it: what a policy does with its own rows after they are sampled and scored
 (its advantages, its loss, its optimizer and schedule, its data order and initial weights). Everything that
 shapes the shared passes (the base, its dtype and quantization, the decode's temperature, lengths and stops,

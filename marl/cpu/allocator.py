@@ -13,7 +13,7 @@ the speed and the peak:
 higher peak costs memory (docs/results/benchmarks.md, benchmarks/results/2026-11-26-cpu-grpo-heap.md).
 With either setting the trainer gives the heap back between phases (:func:`release_freed_memory`), so the
 memory held between updates is the same; a sweep's update also gives it back after each policy's micro-batch
-(:func:`marl.train.update.accumulate`). The memory planner's CPU figures are validated with ``maps``
+(:func:`marl.train.trainer.update_policies`). The memory planner's CPU figures are validated with ``maps``
 (``examples/benchmarks/plan_vs_measured.py``); with ``heap`` a phase can hold more than planned.
 
 Example:

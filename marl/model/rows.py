@@ -16,7 +16,7 @@ recurrent state (Mamba layers) are detected by :func:`check_packing`, and then r
 Routing. Each row of a batch through its own adapter, with gradients: the rows of several policies (and of
 their references) in one forward (and backward) pass over the shared base. A sweep routes its decode and its
 scoring passes this way; its update runs each policy's micro-batch in that policy's own view instead
-(:mod:`marl.train.update` says why).
+(:mod:`marl.train.training_parts` says why).
 
 PEFT routes rows by name with ``model(..., adapter_names=[...])``: every LoRA layer runs the base product once
 for the whole batch and adds each adapter's delta to its own rows only (``LoraLayer._mixed_batch_forward``;

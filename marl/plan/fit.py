@@ -45,7 +45,7 @@ from marl.errors import ConfigError
 from marl.model.memory import format_bytes
 from marl.plan.advice import advise
 from marl.plan.planner import MemoryPlan, PlanTarget, plan_for_trainer, plan_memory, with_changes
-from marl.train.phase_guard import halved_chunk_rows
+from marl.train.memory_guard import halved_chunk_rows
 
 # The settings --fit may change, in the order its lines name them.
 FIT_SETTINGS = (
@@ -188,7 +188,7 @@ def card_memory_gb(device: Any) -> float | None:
 def out_of_memory_advice(trainer: Any, memory_gb: float | None = None) -> str:
     """One sentence: the cheapest change ``marl plan`` finds that fits ``memory_gb`` (default: the card's
     memory; on CPU without a budget, how to ask ``marl plan``), else how far the closest setting is."""
-    memory_gb = memory_gb if memory_gb is not None else card_memory_gb(trainer.parallelism.device)
+    memory_gb = memory_gb if memory_gb is not None else card_memory_gb(trainer.parts.parallelism.device)
     if memory_gb is None:
         return "marl plan with the same flags and --device cpu --memory_gb GB lists the settings that fit"
     plan = plan_for_trainer(trainer)

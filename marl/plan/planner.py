@@ -26,8 +26,8 @@ backward of a mini-batch until its optimizer step: while one policy runs its mic
 gradients wait) and its rollout records. Its decode samples every policy's rows of a chunk in one batched
 pass (``local_rollout_forward_batch_size`` rows per policy), so its working set is that of ``policies`` times
 the rows; scoring runs the same chunks as a run (rows of several policies in one chunk, each through its own
-adapter) and the update runs one policy's micro-batch at a time (:mod:`marl.train.update`): neither working
-set grows with the number of policies.
+adapter) and the update runs one policy's micro-batch at a time (:mod:`marl.train.training_parts`): neither
+working set grows with the number of policies.
 
 The records: where a run is planned (:class:`PlanTarget`), each phase's parts (:class:`PhasePlan`) and the
 plan (:class:`MemoryPlan`, which reads as :func:`plan_text`).
@@ -460,10 +460,10 @@ def plan_memory(
 def plan_for_trainer(trainer: Any, policies: int = 1) -> MemoryPlan:
     """The plan of a built ``RLOOTrainer``'s run: its config, its model's config, its device and processes,
     and its longest training prompt; with ``policies`` > 1, of a sweep of that many policies like it."""
-    parallelism = trainer.parallelism
+    parallelism = trainer.parts.parallelism
     target = PlanTarget(
         device="cuda" if parallelism.device.type == "cuda" else "cpu",
-        prompt_length=max(len(prompt.ids) for prompt in trainer.train_prompts),
+        prompt_length=max(len(prompt.ids) for prompt in trainer.parts.train_prompts),
         num_processes=parallelism.num_processes,
         compute_dtype=trainer.model.dtype,
     )

@@ -11,7 +11,7 @@ written for TRL runs unchanged:
   and e.g. its ``reasoning_content`` or ``tool_calls`` as the template splits them), as TRL 1.16 does;
 - ``completion_ids``: the completion's token ids, through the stop token (as TRL passes them);
 - ``trainer_state``: a ``transformers.TrainerState`` with the run's progress (see
-  :func:`marl.train.reward_state.reward_trainer_state`; ``marl evaluate`` passes a fresh one);
+  :func:`marl.train.training_parts.reward_trainer_state`; ``marl evaluate`` passes a fresh one);
 - every other dataset column, one value per completion: a prompt's row repeated for its k completions, in
   the rows' order (k-major in marl);
 - ``log_extra(column, values)`` and ``log_metric(name, value)``: what the function logs goes into the call's

@@ -56,7 +56,7 @@ def collect_rollout(
     (:meth:`marl.rollout.scoring.Scorer.rows_view`); :func:`split_rollout` gives each policy its rows.
 
     ``run_phase(name, work)`` runs the ``"sampling"`` and the ``"scoring"`` work (the trainer's
-    :class:`marl.train.phase_guard.PhaseGuard` measures each and retries it smaller when memory runs out)."""
+    :class:`marl.train.memory_guard.PhaseGuard` measures each and retries it smaller when memory runs out)."""
     batch = sampler.batch(prompts)
     samples = run_phase(
         "sampling",

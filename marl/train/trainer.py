@@ -1,21 +1,20 @@
 """``RLOOTrainer``: the RLOO loop on one base model with adapter views, on parts built once from the config
-(:mod:`marl.train.build`).
+(:mod:`marl.train.training_parts`), and its reports (metrics, progress bar, sample tables).
 
-One *update* reads top to bottom in :meth:`RLOOTrainer.train`:
+The loop, :func:`train_policies`, reads top to bottom; a run is it with one trainer, a sweep
+(:class:`marl.train.sweep_trainer.SweepTrainer`) with one per policy. Each update:
 
 1. rollout (:func:`marl.rollout.collect.collect_rollout`, no grad, eval mode): this process's prompts, ``k``
-   sampled completions each under the policy, cut after the stop token, their policy and reference log-probs
-   where the algorithm reads them (:mod:`marl.algo.scoring_passes`) and their scores;
-2. rewards and advantages (:func:`marl.algo.shaping.shape_rewards`): missing-EOS penalty, optional
-   normalisation, KL folded into the reward (or the token-level k3 variant), leave-one-out baseline, optional
-   normalisation; a completion no reward source judged gets advantage 0, and normalisation statistics span
-   all processes;
-3. update (:class:`marl.train.update.PolicyUpdate`): PPO-clip epochs of optimizer steps, returning an
-   :class:`~marl.algo.metrics.UpdateStats`;
+   completions each, cut after the stop token, their log-probs where the algorithm reads them
+   (:mod:`marl.algo.scoring_passes`) and their scores;
+2. rewards and advantages (:func:`marl.algo.shaping.shape_rewards`; statistics span all processes; a
+   completion no reward source judged gets advantage 0);
+3. the policy update (:func:`update_policies`): epochs, mini-batches (one optimizer step each), micro-batches
+   (one forward and backward per policy each: :meth:`marl.train.training_parts.UpdatePart.backward`);
 4. metrics (:mod:`marl.algo.metrics`, summed over processes in one collective), sample tables;
 5. checkpoint, by updates or by time (:mod:`marl.train.checkpoints`, :mod:`marl.train.run_dir`).
 
-Sampling, scoring and the update each run under :class:`marl.train.phase_guard.PhaseGuard`: measured, and
+Sampling, scoring and the update each run under :class:`marl.train.memory_guard.PhaseGuard`: measured, and
 retried at half their size when memory runs out.
 
 Leave-one-out groups never span processes: every process samples all ``k`` completions of its own prompts.
@@ -57,21 +56,26 @@ from marl.algo.metrics import (
 from marl.algo.shaping import ShapedRewards, shape_rollout
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
-from marl.data.prompts import prompts_for_update
+from marl.data.prompts import prompt_text, prompts_for_update
 from marl.errors import PhaseMemoryError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
 from marl.rollout.completions import Rollout
 from marl.train import checkpoints, run_dir
-from marl.train.build import build_training_parts
 from marl.train.curves import training_curves_note
-from marl.train.phase_guard import PolicySnapshot, guard_for
-from marl.train.progress import progress_description, progress_postfix
-from marl.train.reward_state import reward_function_metrics, reward_trainer_state
-from marl.train.sample_tables import sample_table
+from marl.train.memory_guard import PhaseGuard, PolicySnapshot, guard_for, restore_all
+from marl.train.training_parts import (
+    UpdatePart,
+    build_training_parts,
+    reward_function_metrics,
+    reward_trainer_state,
+)
 
 # Distinct sampling streams per process: the same seed everywhere would give every process the same noise.
 PROCESS_SEED_STRIDE = 100_003
+SAMPLE_TABLE_ROWS = 8
+# Held-out prompts a judge scores at each sample table: enough for a readable curve, cheap next to an update.
+JUDGED_EVAL_ROWS = 32
 
 
 @dataclass
@@ -112,7 +116,10 @@ class RLOOTrainer:
             ``marl evaluate`` reads it to tell held-out prompts from training prompts.
 
     Attributes:
+        parts: the :class:`marl.train.training_parts.TrainingParts` the run trains with (the parallelism,
+            sampler, scorer, reward, prompts, sizes, and the policy update with its optimizer and schedule).
         state: :class:`TrainerState`.
+        phases: the :class:`marl.train.memory_guard.PhaseGuard` each phase runs under.
         log_history: the logged metric dicts, also appended to ``output_dir/metrics.jsonl``.
 
     Example:
@@ -138,213 +145,27 @@ class RLOOTrainer:
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.eval_dataset = eval_dataset
         self.dataset_source = dict(dataset_source or {})
-        parts = build_training_parts(
+        self.parts = build_training_parts(
             config, model, tokenizer, train_dataset, eval_dataset, reward_funcs, judge, callbacks
         )
-        self.judge, self.callbacks = parts.judge, parts.callbacks
-        self.parallelism, self.accelerator = parts.parallelism, parts.parallelism.accelerator
-        self.policy, self.reward = parts.policy, parts.reward
-        self.sampler, self.scorer = parts.sampler, parts.scorer
-        self.train_prompts, self.eval_prompts = parts.train_prompts, parts.eval_prompts
-        self.sizes, self.sample_every = parts.sizes, parts.sample_every
-        self.advantage_estimator = parts.advantage_estimator
-        self.policy_update = parts.policy_update
-        self.policy_parameters = self.policy_update.parameters
-        self.optimizer, self.lr_scheduler = self.policy_update.optimizer, self.policy_update.scheduler
         self.state = TrainerState()
         self.log_history: list[dict[str, float]] = []
         self.output_dir = Path(config.output_dir)
         self.save_schedule = checkpoints.SaveSchedule(config.save_steps, config.save_minutes)
         self.fit_record: dict[str, Any] | None = None  # what --fit auto chose (marl.plan.fit), when it ran
-        self.phases = guard_for(self)  # measures each phase, and retries it smaller when memory runs out
-        if self.parallelism.device.type == "cpu":
+        self.phases = guard_for(self.parts, model, [config])  # measured; retried smaller when out of memory
+        if self.parts.parallelism.device.type == "cpu":
             use_cpu_allocator(config.cpu_allocator)
-
-    # ------------------------------------------------------------------ derived counters
 
     @property
     def episode(self) -> int:
         """Completions trained on so far, over all processes."""
-        return self.state.update * self.sizes.batch_size
+        return self.state.update * self.parts.sizes.batch_size
 
     @property
     def global_step(self) -> int:
         """Optimizer-step slots so far (a skipped step still advances the LR schedule)."""
-        return self.state.update * self.sizes.optimizer_steps_per_update
-
-    # ------------------------------------------------------------------ one update
-
-    def _rollout(self) -> Rollout:
-        """This process's prompts of the next update, sampled and scored."""
-        self.model.eval()
-        config, process = self.config, self.parallelism.process_index
-        prompts = prompts_for_update(self.train_prompts, self.state.update, process, self.sizes, config.seed)
-        state = reward_trainer_state(self)  # reward functions get it as trainer_state, as under TRL
-        return collect_rollout(
-            self.sampler, self.scorer, prompts, config.rloo_k, self.reward, state, run_phase=self.phases.run
-        )
-
-    def _shaped_rewards(self, rollout: Rollout) -> ShapedRewards:
-        """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
-        gather = self.parallelism.gather
-        return shape_rollout(self.config, rollout, self.reward.weights, self.advantage_estimator, gather)
-
-    def _update(self, rollout: Rollout, advantages: torch.Tensor) -> UpdateStats:
-        """The policy update on ``rollout``; returns this process's sums for the policy metrics."""
-        # what the update changes is copied first, so that an update out of memory can start over smaller
-        snapshot = PolicySnapshot(self.policy_update, rollout) if self.phases.retry else None
-        stats, skipped = self.phases.run(
-            "update",
-            lambda: self.policy_update.run(rollout, advantages, update=self.state.update + 1),
-            restore=None if snapshot is None else snapshot.restore,
-        )
-        self.state.skipped_optimizer_steps += skipped
-        release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout
-        return stats
-
-    def _update_unless_unjudged(self, rollout: Rollout, shaped: ShapedRewards) -> UpdateStats | None:
-        """The update, skipped (and its steps counted) only when no completion of any process was judged;
-        completions no reward source judged have advantage 0."""
-        if self.parallelism.any_process(bool(shaped.judged.any())):
-            return self._update(rollout, shaped.advantages)
-        self.skip_unjudged_update()
-        return None
-
-    def skip_unjudged_update(self, label: str = "") -> None:
-        """Warn that no reward source judged any completion of the next update (``label`` names the policy
-        in a sweep) and skip its optimizer steps; the schedule moves on."""
-        warnings.warn(
-            f"{label}update {self.state.update + 1}: no reward source judged any of its completions; its "
-            "optimizer steps are skipped",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        self.state.skipped_optimizer_steps += self.policy_update.skip()
-
-    # ------------------------------------------------------------------ logging
-
-    def _report(
-        self, rollout: Rollout, shaped: ShapedRewards, update_stats: UpdateStats | None, start: tuple
-    ) -> dict[str, float]:
-        """The update's metrics over all processes, with its sample table when one is due; logged every
-        ``logging_steps``, at the end and with every judged table, then given to the callbacks."""
-        metrics = self._metrics(RolloutStats.of(rollout, shaped, self.config.rloo_k), update_stats, start)
-        metrics.update(reward_function_metrics(rollout, metrics))  # what reward functions gave log_metric
-        metrics.update(sampler_gap_metrics(rollout, self.parallelism))
-        metrics.update(sampler_correction_metrics(rollout, self.policy_update.loss, self.parallelism))
-        sample_now = self.sample_every and (self.state.update - 1) % self.sample_every == 0
-        metrics.update(sample_table(self, rollout) if sample_now else {})
-        judged_now = sample_now and self.judge is not None  # the same on every process
-        if (
-            judged_now
-            or self.state.update % self.config.logging_steps == 0
-            or self.state.update == self.sizes.num_total_batches
-        ):
-            self._log(metrics)
-        for callback in self.callbacks:
-            callback(self.state, metrics)
-        return metrics
-
-    def _metrics(self, rollout_stats: RolloutStats, update_stats: UpdateStats | None, start: tuple) -> dict:
-        started_at, started_episode = start
-        elapsed = max(time.perf_counter() - started_at, 1e-9)
-        metrics = {"eps": (self.episode - started_episode) / elapsed}
-        metrics.update(rollout_metrics(self.parallelism.sum_over_processes(rollout_stats), self.reward.names))
-        if update_stats is not None:
-            metrics.update(update_metrics(self.parallelism.sum_over_processes(update_stats)))
-        metrics.update(
-            {
-                "skipped_optimizer_steps": float(self.state.skipped_optimizer_steps),
-                "lr": self.policy_update.last_learning_rate,
-                "episode": float(self.episode),
-                **self.phases.metrics(),  # this process's measured peaks beside the plan's
-            }
-        )
-        return metrics
-
-    def _log(self, metrics: dict[str, float]) -> None:
-        record = {"update": self.state.update, **metrics}
-        self.log_history.append(record)
-        self.accelerator.log(metrics, step=self.state.update)
-        if self.parallelism.is_main_process:
-            run_dir.append_metrics(self.output_dir, record)
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def checkpoint_due(self) -> bool:
-        """Whether the update just finished ends with a checkpoint (by updates or by time, the main process's
-        clock deciding for every process)."""
-        parallelism = self.parallelism
-        return self.save_schedule.due(
-            self.state.update, lambda late: parallelism.any_process(parallelism.is_main_process and late)
-        )
-
-    def _save_checkpoint(self) -> None:
-        checkpoints.save_checkpoint(
-            self.output_dir,
-            self.state.update,
-            parallelism=self.parallelism,
-            model=self.model,
-            policy=self.policy,
-            optimizer=self.optimizer,
-            scheduler=self.lr_scheduler,
-            trainer_state={
-                **dataclasses.asdict(self.state),
-                "world_size": self.parallelism.num_processes,
-                "batch_size": self.sizes.batch_size,
-                "num_total_batches": self.sizes.num_total_batches,
-            },
-            save_total_limit=self.config.save_total_limit,
-        )
-
-    def _checkpoint_before_stopping(
-        self, error: PhaseMemoryError, resumed_update: int, update_start: dict[str, Any]
-    ) -> None:
-        """Save the last completed update (the guard put back the policy's state; ``update_start``: the random
-        state it ended with), unless it is saved already or none was done, and name it in ``error``."""
-        folder = self.output_dir / run_dir.checkpoint_name(self.state.update)
-        if self.state.update > resumed_update and not folder.exists():
-            checkpoints.set_rng_state(update_start)
-            self._save_checkpoint()
-        error.checkpoint = str(folder) if folder.exists() else None
-
-    def _load_checkpoint(self, path: Path) -> None:
-        state = checkpoints.load_checkpoint(
-            path,
-            parallelism=self.parallelism,
-            model=self.model,
-            policy=self.policy,
-            optimizer=self.optimizer,
-            scheduler=self.lr_scheduler,
-            planned=(self.sizes.batch_size, self.sizes.num_total_batches),
-        )
-        self.sampler.policy_weights_changed()
-        self.state = TrainerState(
-            **{field.name: state[field.name] for field in dataclasses.fields(TrainerState)}
-        )
-
-    def _start_writing(self, plan: run_dir.RunStart, resumed_update: int) -> None:
-        """Once the first update is done, and not before: replace what the folder held, then write this run's
-        settings and open the trackers. A start that fails or is killed earlier leaves the folder as it
-        was."""
-        if self.parallelism.is_main_process:
-            self.log_history = plan.commit(resumed_update)
-            dataset = {
-                **self.dataset_source,
-                "train_prompts": len(self.train_prompts),
-                "eval_prompts": None if self.eval_prompts is None else len(self.eval_prompts),
-            }
-            settings = run_dir.run_settings(
-                self.config, self.model, self.policy, self.parallelism.num_processes, dataset
-            )
-            run_dir.write_run_config(
-                self.output_dir,
-                settings | {"rewards": run_dir.reward_record(self.reward), "fit_chosen": self.fit_record},
-            )
-        if self.config.trackers:
-            self.accelerator.init_trackers(run_dir.TRACKER_DIR, config=run_dir.tracker_config(self.config))
-
-    # ------------------------------------------------------------------ the loop
+        return self.state.update * self.parts.sizes.optimizer_steps_per_update
 
     def train(
         self,
@@ -357,54 +178,18 @@ class RLOOTrainer:
         (with none yet, the run starts from the beginning). ``overwrite_output_dir``: replace the run in
         ``output_dir``. Nothing in ``output_dir`` changes before the first update is done (see
         :mod:`marl.train.run_dir`). On CPU with a fixed seed a resumed run logs exactly the metrics an
-        uninterrupted
-        run logs (except ``eps`` and the measured peaks: :func:`marl.train.phase_guard.is_measurement`).
+        uninterrupted run logs (except ``eps`` and the measured peaks:
+        :func:`marl.train.memory_guard.is_measurement`).
 
         Example:
             >>> history = trainer.train()  # doctest: +SKIP
             >>> history[-1]["objective/scores"]  # doctest: +SKIP
         """
-        config, parallelism, sizes = self.config, self.parallelism, self.sizes
+        parallelism = self.parts.parallelism
         plan = run_dir.plan_start(self.output_dir, resume_from_checkpoint, overwrite=overwrite_output_dir)
         if plan.notice and parallelism.is_main_process:
             print(plan.notice, file=sys.stderr)
-        set_seed(config.seed + parallelism.process_index * PROCESS_SEED_STRIDE)
-        if plan.checkpoint is not None:
-            self._load_checkpoint(plan.checkpoint)
-        resumed_update = self.state.update
-        self.save_schedule.start()
-
-        start = (time.perf_counter(), self.episode)
-        # Closed also when an update fails, so that the error message starts on a line of its own.
-        with tqdm(
-            total=sizes.num_total_batches,
-            initial=self.state.update,
-            desc=progress_description(config),
-            disable=not parallelism.is_local_main_process,
-        ) as progress:
-            while self.state.update < sizes.num_total_batches:
-                # a run out of memory at its smallest sizes checkpoints the update before with this state
-                update_start = checkpoints.rng_state() if self.phases.retry else None
-                try:
-                    rollout = self._rollout()
-                    shaped = self._shaped_rewards(rollout)
-                    update_stats = self._update_unless_unjudged(rollout, shaped)
-                except PhaseMemoryError as error:
-                    self._checkpoint_before_stopping(error, resumed_update, update_start)
-                    raise
-                shaped = complete_for_metrics(rollout, shaped, self.scorer, config.kl_coef)
-                self.state.update += 1
-                if self.state.update == resumed_update + 1:
-                    self._start_writing(plan, resumed_update)
-                metrics = self._report(rollout, shaped, update_stats, start)
-                progress.update(1)
-                progress.set_postfix(progress_postfix(metrics, self.episode))
-                if self.checkpoint_due():
-                    self._save_checkpoint()
-        if self.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train
-            self._start_writing(plan, resumed_update)
-
-        parallelism.save_policy_adapter(self.model, self.output_dir, self.policy)
+        train_policies([self], [plan], lambda: [self.rollout()])
         if parallelism.is_main_process:
             summary = self.phases.summary()
             if summary is not None:
@@ -412,7 +197,377 @@ class RLOOTrainer:
             curves = training_curves_note(
                 self.output_dir / run_dir.METRICS_FILE, self.output_dir / run_dir.CURVES_FILE
             )
-            print(run_dir.finished_line(self.output_dir, self.policy, curves))
+            print(run_dir.finished_line(self.output_dir, self.parts.policy, curves))
         parallelism.wait()
         parallelism.finish()
         return self.log_history
+
+    # ------------------------------------------------------------------ the steps of an update
+
+    def rollout(self) -> Rollout:
+        """This process's prompts of the next update, sampled and scored."""
+        parts, process = self.parts, self.parts.parallelism.process_index
+        self.model.eval()
+        prompts = prompts_for_update(
+            parts.train_prompts, self.state.update, process, parts.sizes, self.config.seed
+        )
+        return collect_rollout(
+            parts.sampler,
+            parts.scorer,
+            prompts,
+            self.config.rloo_k,
+            parts.reward,
+            reward_trainer_state(self),  # reward functions get it as trainer_state, as under TRL
+            run_phase=self.phases.run,
+        )
+
+    def shaped_rewards(self, rollout: Rollout) -> ShapedRewards:
+        """The rollout's rewards and advantages; normalisation statistics span every process's rollout."""
+        parts = self.parts
+        return shape_rollout(
+            self.config, rollout, parts.reward.weights, parts.advantage_estimator, parts.parallelism.gather
+        )
+
+    def update_part(self, rollout: Rollout, shaped: ShapedRewards, label: str = "") -> UpdatePart | None:
+        """This policy's share of the update, or ``None`` (its steps skipped, with a warning; the schedule
+        moves on) when no completion of any process was judged: those have advantage 0."""
+        if self.parts.parallelism.any_process(bool(shaped.judged.any())):
+            return UpdatePart(self.parts.policy_update, rollout, shaped.advantages, label)
+        warnings.warn(
+            f"{label}update {self.state.update + 1}: no reward source judged any of its completions; its "
+            "optimizer steps are skipped",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self.state.skipped_optimizer_steps += self.parts.policy_update.skip()
+        return None
+
+    def report(
+        self, rollout: Rollout, shaped: ShapedRewards, stats: UpdateStats | None, start: tuple
+    ) -> dict:
+        """The update's metrics over all processes, with its sample table when one is due; logged every
+        ``logging_steps``, at the end and with every judged table, then given to the callbacks."""
+        parts, config, update = self.parts, self.config, self.state.update
+        started_at, started_episode = start
+        metrics = {"eps": (self.episode - started_episode) / max(time.perf_counter() - started_at, 1e-9)}
+        rollout_stats = RolloutStats.of(rollout, shaped, config.rloo_k)
+        metrics.update(
+            rollout_metrics(parts.parallelism.sum_over_processes(rollout_stats), parts.reward.names)
+        )
+        if stats is not None:
+            metrics.update(update_metrics(parts.parallelism.sum_over_processes(stats)))
+        metrics.update(
+            {
+                "skipped_optimizer_steps": float(self.state.skipped_optimizer_steps),
+                "lr": parts.policy_update.last_learning_rate,
+                "episode": float(self.episode),
+                **self.phases.metrics(),  # this process's measured peaks beside the plan's
+            }
+        )
+        metrics.update(reward_function_metrics(rollout, metrics))  # what reward functions gave log_metric
+        metrics.update(sampler_gap_metrics(rollout, parts.parallelism))
+        metrics.update(sampler_correction_metrics(rollout, parts.policy_update.loss, parts.parallelism))
+        sample_now = parts.sample_every and (update - 1) % parts.sample_every == 0
+        metrics.update(sample_table(self, rollout) if sample_now else {})
+        judged_now = sample_now and parts.judge is not None  # the same on every process
+        if judged_now or update % config.logging_steps == 0 or update == parts.sizes.num_total_batches:
+            record = {"update": update, **metrics}
+            self.log_history.append(record)
+            parts.parallelism.accelerator.log(metrics, step=update)
+            if parts.parallelism.is_main_process:
+                run_dir.append_metrics(self.output_dir, record)
+        for callback in parts.callbacks:
+            callback(self.state, metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_due(self) -> bool:
+        """Whether the update just finished ends with a checkpoint (by updates or by time, the main process's
+        clock deciding for every process)."""
+        parallelism = self.parts.parallelism
+        return self.save_schedule.due(
+            self.state.update, lambda late: parallelism.any_process(parallelism.is_main_process and late)
+        )
+
+    def save_checkpoint(self) -> None:
+        """Save the run after its latest update into ``output_dir/checkpoint-N``."""
+        parts = self.parts
+        checkpoints.save_checkpoint(
+            self.output_dir,
+            self.state.update,
+            parallelism=parts.parallelism,
+            model=self.model,
+            policy=parts.policy,
+            optimizer=parts.policy_update.optimizer,
+            scheduler=parts.policy_update.scheduler,
+            trainer_state={
+                **dataclasses.asdict(self.state),
+                "world_size": parts.parallelism.num_processes,
+                "batch_size": parts.sizes.batch_size,
+                "num_total_batches": parts.sizes.num_total_batches,
+            },
+            save_total_limit=self.config.save_total_limit,
+        )
+
+    def checkpoint_before_stopping(self, error: PhaseMemoryError, resumed: int, update_start: dict) -> None:
+        """Save the last completed update (the guard put back the policy's state; ``update_start``: the random
+        state it ended with), unless it is saved already or none was done, and name it in ``error``."""
+        folder = self.output_dir / run_dir.checkpoint_name(self.state.update)
+        if self.state.update > resumed and not folder.exists():
+            checkpoints.set_rng_state(update_start)
+            self.save_checkpoint()
+        error.checkpoint = str(folder) if folder.exists() else None
+
+    def load_checkpoint(self, path: Path) -> None:
+        """Continue from the ``checkpoint-N`` folder ``path``: the policy, optimizer, schedule and state."""
+        parts = self.parts
+        state = checkpoints.load_checkpoint(
+            path,
+            parallelism=parts.parallelism,
+            model=self.model,
+            policy=parts.policy,
+            optimizer=parts.policy_update.optimizer,
+            scheduler=parts.policy_update.scheduler,
+            planned=(parts.sizes.batch_size, parts.sizes.num_total_batches),
+        )
+        parts.sampler.policy_weights_changed()
+        self.state = TrainerState(
+            **{field.name: state[field.name] for field in dataclasses.fields(TrainerState)}
+        )
+
+    def start_writing(self, plan: run_dir.RunStart, resumed: int) -> None:
+        """Once the first update is done, and not before: replace what the folder held, then write this run's
+        settings and open the trackers. A start that fails or is killed earlier leaves the folder as it
+        was."""
+        parts = self.parts
+        if parts.parallelism.is_main_process:
+            self.log_history = plan.commit(resumed)
+            dataset = {
+                **self.dataset_source,
+                "train_prompts": len(parts.train_prompts),
+                "eval_prompts": None if parts.eval_prompts is None else len(parts.eval_prompts),
+            }
+            settings = run_dir.run_settings(
+                self.config, self.model, parts.policy, parts.parallelism.num_processes, dataset
+            )
+            run_dir.write_run_config(
+                self.output_dir,
+                settings | {"rewards": run_dir.reward_record(parts.reward), "fit_chosen": self.fit_record},
+            )
+        if self.config.trackers:
+            parts.parallelism.accelerator.init_trackers(
+                run_dir.TRACKER_DIR, config=run_dir.tracker_config(self.config)
+            )
+
+
+# ---------------------------------------------------------------------- the loop
+
+
+def train_policies(
+    trainers: Sequence[RLOOTrainer],
+    plans: Sequence[run_dir.RunStart],
+    rollouts: Callable[[], list[Rollout]],
+    labels: Sequence[str] | None = None,
+) -> None:
+    """The RLOO loop: train every one of ``trainers`` (one run, or a sweep's policies on one base) from its
+    ``plans`` start until ``num_total_batches`` updates are done, then save each policy adapter.
+
+    ``rollouts()`` samples and scores the next update's rollout of every trainer (a run's
+    :meth:`RLOOTrainer.rollout`, a sweep's joint one); ``labels`` prefix each policy's warnings. The first
+    trainer's seed seeds the process and its guard runs every phase; each trainer keeps its own advantages,
+    optimizer, metrics and checkpoints, saved together after the same update."""
+    first, labels = trainers[0], labels or [""] * len(trainers)
+    parallelism, sizes, guard = first.parts.parallelism, first.parts.sizes, first.phases
+    set_seed(first.config.seed + parallelism.process_index * PROCESS_SEED_STRIDE)
+    for trainer, plan in zip(trainers, plans, strict=True):
+        if plan.checkpoint is not None:
+            trainer.load_checkpoint(plan.checkpoint)
+    resumed = first.state.update
+    first.save_schedule.start()
+    start = (time.perf_counter(), first.episode)
+    title = progress_description(first.config)
+    # Closed also when an update fails, so that the error message starts on a line of its own.
+    with tqdm(
+        total=sizes.num_total_batches,
+        initial=resumed,
+        desc=title if len(trainers) == 1 else f"{len(trainers)} policies: {title}",
+        disable=not parallelism.is_local_main_process,
+    ) as progress:
+        while first.state.update < sizes.num_total_batches:
+            # a run out of memory at its smallest sizes checkpoints the update before with this state
+            update_start = checkpoints.rng_state() if guard.retry else None
+            try:
+                # 1. rollout: every policy's prompts, sampled and scored
+                rolled = rollouts()
+                # 2. rewards and advantages, each policy with its own settings
+                shaped = [
+                    trainer.shaped_rewards(rollout) for trainer, rollout in zip(trainers, rolled, strict=True)
+                ]
+                # 3. the policy update of every policy some reward source judged
+                parts = [
+                    trainer.update_part(rollout, own, label)
+                    for trainer, rollout, own, label in zip(trainers, rolled, shaped, labels, strict=True)
+                ]
+                judged = [part for part in parts if part is not None]
+                done = iter(update_policies(judged, guard, first.state.update + 1) if judged else [])
+                release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout
+            except PhaseMemoryError as error:  # every policy's last completed update is checkpointed
+                for trainer in trainers:
+                    trainer.checkpoint_before_stopping(error, resumed, update_start)
+                raise
+            # 4. metrics, sample tables, callbacks: each policy's own
+            metrics = []
+            for trainer, plan, rollout, own, part in zip(trainers, plans, rolled, shaped, parts, strict=True):
+                stats, skipped = next(done) if part is not None else (None, 0)
+                trainer.state.skipped_optimizer_steps += skipped
+                own = complete_for_metrics(rollout, own, trainer.parts.scorer, trainer.config.kl_coef)
+                trainer.state.update += 1
+                if trainer.state.update == resumed + 1:
+                    trainer.start_writing(plan, resumed)
+                metrics.append(trainer.report(rollout, own, stats, start))
+            progress.update(1)
+            progress.set_postfix(progress_postfix(metrics, first.episode))
+            # 5. checkpoint: every policy at the same update
+            if first.checkpoint_due():
+                for trainer in trainers:
+                    trainer.save_checkpoint()
+    if first.state.update == resumed:  # resumed from the last checkpoint: nothing left to train
+        for trainer, plan in zip(trainers, plans, strict=True):
+            trainer.start_writing(plan, resumed)
+    for trainer in trainers:
+        trainer.parts.parallelism.save_policy_adapter(trainer.model, trainer.output_dir, trainer.parts.policy)
+
+
+def update_policies(
+    parts: Sequence[UpdatePart], guard: PhaseGuard, update: int
+) -> list[tuple[UpdateStats, int]]:
+    """PPO-clip epochs over every part's rollout (the ``update``-th, for warnings), under ``guard``'s
+    ``"update"`` phase; returns each part's sums for the policy metrics and how many of its optimizer steps
+    were skipped. Each part keeps its own rows, row order (its own ``randperm`` draws, in the order of the
+    parts), loss settings, finiteness check and optimizer step; the epochs, mini-batches and micro-batches are
+    the same for every part (a sweep refuses batch settings that differ, :mod:`marl.config.sweep`). The model
+    is left in eval mode, also when a step fails."""
+    first = parts[0].step
+    config, sizes = first.config, first.sizes
+    # what the update changes is copied first, so that an update out of memory can start over smaller
+    snapshots = [PolicySnapshot(part.step, part.rollout) for part in parts] if guard.retry else []
+    # With several policies on CPU the C heap is trimmed after each policy's micro-batch, else it keeps every
+    # policy's freed blocks (benchmarks/results/2026-11-26-sweep-cpu-long4-shared.md); a run reuses its heap.
+    release_between_parts = len(parts) > 1 and parts[0].rollout.response_ids.device.type == "cpu"
+    first.model.train()
+    try:
+        for attempt in guard.attempts("update", restore=lambda: restore_all(snapshots)):
+            with attempt:
+                micro_rows = config.per_device_train_batch_size  # the guard halves it after out of memory
+                for part in parts:
+                    part.prepare(update)
+                # 3a. epochs: each a new random order of every part's rows
+                for _epoch in range(config.num_ppo_epochs):
+                    orders = [part.step.shuffled_rows(part.rollout) for part in parts]
+                    # 3b. mini-batches: one optimizer step each
+                    for start in range(0, sizes.local_batch_size, sizes.local_mini_batch_size):
+                        minis = [order[start : start + sizes.local_mini_batch_size] for order in orders]
+                        tokens = [
+                            part.step.tokens_per_micro_batch(part.mask[rows])
+                            for part, rows in zip(parts, minis, strict=True)
+                        ]
+                        finite = [True] * len(parts)
+                        # 3c. micro-batches: gradients accumulated, one forward and backward per part each
+                        for micro in range(0, len(minis[0]), micro_rows):
+                            for index, part in enumerate(parts):
+                                rows = minis[index][micro : micro + micro_rows]
+                                finite[index] = part.backward(rows, tokens[index]) and finite[index]
+                                if release_between_parts:
+                                    release_freed_memory()
+                        # 3d. every part's optimizer step (skipped where a loss or gradient is not finite)
+                        for part, loss_finite in zip(parts, finite, strict=True):
+                            if part.step.optimizer_step(loss_finite):
+                                part.skipped += 1
+                                warnings.warn(
+                                    f"{part.label}update {update}: non-finite loss or gradient; step skipped",
+                                    RuntimeWarning,
+                                    stacklevel=2,
+                                )
+    finally:
+        first.model.eval()
+    return [(part.stats, part.skipped) for part in parts]
+
+
+# ---------------------------------------------------------------------- reports
+
+
+def progress_description(config: Any) -> str:
+    """The bar's title: the ``--algorithm`` preset and where its KL acts, with its coefficient.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> progress_description(SimpleNamespace(algorithm="grpo", kl_placement="loss", kl_coef=0.0))
+        'GRPO (KL in the loss, β=0)'
+    """
+    where = "in the loss, β" if config.kl_placement == "loss" else "in the reward, kl_coef"
+    return f"{config.algorithm.upper()} (KL {where}={config.kl_coef:g})"
+
+
+def progress_postfix(metrics: Sequence[dict[str, float]], episode: int) -> dict[str, Any]:
+    """The bar's numbers after an update: completions so far, the mean score (each policy's, in a sweep), and
+    with one policy its k1 sequence KL when a reference pass measured it: ``objective/kl``, the mean over
+    completions of ``Σ_t (log π − log π_ref)``, unbiased but single values can be negative.
+
+    Example:
+        >>> progress_postfix([{"objective/scores": 0.5, "objective/kl": -0.01}], episode=16)
+        {'episode': 16, 'score': '0.500', 'kl_k1': '-0.010'}
+        >>> progress_postfix([{"objective/scores": 0.5}, {"objective/scores": 0.25}], episode=16)
+        {'episode': 16, 'score': '0.500/0.250'}
+    """
+    postfix: dict[str, Any] = {
+        "episode": episode,
+        "score": "/".join(f"{m['objective/scores']:.3f}" for m in metrics),
+    }
+    if len(metrics) == 1 and "objective/kl" in metrics[0]:
+        postfix["kl_k1"] = f"{metrics[0]['objective/kl']:.3f}"
+    return postfix
+
+
+def sample_table(trainer: RLOOTrainer, rollout: Rollout) -> dict[str, float]:
+    """Save a table of sample completions, every ``num_sample_generations``-th of the run: of held-out prompts
+    when given (sampled without disturbing the training RNG), scored by the reward and, with a judge, by the
+    judge; else of this rollout. Returns the held-out means to log (``eval/score``, ``eval/judge_score``; none
+    without a judge). With a sharded base every process samples with the main one (each forward pass gathers
+    the layers)."""
+    parts = trainer.parts
+    parallelism, eval_prompts = parts.parallelism, parts.eval_prompts
+    if not parallelism.is_main_process and not (parallelism.shards_base and eval_prompts is not None):
+        return {}
+    held_out = {}
+    if eval_prompts is not None:
+        rows = JUDGED_EVAL_ROWS if parts.judge is not None else SAMPLE_TABLE_ROWS
+        devices = [parallelism.device] if parallelism.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            samples = parts.sampler.sample(parts.sampler.batch(eval_prompts[:rows]), k=1)
+        with torch.no_grad(), parallelism.autocast():
+            batch = parts.scorer.scoring_batch(samples, reward_trainer_state(trainer))
+            scores, extra = parts.reward.score(batch).total.tolist(), batch.reward_log.extra
+        if not parallelism.is_main_process:
+            return {}
+        if parts.judge is not None:
+            # as `marl evaluate` judges: a conversation's last message, not the chat template's text
+            texts = [
+                (
+                    prompt_text(row["prompt"])
+                    if "prompt" in (row := trainer.eval_dataset[index])
+                    else eval_prompts[index].text
+                )
+                + completion
+                for index, completion in enumerate(samples.completions)
+            ]
+            held_out = {
+                "eval/score": float(torch.tensor(scores).nanmean()),
+                "eval/judge_score": sum(parts.judge(texts)) / len(texts),
+            }
+    else:
+        samples, scores = rollout, rollout.scores.tolist()
+        extra = rollout.reward_log.extra if rollout.reward_log is not None else {}
+    rows = run_dir.sample_rows(samples.prompt_texts, samples.completions, scores, extra)[:SAMPLE_TABLE_ROWS]
+    run_dir.write_sample_table(trainer.output_dir, trainer.state.update, rows)
+    return held_out

@@ -133,11 +133,13 @@ def test_a_trl_config_converts_and_what_marl_does_not_honour_is_refused(tmp_path
 def test_every_preset_trains_a_tiny_model(tiny_llama_dir, tmp_path, algorithm):
     config = tiny_config(tmp_path / algorithm, algorithm=algorithm, stop_token="eos", kl_coef=0.05)
     trainer = build(tiny_llama_dir, config)
-    before = [parameter.detach().clone() for parameter in trainer.policy_parameters]
+    before = [parameter.detach().clone() for parameter in trainer.parts.policy_update.parameters]
     history = trainer.train()
-    assert len(history) == trainer.sizes.num_total_batches
+    assert len(history) == trainer.parts.sizes.num_total_batches
     assert all(torch.isfinite(torch.tensor(record["loss/policy_avg"])) for record in history)
-    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.policy_parameters, strict=True))
+    assert any(
+        not torch.equal(a, b) for a, b in zip(before, trainer.parts.policy_update.parameters, strict=True)
+    )
 
 
 def test_an_update_whose_completions_are_mostly_truncated_and_masked_warns(tiny_llama_dir, tmp_path):

@@ -205,7 +205,7 @@ def test_bad_settings_are_one_line_errors(settings, message):
 
 
 def test_sampler_without_logprobs_is_refused_before_model_work():
-    from marl.train.build import check_components
+    from marl.train.training_parts import check_components
 
     check_components(RLOOConfig(algorithm="grpo", vllm_importance_sampling_correction=True, sampler="graph"))
     with pytest.raises(ConfigError, match="--sampler 'transformers' keeps none"):

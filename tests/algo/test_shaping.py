@@ -20,7 +20,7 @@ from marl.algo.shaping import GDPO_STD_EPSILON, PerRewardNormalization, reward_n
 from marl.algo.tensors import sequence_kl, standardize
 from marl.config import RLOOConfig
 from marl.errors import ConfigError
-from marl.train.build import check_components
+from marl.train.training_parts import check_components
 
 NAN = math.nan
 

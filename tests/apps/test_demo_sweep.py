@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from marl.apps.cli import demo_main
-from marl.train.phase_guard import is_measurement
+from marl.train.memory_guard import is_measurement
 
 ADAPTER = "adapter_model.safetensors"
 # Two updates of 8 completions (2 prompts × k=4) of 8 tokens, 3 held-out prompts: the demo's path, short.

@@ -203,7 +203,7 @@ def test_the_folder_a_real_sweep_writes_is_ranked(tiny_llama_dir, tmp_path):
 
     from marl.apps.cli import evaluate_main
     from marl.config.sweep import parse_sweep
-    from marl.train.sweep import SweepTrainer, build_sweep_model
+    from marl.train.sweep_trainer import SweepTrainer, build_sweep_model
 
     from support.runs import count_e, prompt_dataset, tiny_config
 

@@ -33,14 +33,15 @@ def test_short_quantized_bf16_run_on_cuda_keeps_packing_on_and_trains(tiny_llama
     config = tiny_config(tmp_path / "run", quantization=quantization, bf16=True, total_episodes=32)
     trainer = build(tiny_llama_dir, config)
     assert trainer.model.device.type == "cuda"
-    assert trainer.scorer.share_prompt_prefix, "prefix packing switched itself off on CUDA in bf16"
-    before = [parameter.detach().clone() for parameter in trainer.policy_parameters]
+    assert trainer.parts.scorer.share_prompt_prefix, "prefix packing switched itself off on CUDA in bf16"
+    before = [parameter.detach().clone() for parameter in trainer.parts.policy_update.parameters]
     history = trainer.train()
     assert trainer.state.skipped_optimizer_steps == 0
     assert all(torch.isfinite(torch.tensor(record["objective/rlhf_reward"])) for record in history)
     assert history[0]["val/ratio_first"] == pytest.approx(1.0, abs=1e-2)
     moved = max(
-        float((p.detach() - b).abs().max()) for p, b in zip(trainer.policy_parameters, before, strict=True)
+        float((p.detach() - b).abs().max())
+        for p, b in zip(trainer.parts.policy_update.parameters, before, strict=True)
     )
     assert moved > 0
 

@@ -305,9 +305,11 @@ def test_several_terminators_all_stop_the_rollout(family_dir, tmp_path):
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [0.0] * len(c))
     terminators = set(FAMILY_SPECS["llama3"].terminators)
     terminator_ids = set(tokenizer.convert_tokens_to_ids(sorted(terminators)))
-    assert set(trainer.sampler.sampling.stop_token_ids) == terminator_ids and len(terminator_ids) == 3
+    assert set(trainer.parts.sampler.sampling.stop_token_ids) == terminator_ids and len(terminator_ids) == 3
     torch.manual_seed(0)
-    rollout = collect_rollout(trainer.sampler, trainer.scorer, trainer.train_prompts, 2, trainer.reward)
+    rollout = collect_rollout(
+        trainer.parts.sampler, trainer.parts.scorer, trainer.parts.train_prompts, 2, trainer.parts.reward
+    )
     ended_by = set()
     for row, valid, stopped in zip(
         rollout.response_ids, rollout.response_mask, rollout.contains_stop, strict=True

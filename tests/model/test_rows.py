@@ -34,6 +34,8 @@ from marl.model.rows import pack_rows, probe_tolerance, read_slots
 from marl.rollout.collect import collect_rollout
 from marl.rollout.samplers import SamplerSettings, TransformersSampler
 from marl.rollout.scoring import Scorer
+from marl.train.trainer import update_policies
+from marl.train.training_parts import UpdatePart
 
 from support.families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance
 from support.tiny import save_reward_adapter, tiny_rloo_config
@@ -187,19 +189,27 @@ def test_a_whole_update_is_the_same_with_and_without_sharing(checkpointing, tiny
         return RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c])
 
     shared, unshared = trainer_for(True, tmp_path / "a"), trainer_for(False, tmp_path / "b")
-    assert shared.policy_update.grouped_micro_batches and unshared.policy_update.grouped_micro_batches
-    assert shared.scorer.share_prompt_prefix and not unshared.scorer.share_prompt_prefix
+    assert (
+        shared.parts.policy_update.grouped_micro_batches
+        and unshared.parts.policy_update.grouped_micro_batches
+    )
+    assert shared.parts.scorer.share_prompt_prefix and not unshared.parts.scorer.share_prompt_prefix
     with torch.no_grad():  # one starting point
-        for a, b in zip(shared.policy_parameters, unshared.policy_parameters, strict=True):
+        for a, b in zip(
+            shared.parts.policy_update.parameters, unshared.parts.policy_update.parameters, strict=True
+        ):
             b.copy_(a)
     torch.manual_seed(1)
-    rollout = collect_rollout(unshared.sampler, unshared.scorer, unshared.train_prompts, 2, unshared.reward)
+    rollout = collect_rollout(
+        unshared.parts.sampler, unshared.parts.scorer, unshared.parts.train_prompts, 2, unshared.parts.reward
+    )
     advantages = torch.linspace(-1.0, 1.0, rollout.prompt_index.shape[0])
     results = []
     for trainer in (shared, unshared):
         torch.manual_seed(2)
-        stats = trainer._update(copy.deepcopy(rollout), advantages)
-        results.append(([p.detach().clone() for p in trainer.policy_parameters], stats))
+        part = UpdatePart(trainer.parts.policy_update, copy.deepcopy(rollout), advantages)
+        stats = update_policies([part], trainer.phases, update=1)[0][0]
+        results.append(([p.detach().clone() for p in trainer.parts.policy_update.parameters], stats))
     (shared_weights, shared_stats), (unshared_weights, unshared_stats) = results
     assert float(shared_stats.first_ratio) == pytest.approx(float(unshared_stats.first_ratio), abs=1e-5)
     # Adam divides by the gradient's own scale: a coordinate whose gradient is ~0 turns summation-order noise
@@ -231,10 +241,14 @@ def test_the_rows_order_of_an_update_does_not_depend_on_packing(tiny_llama_dir, 
         )
         torch.manual_seed(1)
         rollout = collect_rollout(
-            trainer.sampler, trainer.scorer, trainer.train_prompts[:12], 2, trainer.reward
+            trainer.parts.sampler,
+            trainer.parts.scorer,
+            trainer.parts.train_prompts[:12],
+            2,
+            trainer.parts.reward,
         )
         torch.manual_seed(2)
-        return trainer.policy_update.shuffled_rows(rollout).tolist()
+        return trainer.parts.policy_update.shuffled_rows(rollout).tolist()
 
     grouped = order(True, 4)
     assert order(False, 4) == grouped

@@ -207,7 +207,7 @@ def test_the_trainer_plan_uses_the_longest_prompt_and_the_card_shows_it(tiny_lla
     trainer = RLOOTrainer(config, model, load_tokenizer(model.name_or_path), [{"prompt": p} for p in prompts],
                           reward_funcs=lambda prompts, completions, **_: [1.0] * len(prompts))  # fmt: skip
     plan = plan_for_trainer(trainer)
-    assert plan.target.prompt_length == max(len(prompt.ids) for prompt in trainer.train_prompts)
+    assert plan.target.prompt_length == max(len(prompt.ids) for prompt in trainer.parts.train_prompts)
     card = str(memory_card_with_plan(trainer))
     assert "predicted peak" in card and "marl plan" in card
     assert "the predicted peak includes activations and KV cache" in card

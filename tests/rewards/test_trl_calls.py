@@ -328,7 +328,7 @@ def test_logging_errors_name_the_function_and_the_fix():
     from marl.errors import DataError
     from marl.rewards import FunctionReward
     from marl.rewards.trl_calls import RewardLog
-    from marl.train.reward_state import reward_function_metrics
+    from marl.train.training_parts import reward_function_metrics
 
     def not_a_number(completions, log_metric, **kwargs):
         log_metric("length", "long")

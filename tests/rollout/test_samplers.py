@@ -49,8 +49,8 @@ from marl.rollout.samplers import (
     get_sampler,
     register_sampler,
 )
-from marl.train.build import check_components
-from marl.train.phase_guard import is_measurement
+from marl.train.memory_guard import is_measurement
+from marl.train.training_parts import check_components
 
 from support.families import DTYPES, FAMILIES, FAMILY_SPECS, logprob_tolerance, position_ids_from_mask
 from support.runs import build, tiny_config
@@ -108,7 +108,7 @@ def test_a_registered_sampler_samples_every_rollout_and_hears_of_every_optimizer
     # 2 updates of 8 prompts x k=2; 2 epochs x 2 mini-batches: 4 optimizer steps per update
     config = tiny_config(tmp_path / "run", total_episodes=32, sampler=counting_sampler)
     trainer = build(tiny_llama_dir, config)
-    sampler = trainer.sampler
+    sampler = trainer.parts.sampler
     assert isinstance(sampler, CountingSampler)
     assert sampler.settings.temperature == config.temperature and sampler.settings.rows_per_pass == 64
     history = trainer.train()
@@ -129,7 +129,7 @@ def test_skipped_optimizer_steps_do_not_notify_the_sampler(tiny_llama_dir, tmp_p
     with pytest.warns(RuntimeWarning, match="no reward source judged"):
         trainer.train()
     assert trainer.state.skipped_optimizer_steps == 4
-    assert len(trainer.sampler.sampled) == 1 and trainer.sampler.notified == []
+    assert len(trainer.parts.sampler.sampled) == 1 and trainer.parts.sampler.notified == []
 
 
 class OutsideStaticSampler(StaticSampler):
@@ -506,7 +506,7 @@ def test_training_with_the_graph_sampler_reproduces_the_static_sampler(tiny_llam
     graph = tmp_path / "graph"
     trainer = build(tiny_llama_dir, tiny_config(graph, total_episodes=32, sampler="graph"))
     trainer.train()
-    assert trainer.sampler.path == "eager"  # on a CPU
+    assert trainer.parts.sampler.path == "eager"  # on a CPU
     assert metrics(graph) == metrics(static)
     adapter = "adapter_model.safetensors"
     assert (graph / adapter).read_bytes() == (static / adapter).read_bytes()
@@ -552,5 +552,8 @@ def test_a_capture_that_fails_decodes_eager_and_logs_why(family_dir, caplog):
 def test_the_trainer_passes_graph_capture_to_the_graph_sampler(tiny_llama_dir, tmp_path):
     config = tiny_config(tmp_path / "run", sampler="graph", graph_capture="cuda_graphs")
     trainer = build(tiny_llama_dir, config)
-    assert trainer.sampler.settings.graph_capture == "cuda_graphs"
-    assert trainer.sampler.path == "eager" and "CUDA graphs need a CUDA device" in trainer.sampler.path_reason
+    assert trainer.parts.sampler.settings.graph_capture == "cuda_graphs"
+    assert (
+        trainer.parts.sampler.path == "eager"
+        and "CUDA graphs need a CUDA device" in trainer.parts.sampler.path_reason
+    )

@@ -64,7 +64,7 @@ def test_a_bf16_run_with_the_graph_sampler_samples_on_cuda_graphs(tiny_llama_dir
         tiny_llama_dir, tiny_config(tmp_path / "run", bf16=True, total_episodes=32, sampler="graph")
     )
     history = trainer.train()
-    assert trainer.sampler.path == "compiled+graphs", trainer.sampler.path_reason
+    assert trainer.parts.sampler.path == "compiled+graphs", trainer.parts.sampler.path_reason
     assert all(torch.isfinite(torch.tensor(record["objective/rlhf_reward"])) for record in history)
 
 
@@ -100,6 +100,8 @@ def test_a_bf16_run_with_graph_capture_cuda_graphs_samples_on_plain_cuda_graphs(
     )
     trainer = build(tiny_llama_dir, config)
     history = trainer.train()
-    assert trainer.sampler.path == "eager+graphs", trainer.sampler.path_reason
-    assert trainer.sampler.capture_seconds and all(s > 0 for s in trainer.sampler.capture_seconds.values())
+    assert trainer.parts.sampler.path == "eager+graphs", trainer.parts.sampler.path_reason
+    assert trainer.parts.sampler.capture_seconds and all(
+        s > 0 for s in trainer.parts.sampler.capture_seconds.values()
+    )
     assert all(torch.isfinite(torch.tensor(record["objective/rlhf_reward"])) for record in history)

@@ -176,7 +176,7 @@ def run_cli(
 
 def metrics_without_eps(output_dir: Path) -> list[dict]:
     """The metrics two runs of one command on CPU agree on: without eps and the measured memory peaks."""
-    from marl.train.phase_guard import is_measurement
+    from marl.train.memory_guard import is_measurement
 
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     return [{key: value for key, value in record.items() if not is_measurement(key)} for record in records]

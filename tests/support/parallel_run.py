@@ -25,6 +25,8 @@ from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.model.memory import stored_bytes
 from marl.rollout.completions import Rollout, Samples
 from marl.train import parallel
+from marl.train.trainer import update_policies
+from marl.train.training_parts import UpdatePart
 
 PROMPTS, K = 4, 2
 
@@ -86,8 +88,8 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, opt
     local_rows = local_rows[:, rank * PROMPTS // world : (rank + 1) * PROMPTS // world].reshape(-1)
     samples = fixed_samples().select(local_rows)
     samples.prompt_index = torch.arange(PROMPTS // world).repeat(K)
-    logprobs, ref_logprobs = trainer.scorer.logprobs(samples)
-    scores = trainer.reward.score(trainer.scorer.scoring_batch(samples)).total
+    logprobs, ref_logprobs = trainer.parts.scorer.logprobs(samples)
+    scores = trainer.parts.reward.score(trainer.parts.scorer.scoring_batch(samples)).total
     rollout = Rollout(**vars(samples), logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores,
                       source_scores=scores[:, None])  # fmt: skip
     advantages = torch.linspace(-1.0, 1.0, PROMPTS * K)[local_rows]
@@ -95,18 +97,20 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, opt
     # the first step's gradient, averaged over processes in the backward pass
     model.train()
     with model.policy():
-        new = trainer.scorer.completion_logprobs(rollout, None)
-    trainer.parallelism.backward(-(new.sum(dim=1) * advantages).mean())
-    gradient = torch.cat([parallel.full(p.grad).flatten() for p in trainer.policy_parameters])
-    trainer.optimizer.zero_grad(set_to_none=True)
+        new = trainer.parts.scorer.completion_logprobs(rollout, None)
+    trainer.parts.parallelism.backward(-(new.sum(dim=1) * advantages).mean())
+    gradient = torch.cat([parallel.full(p.grad).flatten() for p in trainer.parts.policy_update.parameters])
+    trainer.parts.policy_update.optimizer.zero_grad(set_to_none=True)
     model.eval()
 
     for update in (1, 2):
-        trainer.policy_update.run(rollout, advantages, update=update)
-    adapter = parallel.full_policy_state(model, trainer.policy)
+        update_policies(
+            [UpdatePart(trainer.parts.policy_update, rollout, advantages)], trainer.phases, update
+        )
+    adapter = parallel.full_policy_state(model, trainer.parts.policy)
     peft_model = model.peft_model
     report = {
-        "world": trainer.parallelism.num_processes,
+        "world": trainer.parts.parallelism.num_processes,
         "rows": local_rows.tolist(),
         "logprobs": logprobs.tolist(),
         "ref_logprobs": ref_logprobs.tolist(),
@@ -116,13 +120,13 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, opt
         "bytes_before": base_bytes,
         "bytes_held": base_parameter_bytes(model),
         "constant_bytes": quantization_constant_bytes(model),
-        "mixed_precision": trainer.parallelism.accelerator.mixed_precision,
+        "mixed_precision": trainer.parts.parallelism.accelerator.mixed_precision,
         "gradient_checkpointing": model.gradient_checkpointing,
         "tied": peft_model.get_output_embeddings().weight is peft_model.get_input_embeddings().weight,
     }
     with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
         json.dump(report, handle)
-    trainer.parallelism.finish()
+    trainer.parts.parallelism.finish()
 
 
 if __name__ == "__main__":

@@ -58,18 +58,18 @@ def main(model_dir: str, reward_dir: str, output_dir: str, parallelism: str, sam
     held_out = datasets.Dataset.from_dict({"prompt": [f"held out {i}" for i in range(4)]})
     trainer = RLOOTrainer(config, model, tokenizer, prompts, held_out)
     lengths: list[list[int]] = []
-    sample = trainer.sampler.sample
+    sample = trainer.parts.sampler.sample
 
     def recording_sample(*arguments, **options):
         samples = sample(*arguments, **options)
         lengths.append(samples.response_mask.sum(dim=1).tolist())
         return samples
 
-    trainer.sampler.sample = recording_sample
+    trainer.parts.sampler.sample = recording_sample
     trainer.train()
     adapter = load_file(Path(output_dir, "adapter_model.safetensors"))  # written by the run
     report = {
-        "world": trainer.parallelism.num_processes,
+        "world": trainer.parts.parallelism.num_processes,
         "lengths": lengths,
         "adapter": torch.cat([adapter[key].flatten() for key in sorted(adapter)]).tolist(),
     }

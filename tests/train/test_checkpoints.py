@@ -143,7 +143,7 @@ def train_fp16(model_dir, output_dir, device, *, resume=None, after_update=None)
         reward_funcs=lambda prompts, completions: [float(text.count("e")) for text in completions],
     )
     if after_update is not None:
-        trainer.callbacks.append(lambda state, metrics: after_update(trainer, state.update))
+        trainer.parts.callbacks.append(lambda state, metrics: after_update(trainer, state.update))
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -156,7 +156,7 @@ def test_an_fp16_run_resumes_with_its_loss_scale(tiny_llama_dir, tmp_path):
 
     def lower_the_scale(trainer, update):
         if update == 1:  # as if overflows had backed it off: 2**16 -> 2**9
-            trainer.accelerator.scaler.update(new_scale=512.0)
+            trainer.parts.parallelism.accelerator.scaler.update(new_scale=512.0)
 
     device = torch.device("cuda", torch.cuda.current_device())
     train_fp16(tiny_llama_dir, tmp_path / "full", device, after_update=lower_the_scale)
@@ -167,5 +167,5 @@ def test_an_fp16_run_resumes_with_its_loss_scale(tiny_llama_dir, tmp_path):
     assert torch.load(tmp_path / "resumed" / "checkpoint-2" / checkpoints.SCALER_FILE) == torch.load(
         scaler_files[1]
     )
-    for parameter in resumed.policy_parameters:
-        assert resumed.optimizer.state[parameter]["step"].device == torch.device("cpu")
+    for parameter in resumed.parts.policy_update.parameters:
+        assert resumed.parts.policy_update.optimizer.state[parameter]["step"].device == torch.device("cpu")

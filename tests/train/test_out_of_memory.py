@@ -1,6 +1,6 @@
 """An out-of-memory error in a phase (torch's own ``OutOfMemoryError``, raised at a chosen forward pass by the
-``MARL_TEST_OUT_OF_MEMORY`` hook of :mod:`marl.train.phase_guard`): the phase runs again at half its size, the
-run goes on and ends as a run started at that size ends; at the smallest size the run checkpoints its last
+``MARL_TEST_OUT_OF_MEMORY`` hook of :mod:`marl.train.memory_guard`): the phase runs again at half its size,
+the run goes on and ends as a run started at that size ends; at the smallest size the run checkpoints its last
 completed update and stops, and resuming finishes it as an uninterrupted run."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from marl.errors import OUT_OF_MEMORY_EXIT_CODE, PhaseMemoryError
-from marl.train.phase_guard import TEST_HOOK
+from marl.train.memory_guard import TEST_HOOK
 
 from support.runs import build, tiny_config
 
@@ -32,11 +32,11 @@ def largest_difference(first, second) -> float:
 
 
 def halve_sampling(trainer):
-    trainer.sampler.settings = dataclasses.replace(trainer.sampler.settings, rows_per_pass=4)
+    trainer.parts.sampler.settings = dataclasses.replace(trainer.parts.sampler.settings, rows_per_pass=4)
 
 
 def halve_scoring(trainer):
-    trainer.scorer.rows_per_pass = 4
+    trainer.parts.scorer.rows_per_pass = 4
 
 
 @pytest.mark.parametrize(
@@ -105,7 +105,7 @@ def test_out_of_memory_at_the_smallest_size_checkpoints_and_resuming_finishes_th
 
 def test_the_hook_raises_torchs_own_error_and_refuses_a_bad_spec(monkeypatch):
     from marl.errors import ConfigError
-    from marl.train.phase_guard import PhaseGuard, Resizable
+    from marl.train.memory_guard import PhaseGuard, Resizable
 
     embeddings = torch.nn.Embedding(4, 2)
     monkeypatch.setenv(TEST_HOOK, "scoring:1")
@@ -167,7 +167,7 @@ def test_a_sweeps_update_out_of_memory_is_run_again_for_every_policy(tiny_llama_
     from transformers import AutoTokenizer
 
     from marl.config.sweep import parse_sweep
-    from marl.train.sweep import SweepTrainer, build_sweep_model
+    from marl.train.sweep_trainer import SweepTrainer, build_sweep_model
 
     from support.runs import count_e, prompt_dataset
 

@@ -10,8 +10,8 @@ from transformers import AutoTokenizer
 
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.errors import ConfigError
-from marl.train.build import build_training_parts, check_components
 from marl.train.parallel import PARALLELISMS, ReplicatedParallelism, get_parallelism, register_parallelism
+from marl.train.training_parts import build_training_parts, check_components
 
 from support.tiny import tiny_rloo_config
 
@@ -65,13 +65,13 @@ def test_a_parallelism_registered_outside_the_package_runs_every_optimizer_step(
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     model = MultiAdapterModel.from_config(config)
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=lambda p, c: [len(x) for x in c])
-    assert isinstance(trainer.parallelism, CountingParallelism)
+    assert isinstance(trainer.parts.parallelism, CountingParallelism)
     history = trainer.train()
     assert [record["update"] for record in history] == [1, 2]
     # 2 updates × 2 epochs × 2 mini-batches, none skipped; each step accumulates 2 micro-batches, and every
     # micro-batch's backward goes through the parallelism (which averages its gradients over processes)
     assert trainer.global_step == 8 and trainer.state.skipped_optimizer_steps == 0
-    assert trainer.parallelism.backward_passes == 16
+    assert trainer.parts.parallelism.backward_passes == 16
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])

@@ -36,8 +36,8 @@ def one_update(model_dir, output_dir, preset, overrides, forced: bool):
     config = tiny_config(output_dir, algorithm=preset, **{**settings, **overrides})
     trainer = build(model_dir, config)
     if forced:
-        trainer.scorer.passes = ALL_PASSES
-    update, gradients = trainer.policy_update, []
+        trainer.parts.scorer.passes = ALL_PASSES
+    update, gradients = trainer.parts.policy_update, []
     step = update.optimizer_step
 
     def recording_step(loss_finite):
@@ -51,9 +51,9 @@ def one_update(model_dir, output_dir, preset, overrides, forced: bool):
 @pytest.mark.parametrize(("preset", "overrides"), CASES, ids=[case_id(*case) for case in CASES])
 def test_skipping_a_pass_changes_no_loss_gradient_or_metric(tiny_llama_dir, tmp_path, preset, overrides):
     trainer, skipped, skipped_grads = one_update(tiny_llama_dir, tmp_path / "skip", preset, overrides, False)
-    assert trainer.scorer.passes == EXPECTED[case_id(preset, overrides)]
+    assert trainer.parts.scorer.passes == EXPECTED[case_id(preset, overrides)]
     _, forced, forced_grads = one_update(tiny_llama_dir, tmp_path / "forced", preset, overrides, True)
-    assert len(skipped_grads) == len(forced_grads) == trainer.sizes.optimizer_steps_per_update
+    assert len(skipped_grads) == len(forced_grads) == trainer.parts.sizes.optimizer_steps_per_update
     for skipped_step, forced_step in zip(skipped_grads, forced_grads, strict=True):
         for skipped_grad, forced_grad in zip(skipped_step, forced_step, strict=True):
             torch.testing.assert_close(skipped_grad, forced_grad, rtol=0, atol=1e-6)
@@ -68,7 +68,7 @@ def test_skipping_a_pass_changes_no_loss_gradient_or_metric(tiny_llama_dir, tmp_
         "policy/entropy_avg",
     ):
         assert skipped[name] == pytest.approx(forced[name], rel=1e-5, abs=1e-5), name
-    if trainer.scorer.passes.reference:
+    if trainer.parts.scorer.passes.reference:
         assert skipped["objective/kl"] == pytest.approx(forced["objective/kl"], abs=1e-5)
     else:  # no reference pass, no KL to report (as TRL logs none at beta = 0)
         assert "objective/kl" not in skipped and skipped["objective/non_score_reward"] == 0
@@ -91,7 +91,7 @@ def count_forwards(trainer, monkeypatch) -> list[tuple[str, bool]]:
         calls.append((what, torch.is_grad_enabled()))
 
     decoder.register_forward_pre_hook(record, with_kwargs=True)
-    sample = trainer.sampler.sample
+    sample = trainer.parts.sampler.sample
 
     def marked_sample(*args, **kwargs):
         sampling.append(True)
@@ -100,7 +100,7 @@ def count_forwards(trainer, monkeypatch) -> list[tuple[str, bool]]:
         finally:
             sampling.clear()
 
-    monkeypatch.setattr(trainer.sampler, "sample", marked_sample)
+    monkeypatch.setattr(trainer.parts.sampler, "sample", marked_sample)
     trainer.train()
     return calls
 
@@ -116,7 +116,7 @@ def count_forwards(trainer, monkeypatch) -> list[tuple[str, bool]]:
 def test_only_the_needed_forwards_run(tiny_llama_dir, tmp_path, monkeypatch, preset, overrides, scoring):
     settings = dict(num_ppo_epochs=None, num_mini_batches=1, total_episodes=8, stop_token="eos")
     trainer = build(tiny_llama_dir, tiny_config(tmp_path, algorithm=preset, **{**settings, **overrides}))
-    policy = trainer.policy
+    policy = trainer.parts.policy
     calls = count_forwards(trainer, monkeypatch)
     assert any(what == "sample" for what, _ in calls)
     no_grad = [

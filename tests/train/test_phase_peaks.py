@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from marl.model.process_memory import IMPORTS_RSS_BYTES
-from marl.train.phase_guard import MB, PhaseGuard, Resizable
+from marl.train.memory_guard import MB, PhaseGuard, Resizable
 
 from support.runs import build, tiny_config
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from marl.train.phase_guard import is_measurement
+from marl.train.memory_guard import is_measurement
 
 from support.runs import build, tiny_config
 
@@ -44,7 +44,7 @@ def test_a_run_killed_11_minutes_after_its_last_step_checkpoint_resumes_from_the
     for minutes, expected in [(0, ["checkpoint-2"]), (10, ["checkpoint-2", "checkpoint-3"])]:
         trainer = build(tiny_llama_dir, tiny_config(run, **settings, save_minutes=minutes))
         trainer.save_schedule.clock = lambda trainer=trainer: ends[trainer.state.update]
-        trainer.callbacks.append(crash_at(4))  # killed during update 4, before its checkpoint
+        trainer.parts.callbacks.append(crash_at(4))  # killed during update 4, before its checkpoint
         with pytest.raises(Crash):
             trainer.train(overwrite_output_dir=True)
         assert sorted(path.name for path in run.glob("checkpoint-*")) == expected

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from marl.train.phase_guard import is_measurement
+from marl.train.memory_guard import is_measurement
 
 from support.processes import run_two_processes
 

@@ -24,11 +24,12 @@ from marl.config.sweep import parse_sweep
 from marl.errors import ConfigError
 from marl.rollout.scoring import Scorer
 from marl.train.curves import CURVES_FILE, SUMMARY_FILE
-from marl.train.phase_guard import is_measurement
-from marl.train.sweep import SweepTrainer, build_sweep_model
-from marl.train.trainer import RLOOTrainer
-from marl.train.update import UpdatePart, accumulate
+from marl.train.memory_guard import is_measurement
+from marl.train.sweep_trainer import SweepTrainer, build_sweep_model
+from marl.train.trainer import RLOOTrainer, update_policies
+from marl.train.training_parts import UpdatePart
 
+from support.backward_stack import frames_below, record_backward_stacks
 from support.families import FAMILIES, FAMILY_SPECS, logprob_tolerance
 from support.runs import PROMPTS, build, count_e, prompt_dataset, tiny_config
 
@@ -62,6 +63,20 @@ def test_a_sweep_of_one_policy_is_its_own_run_bit_for_bit(tiny_llama_dir, tmp_pa
     assert (tmp_path / "sweep" / SUMMARY_FILE).is_file() and (tmp_path / "sweep" / CURVES_FILE).is_file()
 
 
+def test_a_sweeps_policy_loss_backward_is_at_most_five_marl_frames_below_its_train(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """A sweep runs the trainer's loop: from ``SweepTrainer.train`` to each policy's backward (the
+    parallelism's included) as many marl frames as from ``RLOOTrainer.train`` in a run."""
+    stacks = record_backward_stacks(monkeypatch)
+    sweep(tiny_llama_dir, ["learning_rate=1e-2,2e-2"], tmp_path / "sweep", total_episodes=16).train()
+    assert len(stacks) == 2 * 8  # two policies, 2 epochs x 2 mini-batches x 2 micro-batches each
+    for stack in stacks:
+        frames = frames_below(stack, "marl/train/sweep_trainer.py:train")
+        assert len(frames) <= 5 and frames[-1] == "marl/train/parallel.py:backward", frames
+        assert "marl/train/trainer.py:train_policies" in frames  # the trainer's own loop
+
+
 def test_a_member_of_a_sweep_of_two_is_not_its_solo_run_one_random_stream(tiny_llama_dir, tmp_path):
     """What the claim "each policy gets exactly its solo gradients" does not say: the update of the same rows
     is the solo run's (the tests below), but the rows are not: both policies' tokens are drawn from one random
@@ -83,7 +98,7 @@ def test_a_sweeps_memory_card_counts_every_policys_training_state(tiny_llama_dir
 
     trainer = sweep(tiny_llama_dir, ["learning_rate=1e-2,2e-2,3e-2"], tmp_path / "sweep")
     card = memory_card_with_plan(trainer)
-    alone = [trainer.model.memory_report(run.policy) for run in trainer.trainers]
+    alone = [trainer.model.memory_report(run.parts.policy) for run in trainer.trainers]
     assert card.optimizer_state_bytes == sum(report.optimizer_state_bytes for report in alone)
     assert card.trainable_parameters == 3 * alone[0].trainable_parameters
     assert "3 policies" in str(card)
@@ -99,10 +114,10 @@ def test_an_adapter_learns_only_from_its_own_rows(tiny_llama_dir, tmp_path):
     trainer = sweep(tiny_llama_dir, ["reward_weights=1,0"], tmp_path, kl_coef=0.0)
     start = {
         member.config.policy_adapter_name: [p.detach().clone() for p in trainer.model.policy_parameters(name)]
-        for member, name in zip(trainer.members, [t.policy for t in trainer.trainers], strict=True)
+        for member, name in zip(trainer.members, [t.parts.policy for t in trainer.trainers], strict=True)
     }
     trainer.train()
-    learning, idle = (trainer.trainers[0].policy, trainer.trainers[1].policy)
+    learning, idle = (trainer.trainers[0].parts.policy, trainer.trainers[1].parts.policy)
     assert any(
         not torch.equal(before, after)
         for before, after in zip(start[learning], trainer.model.policy_parameters(learning), strict=True)
@@ -153,18 +168,26 @@ def update_parts(trainers, rollouts, policies: list[int]) -> list[UpdatePart]:
     for index, trainer, rollout in zip(policies, trainers, rollouts, strict=True):
         generator = torch.Generator().manual_seed(index)
         advantages = torch.randn(rollout.response_ids.shape[0], generator=generator)
-        part = UpdatePart(trainer.policy_update, copy.deepcopy(rollout), advantages)
-        part.prepare(update=1)
-        made.append(part)
+        made.append(UpdatePart(trainer.parts.policy_update, copy.deepcopy(rollout), advantages))
     return made
 
 
-def accumulated(model: MultiAdapterModel, parts: list[UpdatePart], minis: list[torch.Tensor]):
-    model.train()
-    finite = accumulate(parts, minis)
-    model.eval()
-    assert all(finite)
-    return gradients(model, [part.step.policy for part in parts])
+def accumulated(guard, model: MultiAdapterModel, parts: list[UpdatePart], minis: list[torch.Tensor]):
+    """The gradients the update loop (:func:`update_policies`) accumulates over one mini-batch, each part's
+    rows in the order ``minis`` gives, read at the optimizer step (which is not taken)."""
+    grads = {}
+    for part, rows in zip(parts, minis, strict=True):
+
+        def keep(loss_finite: bool, policy: str = part.step.policy) -> bool:
+            assert loss_finite
+            grads.update(gradients(model, [policy]))
+            return False
+
+        part.step.shuffled_rows = lambda rollout, rows=rows: rows
+        part.step.optimizer_step = keep
+    update_policies(parts, guard, update=1)
+    assert not model.peft_model.training and set(grads) == {part.step.policy for part in parts}
+    return grads
 
 
 def assert_sweep_update_is_each_policys_solo_update(directory: Path, tmp_path: Path, family: str, **settings):
@@ -204,13 +227,13 @@ def assert_sweep_update_is_each_policys_solo_update(directory: Path, tmp_path: P
     minis = [torch.tensor([0, 4, 1, 5, 2, 6, 3, 7]), torch.tensor([3, 7, 0, 4, 2, 6, 1, 5])]
 
     swept = update_parts(trainer.trainers, rollouts, [0, 1])
-    sweep_grads = accumulated(model, swept, minis)
+    sweep_grads = accumulated(trainer.trainers[0].phases, model, swept, minis)
     for index, (member, name) in enumerate(zip(members, policies, strict=True)):
         alone = solo_model(directory, family, name, weights[name], dtype)
         run = RLOOTrainer(member.config, alone, tokenizer, prompts, reward_funcs=count_e)
         solo = update_parts([run], [rollouts[index]], [index])
         assert solo[0].advantages.equal(swept[index].advantages)
-        solo_grads = accumulated(alone, solo, [minis[index]])
+        solo_grads = accumulated(run.phases, alone, solo, [minis[index]])
         for field in STAT_FIELDS:
             assert torch.equal(
                 torch.as_tensor(getattr(swept[index].stats, field)),
@@ -254,7 +277,7 @@ def test_the_sweep_update_gives_the_heap_back_after_each_policys_micro_batch(
     """On CPU, after each policy's micro-batch of a sweep (2 policies x 2 micro-batch steps: 4 times), and
     never in a single run's update; the gradients stay each policy's solo ones."""
     released = []
-    monkeypatch.setattr("marl.train.update.release_freed_memory", lambda: released.append(True))
+    monkeypatch.setattr("marl.train.trainer.release_freed_memory", lambda: released.append(True))
     assert_sweep_update_is_each_policys_solo_update(family_dir("llama"), tmp_path, "llama")
     assert len(released) == 4  # the two solo updates of the check above released nothing
 
@@ -320,7 +343,7 @@ def test_policies_on_the_same_prompts_compute_each_prompt_once_in_the_reference_
     prompts_per_policy = int(shared[0].prompt_index.max()) + 1
     # both policies' rows of a prompt in one packed sequence: not where that passes a sliding window
     merged = [torch.cat([getattr(part, name) for part in shared]) for name in ("prompt_mask", "response_ids")]
-    if trainer.trainers[0].scorer.can_pack(*merged, torch.cat([part.prompt_index for part in shared])):
+    if trainer.trainers[0].parts.scorer.can_pack(*merged, torch.cat([part.prompt_index for part in shared])):
         assert sorted(groups_seen) == sorted(
             [
                 ("policy", 2 * prompts_per_policy),

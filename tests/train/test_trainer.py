@@ -17,9 +17,11 @@ from marl.algo.metrics import TRL_ROLLOUT_METRICS
 from marl.data.prompts import Prompt
 from marl.errors import ConfigError, DataError
 from marl.rollout.collect import collect_rollout
-from marl.train.phase_guard import PHASES, is_measurement
-from marl.train.sample_tables import JUDGED_EVAL_ROWS
+from marl.train.memory_guard import PHASES, is_measurement
+from marl.train.trainer import JUDGED_EVAL_ROWS, update_policies
+from marl.train.training_parts import UpdatePart
 
+from support.backward_stack import frames_below, record_backward_stacks
 from support.runs import PROMPTS, abstain_on_every_fourth, build, count_e, prompt_dataset, tiny_config
 
 RLOO_METRICS = {
@@ -132,17 +134,42 @@ def test_a_grpo_run_logs_trls_kl_and_entropy_metrics_every_update(tiny_llama_dir
 def test_warmup_steps_count_updates_as_in_trls_rloo(tiny_llama_dir, tmp_path):
     """warmup_steps=1 with 2 epochs × 2 mini-batches warms up over the 4 optimizer steps of one update."""
     trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run", warmup_steps=1))
-    factors = [trainer.lr_scheduler.scheduler.lr_lambdas[0](step) for step in range(6)]
+    factors = [trainer.parts.policy_update.scheduler.scheduler.lr_lambdas[0](step) for step in range(6)]
     assert factors[:5] == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0])
     assert factors[5] < 1.0  # then the linear decay
 
 
 def test_an_update_that_fails_leaves_the_model_in_eval_mode(tiny_llama_dir, tmp_path):
     trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run"))
-    rollout = collect_rollout(trainer.sampler, trainer.scorer, trainer.train_prompts[:8], 2, trainer.reward)
+    rollout = collect_rollout(
+        trainer.parts.sampler, trainer.parts.scorer, trainer.parts.train_prompts[:8], 2, trainer.parts.reward
+    )
     with pytest.raises(IndexError):
-        trainer._update(rollout, torch.zeros(3))  # advantages of the wrong size fail inside the loop
+        part = UpdatePart(
+            trainer.parts.policy_update, rollout, torch.zeros(3)
+        )  # advantages of the wrong size
+        update_policies([part], trainer.phases, update=1)  # fail inside the loop
     assert not any(module.training for module in trainer.model.peft_model.modules())
+
+
+# RLOOTrainer.train -> the loop -> the update's loops -> one micro-batch -> the parallelism's backward
+MAX_FRAMES_TO_BACKWARD = 5
+
+
+def test_the_policy_loss_backward_is_at_most_five_marl_frames_below_train(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """The loop is visible: from ``RLOOTrainer.train`` to the policy loss's backward (the parallelism's
+    included), measured on the stack of every backward pass of a real run (2 epochs x 2 mini-batches x 2
+    micro-batches)."""
+    stacks = record_backward_stacks(monkeypatch)
+    build(tiny_llama_dir, tiny_config(tmp_path / "run", total_episodes=16)).train()
+    assert len(stacks) == 8
+    for stack in stacks:
+        frames = frames_below(stack, "marl/train/trainer.py:train")
+        assert len(frames) <= MAX_FRAMES_TO_BACKWARD and frames[-1] == "marl/train/parallel.py:backward", (
+            frames
+        )
 
 
 def test_the_c_heap_is_trimmed_between_sampling_and_scoring(tiny_llama_dir, tmp_path, monkeypatch):
@@ -156,10 +183,12 @@ def test_the_c_heap_is_trimmed_between_sampling_and_scoring(tiny_llama_dir, tmp_
     def logged(name, call):
         return lambda *args, **kwargs: calls.append(name) or call(*args, **kwargs)
 
-    monkeypatch.setattr(trainer.sampler, "sample", logged("sample", trainer.sampler.sample))
-    monkeypatch.setattr(trainer.scorer, "logprobs", logged("score", trainer.scorer.logprobs))
+    monkeypatch.setattr(trainer.parts.sampler, "sample", logged("sample", trainer.parts.sampler.sample))
+    monkeypatch.setattr(trainer.parts.scorer, "logprobs", logged("score", trainer.parts.scorer.logprobs))
     monkeypatch.setattr(marl.rollout.collect, "release_freed_memory", logged("trim", lambda: None))
-    collect_rollout(trainer.sampler, trainer.scorer, trainer.train_prompts[:4], 2, trainer.reward)
+    collect_rollout(
+        trainer.parts.sampler, trainer.parts.scorer, trainer.parts.train_prompts[:4], 2, trainer.parts.reward
+    )
     assert calls == ["sample", "trim", "score", "trim"]  # and once more after scoring, before the update
 
 
@@ -181,7 +210,7 @@ def test_a_micro_batchs_graph_is_gone_before_the_next_forward(tiny_llama_dir, tm
     import bitsandbytes as bnb
 
     trainer = build(tiny_llama_dir, tiny_config(tmp_path / "run", quantization="8bit", total_episodes=32))
-    compute, layer_inputs, forwards = trainer.scorer.completion_logprobs, [], []
+    compute, layer_inputs, forwards = trainer.parts.scorer.completion_logprobs, [], []
 
     def keep_input(module, args):
         if torch.is_grad_enabled():
@@ -198,7 +227,7 @@ def test_a_micro_batchs_graph_is_gone_before_the_next_forward(tiny_llama_dir, tm
             forwards.append(True)
         return compute(*args, **kwargs)
 
-    trainer.scorer.completion_logprobs = watched
+    trainer.parts.scorer.completion_logprobs = watched
     trainer.train()
     assert len(forwards) == 2 * 2 * 2 * 2  # updates x epochs x mini-batches x micro-batches
     assert len(layer_inputs) == len(forwards) * len(int8_layers)
@@ -380,9 +409,9 @@ def test_reward_fn_is_called_as_trl_calls_it_with_the_dataset_columns(tiny_llama
     trainer.train()
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     # the optimizer steps done before each update's rollout, as TRL's state.global_step counts them
-    steps = trainer.sizes.optimizer_steps_per_update
+    steps = trainer.parts.sizes.optimizer_steps_per_update
     assert steps > 1 and [call[3].global_step for call in calls] == [0, steps]
-    assert {call[3].max_steps for call in calls} == {trainer.sizes.total_optimizer_steps}
+    assert {call[3].max_steps for call in calls} == {trainer.parts.sizes.total_optimizer_steps}
     for prompts, completions, completion_ids, _, answer, kwargs in calls:
         assert len(prompts) == 16 and set(kwargs) == {"log_extra", "log_metric"}  # no other column
         # conversations as message lists, completions as the assistant's reply (TRL's shapes)
@@ -428,7 +457,7 @@ def test_dataset_and_reward_validation(tiny_llama_dir, tmp_path):
         RLOOTrainer(config, model, tokenizer, prompt_dataset())
     ids_only = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7], [8, 9]]})
     trainer = RLOOTrainer(config, model, tokenizer, ids_only, reward_funcs=count_e)
-    assert [list(prompt.ids) for prompt in trainer.train_prompts] == [[5, 6, 7], [8, 9]]
+    assert [list(prompt.ids) for prompt in trainer.parts.train_prompts] == [[5, 6, 7], [8, 9]]
 
 
 def save_reward_adapter(model_dir: Path, directory: Path) -> Path:
@@ -560,9 +589,11 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
         for name, parameter in trainer.model.peft_model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(std=0.2)  # a policy that differs from the base
-    prompts = trainer.sampler.batch([Prompt((5, 6, 7, 8), ""), Prompt((9, 10), ""), Prompt((11, 12, 13), "")])
+    prompts = trainer.parts.sampler.batch(
+        [Prompt((5, 6, 7, 8), ""), Prompt((9, 10), ""), Prompt((11, 12, 13), "")]
+    )
     prompt_ids, prompt_mask = prompts.ids, prompts.mask
-    shared = trainer.sampler.sample(prompts, k=3).response_ids
+    shared = trainer.parts.sampler.sample(prompts, k=3).response_ids
     with trainer.model.policy(), torch.no_grad():
         repeated = trainer.model.peft_model.generate(
             input_ids=prompt_ids.repeat(3, 1),
@@ -570,7 +601,7 @@ def test_shared_prompt_prefill_samples_like_repeated_prompts(tiny_model_factory,
             max_new_tokens=5,
             do_sample=False,
             eos_token_id=None,
-            pad_token_id=trainer.sampler.sampling.pad_token_id,
+            pad_token_id=trainer.parts.sampler.sampling.pad_token_id,
         )[:, prompt_ids.shape[1] :]
     assert shared.shape == (9, 5)
     assert torch.equal(shared, repeated)

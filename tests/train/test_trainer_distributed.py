@@ -43,8 +43,8 @@ SCRIPT = textwrap.dedent(
     prompts = datasets.Dataset.from_dict({"prompt": [f"prompt number {i}" for i in range(16)]})
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=reward_fn)
     trainer.train()
-    weights = torch.cat([parallel.full(p).detach().flatten() for p in model.policy_parameters()])
-    report = {"rank": rank, "world": trainer.accelerator.num_processes, "prompts": sorted(set(seen)),
+    weights = torch.cat([sharding.full(p).detach().flatten() for p in model.policy_parameters()])
+    report = {"rank": rank, "world": trainer.parts.parallelism.num_processes, "prompts": sorted(set(seen)),
               "weights": weights.tolist(), "episode": trainer.episode, "lengths": lengths}
     with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
         json.dump(report, handle)
@@ -144,7 +144,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
         contains_stop=torch.ones(8, dtype=torch.bool), contains_eos=torch.ones(8, dtype=torch.bool),
         prompt_index=torch.arange(4).repeat(2),
     )
-    logprobs, ref_logprobs = trainer.scorer.logprobs(samples)
+    logprobs, ref_logprobs = trainer.parts.scorer.logprobs(samples)
     whole = Rollout(**vars(samples), logprobs=logprobs, ref_logprobs=ref_logprobs, scores=scores,
                     source_scores=scores[:, None])
     local_rows = torch.tensor([2 * rank, 2 * rank + 1, 4 + 2 * rank, 4 + 2 * rank + 1])
@@ -152,13 +152,13 @@ NORMALISATION_SCRIPT = textwrap.dedent(
     local.prompt_index = torch.arange(2).repeat(2)
 
     def gradient(rollout, advantages):
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.parts.policy_update.optimizer.zero_grad(set_to_none=True)
         with model.policy():
-            new_logprobs = trainer.scorer.completion_logprobs(rollout, None)
+            new_logprobs = trainer.parts.scorer.completion_logprobs(rollout, None)
         new = masked_sum(new_logprobs, rollout.response_mask)
         # the gradients are averaged over processes in the backward pass
-        trainer.parallelism.backward(clipped_policy_loss(new, new.detach(), advantages, 0.2).loss)
-        return [parallel.full(parameter.grad) for parameter in trainer.policy_parameters]
+        trainer.parts.parallelism.backward(clipped_policy_loss(new, new.detach(), advantages, 0.2).loss)
+        return [sharding.full(parameter.grad) for parameter in trainer.parts.policy_update.parameters]
 
     def flat(gradients):
         return torch.cat([g.flatten() for g in gradients])
@@ -175,7 +175,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
         )
         # both processes compute the whole rollout: the average of the two equal gradients is the whole's
         concatenated = flat(gradient(whole, one_process.advantages)).clone()
-        two_processes = trainer._shaped_rewards(local)
+        two_processes = trainer.shaped_rewards(local)
         averaged = flat(gradient(local, two_processes.advantages))
         advantage_difference = two_processes.advantages - one_process.advantages[local_rows]
         report[flag] = {

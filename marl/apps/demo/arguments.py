@@ -272,7 +272,7 @@ def demo_rloo_config(
 def check_demo_sweep(arguments: DemoArguments, config: RLOOConfig | None = None) -> list[SweepMember]:
     """The members of ``arguments.sweep`` over the demo's RLOO ``config`` (default: the demo's config for
     ``arguments``), refused in one line, before any work, where the demo cannot train them together."""
-    from marl.train.sweep import check_sweep_configs
+    from marl.train.sweep_trainer import check_sweep_configs
 
     if arguments.warm_start_epochs > 0:
         raise ConfigError(

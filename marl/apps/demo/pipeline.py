@@ -26,16 +26,16 @@ rewards and builds the reward to train against.
 
 With ``--sweep`` (:func:`run_demo_sweep`), several of the demo's policies train at once on its one base: each
 member is the demo's RLOO run with its swept settings (:func:`marl.config.sweep.parse_sweep` over the demo's
-config), trained by :class:`marl.train.sweep.SweepTrainer` (one batched decode and shared scoring passes for
-every policy's rows, each policy's own update) and written to ``<output_dir>/<member name>``: a PEFT adapter,
-``metrics.jsonl``, ``training_curves.png``. The sweep's folder gets ``sweep_summary.md`` and
+config), trained by :class:`marl.train.sweep_trainer.SweepTrainer` (one batched decode and shared scoring
+passes for every policy's rows, each policy's own update) and written to ``<output_dir>/<member name>``: a
+PEFT adapter, ``metrics.jsonl``, ``training_curves.png``. The sweep's folder gets ``sweep_summary.md`` and
 ``sweep_curves.png`` (each policy's last reward, KL and held-out VADER score during training), then, after
 base and every policy sample the same held-out prompts with the same seeds, ``eval_results.json`` with their
 ranking (:mod:`marl.apps.evaluate.ranking`: mean VADER score, win rate over the base, gap to the first,
 distinct-2, each with its 95% interval), each model's share of completions naming the film, and
-``demo_summary.json``. Beyond what any sweep refuses (:func:`marl.train.sweep.check_sweep_configs`), the demo
-refuses (:func:`marl.apps.demo.arguments.check_demo_sweep`) sweeping ``reward_weights`` (it measures the
-on-film weight once, at the start, for every policy; ``--topic_weight`` sets it) and a warm start
+``demo_summary.json``. Beyond what any sweep refuses (:func:`marl.train.sweep_trainer.check_sweep_configs`),
+the demo refuses (:func:`marl.apps.demo.arguments.check_demo_sweep`) sweeping ``reward_weights`` (it measures
+the on-film weight once, at the start, for every policy; ``--topic_weight`` sets it) and a warm start
 (``--warm_start_epochs``), whose reference would have to be shared by the members: train such a sweep with
 ``marl train-rloo --policy_adapter WARM_START --sweep ...``.
 """
@@ -339,7 +339,7 @@ def run_demo_sweep(arguments: DemoArguments) -> dict[str, Any]:
     from marl.data.fixed_rules import distinct_2, film_share
     from marl.model.loading import load_tokenizer
     from marl.rewards import load_judge
-    from marl.train.sweep import SweepTrainer, build_sweep_model
+    from marl.train.sweep_trainer import SweepTrainer, build_sweep_model
 
     start_time = time.perf_counter()
     console = Console()

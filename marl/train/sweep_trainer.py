@@ -11,14 +11,16 @@ Every update, in one process:
    (:mod:`marl.algo.scoring_passes`); each policy then sees only the passes its own run would have, its rows
    (:func:`marl.rollout.collect.split_rollout`) and its own weighted reward
    (:func:`marl.rewards.weighted.weighted_total`);
-2. advantages per policy with its own settings (:meth:`marl.RLOOTrainer._shaped_rewards`);
-3. update (:func:`marl.train.update.run_together`): one loop for every policy; at each micro-batch
+2. advantages per policy with its own settings (:meth:`marl.RLOOTrainer.shaped_rewards`);
+3. update (:func:`marl.train.trainer.update_policies`): one loop for every policy; at each micro-batch
    step, one micro-batch PER POLICY, one after another, each in its policy's own view exactly as its own run
-   runs it (so each policy gets exactly its solo gradients, and the update holds one run's activations: the
-   joint micro-batch of every policy's rows routed per row, tried first, was measured slower and larger);
-   each policy's own optimizer, LR schedule, clipping and skipped steps;
-4. each policy's metrics, sample tables, checkpoints and output folder, as its own run writes them (each
-   member is a :class:`marl.RLOOTrainer` whose loop the sweep runs: one owner per concern).
+   runs it (so each policy gets exactly its solo gradients, and the update holds one run's activations:
+   :mod:`marl.train.training_parts` says why); each policy's own optimizer, LR schedule, clipping and
+   skipped steps;
+4. each policy's metrics, sample tables, checkpoints and output folder, as its own run writes them.
+
+The loop is the trainer's own (:func:`marl.train.trainer.train_policies`), run with every member's
+:class:`marl.RLOOTrainer` and this sweep's joint rollout.
 
 Randomness: one stream. The process's generators are seeded once with the FIRST policy's seed (as a single
 run seeds them with its own), and the decode draws every row's token from it in one ``multinomial`` per step;
@@ -42,37 +44,29 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
-from marl.algo.metrics import UpdateStats
 from marl.algo.scoring_passes import ScoringPasses, scoring_passes
-from marl.algo.shaping import ShapedRewards
 from marl.config.device import device_sampler
 from marl.config.rloo_config import RLOOConfig
 from marl.config.sweep import SHARED_FIELDS, SWEEPABLE_FIELDS, SweepMember
-from marl.cpu.allocator import release_freed_memory
 from marl.data.prompts import prompts_for_update
-from marl.errors import CheckpointError, ConfigError, PhaseMemoryError
+from marl.errors import CheckpointError, ConfigError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.model.rows import routing_problem
 from marl.rewards.weighted import weighted_total
-from marl.rollout.collect import collect_rollout, complete_for_metrics, split_rollout
+from marl.rollout.collect import collect_rollout, split_rollout
 from marl.rollout.completions import Rollout
 from marl.rollout.samplers import get_sampler
 from marl.train import run_dir
-from marl.train.checkpoints import rng_state
 from marl.train.curves import finish_sweep
-from marl.train.phase_guard import PolicySnapshot, guard_for, restore_all
-from marl.train.progress import progress_description
-from marl.train.reward_state import reward_trainer_state
-from marl.train.trainer import PROCESS_SEED_STRIDE, RLOOTrainer
-from marl.train.update import UpdatePart, run_together
+from marl.train.memory_guard import guard_for
+from marl.train.trainer import RLOOTrainer, train_policies
+from marl.train.training_parts import reward_trainer_state
 
 # Set per policy by the sweep, or following a swept field.
 _PER_POLICY = {"output_dir", "policy_adapter_name", "token_level_kl"}
@@ -131,7 +125,7 @@ def check_sweep_model(configs: Sequence[RLOOConfig], model: MultiAdapterModel) -
             raise ConfigError(
                 f"the model has no policy {config.policy_adapter_name!r} (its policies: "
                 f"{list(model.policies)}); "
-                "build it with marl.train.sweep.build_sweep_model(configs), or add_policy each policy"
+                "build it with marl.train.sweep_trainer.build_sweep_model(configs), or add_policy each policy"
             )
     if len(configs) > 1:
         problem = routing_problem(model.config)
@@ -179,7 +173,7 @@ class SweepTrainer:
 
     Attributes:
         members: the members, in order. trainers: each member's :class:`marl.RLOOTrainer` (its state,
-            metrics, optimizer, checkpoints). state, config, sizes, output_dir: the first member's.
+            metrics, optimizer, checkpoints). state, config, sizes, parts, output_dir: the first member's.
     """
 
     def __init__(
@@ -217,7 +211,7 @@ class SweepTrainer:
             for config in configs
         ]
         # the first trainer's guard runs the sweep's phases; a smaller micro-batch is every policy's
-        self.trainers[0].phases = guard_for(self.trainers[0], configs)
+        self.trainers[0].phases = guard_for(self.trainers[0].parts, model, configs)
         every = [scoring_passes(config) for config in configs]
         self.passes = ScoringPasses(
             policy=any(passes.policy for passes in every), reference=any(passes.reference for passes in every)
@@ -233,7 +227,11 @@ class SweepTrainer:
 
     @property
     def sizes(self) -> Any:
-        return self.trainers[0].sizes
+        return self.trainers[0].parts.sizes
+
+    @property
+    def parts(self) -> Any:
+        return self.trainers[0].parts
 
     @property
     def output_dir(self) -> Path:
@@ -243,63 +241,38 @@ class SweepTrainer:
 
     def _rollouts(self) -> list[Rollout]:
         """Every policy's rollout of the next update, sampled and scored together."""
-        first = self.trainers[0]
+        first = self.trainers[0].parts
         self.model.eval()
         process = first.parallelism.process_index
         prompts, policies = [], []
         for trainer in self.trainers:
             own = prompts_for_update(
-                trainer.train_prompts, trainer.state.update, process, trainer.sizes, trainer.config.seed
+                trainer.parts.train_prompts,
+                trainer.state.update,
+                process,
+                trainer.parts.sizes,
+                trainer.config.seed,
             )
             prompts += own
-            policies += [trainer.policy] * len(own)
-        state = reward_trainer_state(first)
+            policies += [trainer.parts.policy] * len(own)
         rollout = collect_rollout(
             first.sampler,
             first.scorer,
             prompts,
-            first.config.rloo_k,
+            self.config.rloo_k,
             first.reward,
-            state,
+            reward_trainer_state(self.trainers[0]),
             policies,
             self.passes,
-            run_phase=first.phases.run,
+            run_phase=self.trainers[0].phases.run,
         )
         parts = split_rollout(rollout, len(self.trainers))
         for trainer, part in zip(self.trainers, parts, strict=True):
             own_passes = scoring_passes(trainer.config)  # what this policy's own run would have scored
             part.logprobs = part.logprobs if own_passes.policy else None
             part.ref_logprobs = part.ref_logprobs if own_passes.reference else None
-            part.scores = weighted_total(part.source_scores, trainer.reward.weights)
+            part.scores = weighted_total(part.source_scores, trainer.parts.reward.weights)
         return parts
-
-    def _label(self, index: int) -> str:
-        return f"policy {self.members[index].name}: " if len(self.members) > 1 else ""
-
-    def _update(self, rollouts: list[Rollout], shaped: list[ShapedRewards]) -> list[UpdateStats | None]:
-        """The policies' updates in one loop; a policy none of whose completions was judged skips its
-        steps."""
-        results: list[UpdateStats | None] = [None] * len(self.trainers)
-        parts, judged = [], []  # each judged policy's UpdatePart fields
-        for index, (trainer, rollout, own) in enumerate(zip(self.trainers, rollouts, shaped, strict=True)):
-            if trainer.parallelism.any_process(bool(own.judged.any())):
-                judged.append(index)
-                parts.append((trainer.policy_update, rollout, own.advantages, self._label(index)))
-                continue
-            trainer.skip_unjudged_update(self._label(index))
-        if parts:
-            guard = self.trainers[0].phases
-            snapshots = [PolicySnapshot(step, rollout) for step, rollout, *_ in parts] if guard.retry else []
-            done = guard.run(  # new parts for every attempt: a failed one's sums are dropped
-                "update",
-                lambda: run_together([UpdatePart(*part) for part in parts], update=self.state.update + 1),
-                restore=lambda: restore_all(snapshots),
-            )
-            for index, (stats, skipped) in zip(judged, done, strict=True):
-                results[index] = stats
-                self.trainers[index].state.skipped_optimizer_steps += skipped
-            release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout
-        return results
 
     # ------------------------------------------------------------------ resuming
 
@@ -351,59 +324,20 @@ class SweepTrainer:
         Example:
             >>> histories = trainer.train()  # doctest: +SKIP
         """
-        trainers, first = self.trainers, self.trainers[0]
+        trainers, first = self.trainers, self.trainers[0].parts
         plans = self._plans(resume_from_checkpoint, overwrite_output_dir)
         for plan in plans:
             if plan.notice and first.parallelism.is_main_process:
                 print(plan.notice, file=sys.stderr)
-        set_seed(first.config.seed + first.parallelism.process_index * PROCESS_SEED_STRIDE)
-        for trainer, plan in zip(trainers, plans, strict=True):
-            if plan.checkpoint is not None:
-                trainer._load_checkpoint(plan.checkpoint)
-        resumed_update = first.state.update
-        first.save_schedule.start()
-        start = (time.perf_counter(), first.episode)
-        title = progress_description(first.config)
-        with tqdm(
-            total=first.sizes.num_total_batches,
-            initial=resumed_update,
-            desc=title if len(trainers) == 1 else f"{len(trainers)} policies: {title}",
-            disable=not first.parallelism.is_local_main_process,
-        ) as progress:
-            while first.state.update < first.sizes.num_total_batches:
-                update_start = rng_state() if first.phases.retry else None
-                try:
-                    rollouts = self._rollouts()
-                    shaped = list(map(RLOOTrainer._shaped_rewards, trainers, rollouts))
-                    update_stats = self._update(rollouts, shaped)
-                except PhaseMemoryError as error:  # every policy's last completed update is checkpointed
-                    for trainer in trainers:
-                        trainer._checkpoint_before_stopping(error, resumed_update, update_start)
-                    raise
-                scores = []
-                for trainer, plan, rollout, own, stats in zip(
-                    trainers, plans, rollouts, shaped, update_stats, strict=True
-                ):
-                    own = complete_for_metrics(rollout, own, trainer.scorer, trainer.config.kl_coef)
-                    trainer.state.update += 1
-                    if trainer.state.update == resumed_update + 1:
-                        trainer._start_writing(plan, resumed_update)
-                    scores.append(f"{trainer._report(rollout, own, stats, start)['objective/scores']:.3f}")
-                progress.update(1)
-                progress.set_postfix({"episode": first.episode, "score": "/".join(scores)})
-                if first.checkpoint_due():  # every policy at the same update
-                    for trainer in trainers:
-                        trainer._save_checkpoint()
-        if first.state.update == resumed_update:  # resumed from the last checkpoint: nothing left to train
-            for trainer, plan in zip(trainers, plans, strict=True):
-                trainer._start_writing(plan, resumed_update)
-        for trainer in trainers:
-            trainer.parallelism.save_policy_adapter(self.model, trainer.output_dir, trainer.policy)
+        labels = [f"policy {member.name}: " if len(self.members) > 1 else "" for member in self.members]
+        train_policies(trainers, plans, self._rollouts, labels)
         if first.parallelism.is_main_process:
-            finish_sweep(self.members, [trainer.output_dir for trainer in trainers], trainers)
+            finish_sweep(
+                self.members, [trainer.output_dir for trainer in trainers], [t.parts for t in trainers]
+            )
         first.parallelism.wait()
         for trainer in trainers:
-            trainer.parallelism.finish()
+            trainer.parts.parallelism.finish()
         return {
             member.name: trainer.log_history for member, trainer in zip(self.members, trainers, strict=True)
         }

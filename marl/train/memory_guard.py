@@ -1,5 +1,6 @@
-"""Each phase of an update (sampling, scoring, the update) run under a guard: its peak memory measured for the
-log beside the plan's, and an out-of-memory error met by halving that phase's size and running it again.
+"""The out-of-memory guard: each phase of an update (sampling, scoring, the update) runs under it, its peak
+memory measured for the log beside the plan's, and an out-of-memory error met by halving that phase's size and
+running it again (``for attempt in guard.attempts(phase, restore): with attempt: ...``).
 
 **Measured peaks** (:mod:`marl.model.process_memory`): the peak of every phase of every update; the run
 logs the latest as ``memory/<phase>_peak_mb`` beside the plan's ``memory/<phase>_plan_mb`` (on CUDA the plan
@@ -173,39 +174,41 @@ class PhaseGuard:
     def __post_init__(self) -> None:
         self._hook = _parse_test_hook(os.environ.get(TEST_HOOK, ""))
 
-    def run(
-        self, phase: str, work: Callable[[], Result], restore: Callable[[], None] | None = None
-    ) -> Result:
-        """``work()`` as ``phase``, measured; retried at half the size after an out-of-memory error
-        (``restore()`` first puts back what a failed attempt changed)."""
+    def attempts(self, phase: str, restore: Callable[[], None] | None = None) -> Iterator[Attempt]:
+        """The attempts of ``phase``, each to run its work under ``with attempt:``; after an attempt out of
+        memory, ``restore()`` puts back what it changed and the next attempt runs at half the size (see the
+        module docstring). The loop ends with the first attempt that finishes.
+
+        Example:
+            >>> for attempt in guard.attempts("update", restore=snapshot.restore):  # doctest: +SKIP
+            ...     with attempt:
+            ...         stats = work()
+        """
         tried = [self.sizes[phase].describe()]
         while True:
-            start = rng_state()
-            reset_peak(self.device)
-            failed = None
-            try:
-                with self._test_hook(phase):
-                    result = work()
-            except torch.OutOfMemoryError as error:
-                if not self.retry:
-                    raise
-                failed = str(error).splitlines()[0] if str(error) else "out of memory"
-            if failed is None:
-                peak = peak_bytes(self.device)
-                if peak is not None:
-                    self.peaks[phase] = peak
-                    self.largest[phase] = max(peak, self.largest.get(phase, 0))
-                return result
+            attempt = Attempt(self, phase)
+            yield attempt
+            if attempt.failed is None:
+                return
             # the failed attempt's frames are gone here: what it held can be given back
             if restore is not None:
                 restore()
             free_cached(self.device)
-            set_rng_state(start)
+            set_rng_state(attempt.start)
             if not self.sizes[phase].halve():
-                raise PhaseMemoryError(phase, tried, failed)
+                raise PhaseMemoryError(phase, tried, attempt.failed)
             tried.append(self.sizes[phase].describe())
             self.changes.append(f"out of memory in {phase}: {tried[-2]} -> {tried[-1]}, kept for the rest")
-            print(f"marl: {self.changes[-1]} of the run ({failed})", file=sys.stderr)
+            print(f"marl: {self.changes[-1]} of the run ({attempt.failed})", file=sys.stderr)
+
+    def run(
+        self, phase: str, work: Callable[[], Result], restore: Callable[[], None] | None = None
+    ) -> Result:
+        """``work()`` as ``phase``: :meth:`attempts` for a phase that is one call (sampling, scoring)."""
+        for attempt in self.attempts(phase, restore):
+            with attempt:
+                result = work()
+        return result
 
     @contextlib.contextmanager
     def _test_hook(self, phase: str) -> Iterator[None]:
@@ -247,6 +250,39 @@ class PhaseGuard:
             parts.append(text)
         where = "allocated on the GPU" if self.device.type == "cuda" else "resident above the imports"
         return f"peak memory per phase ({where}): " + ", ".join(parts)
+
+
+class Attempt:
+    """One run of a phase's work under :meth:`PhaseGuard.attempts`: on entering, the random state is kept,
+    the peak reset and the test hook armed; on a clean exit the peak is recorded; an out-of-memory error
+    (one process only) is swallowed and kept as ``failed`` for the guard to retry smaller."""
+
+    def __init__(self, guard: PhaseGuard, phase: str) -> None:
+        self.guard, self.phase = guard, phase
+        self.failed: str | None = None
+        self.start: dict[str, Any] = {}
+        self._hook = contextlib.ExitStack()
+
+    def __enter__(self) -> Attempt:
+        self.start = rng_state()
+        reset_peak(self.guard.device)
+        self._hook.enter_context(self.guard._test_hook(self.phase))
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> bool:
+        self._hook.close()
+        guard = self.guard
+        if kind is None:
+            peak = peak_bytes(guard.device)
+            if peak is not None:
+                guard.peaks[self.phase] = peak
+                guard.largest[self.phase] = max(peak, guard.largest.get(self.phase, 0))
+            return False
+        if not issubclass(kind, torch.OutOfMemoryError) or not guard.retry:
+            return False
+        # only the message is kept: the error's traceback holds the failed attempt's tensors
+        self.failed = str(error).splitlines()[0] if str(error) else "out of memory"
+        return True
 
 
 class PolicySnapshot:
@@ -291,17 +327,17 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def guard_for(trainer: Any, configs: list[Any] | None = None) -> PhaseGuard:
-    """The guard of a built trainer's phases (``configs``: those whose micro-batch changes together, a
-    sweep's members; default the trainer's own)."""
-    k = trainer.config.rloo_k
+def guard_for(parts: Any, model: Any, configs: list[Any]) -> PhaseGuard:
+    """The guard of a run's phases on its :class:`marl.train.training_parts.TrainingParts` and ``model``
+    (``configs``: those whose micro-batch changes together: the run's own, or a sweep's members')."""
+    k = configs[0].rloo_k
     return PhaseGuard(
-        device=trainer.parallelism.device,
+        device=parts.parallelism.device,
         sizes={
-            "sampling": sampling_size(trainer.sampler, k),
-            "scoring": scoring_size(trainer.scorer, trainer.reward, k),
-            "update": update_size(configs or [trainer.config]),
+            "sampling": sampling_size(parts.sampler, k),
+            "scoring": scoring_size(parts.scorer, parts.reward, k),
+            "update": update_size(configs),
         },
-        embeddings=trainer.model.peft_model.get_base_model().get_input_embeddings(),
-        retry=trainer.parallelism.num_processes == 1,
+        embeddings=model.peft_model.get_base_model().get_input_embeddings(),
+        retry=parts.parallelism.num_processes == 1,
     )
