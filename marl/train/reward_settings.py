@@ -72,7 +72,7 @@ class RewardTrainingSettings:
         default=0, metadata={"help": "Seed for the split, subsampling, head init and shuffling."}
     )
     gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute activations in backward: less memory, about 30% slower."}
+        default=False, metadata={"help": "Recompute activations in backward: less memory, more time."}
     )
     threads: int = threads_field()
 

@@ -47,6 +47,8 @@ def test_every_flag_of_a_command_is_in_the_table(command, capsys):
     usage = shown.split("\n\n")[0]  # the usage lists every flag
     listed = {flag.replace("-", "_").removeprefix("no_") for flag in re.findall(r"--([a-z0-9_-]+)", usage)}
     assert listed - {"debug", "config"} == {action.dest for action in _parser(command)._actions} - {"help"}
+    # a bare "%" in a help text is a format directive to argparse: it prints the flag's whole record
+    assert "option_strings" not in shown
 
 
 ARGPARSE_CHOICES = [
