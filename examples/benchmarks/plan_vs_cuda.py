@@ -182,7 +182,7 @@ def measure(case: CudaCase, model_path: str, reward_path: str) -> dict:
         widths = record_prompt_widths(trainer)
         label_calls(peaks, marl.train.trainer, "collect_rollout", "scoring")
         label_calls(peaks, trainer.parts.sampler, "sample", "sampling")
-        label_calls(peaks, trainer, "_update", "update")
+        label_calls(peaks, marl.train.trainer, "update_policies", "update")
         trainer.train()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()

@@ -184,7 +184,7 @@ def measure(case: Case, model_path: str, tensors: bool = False) -> dict:
             count_tensors(trainer, "_update", "update", tensor_peaks)
         label_calls(sampler, rollout_owner, "collect_rollout", "scoring")
         label_calls(sampler, first.parts.sampler, sample, "generation")
-        label_calls(sampler, trainer, "_update", "update")
+        label_calls(sampler, marl.train.trainer, "update_policies", "update")
         trainer.train()
     memory = sampler.stop()
     if tensors:

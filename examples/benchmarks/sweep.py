@@ -135,7 +135,7 @@ def run_job(job: dict, sampler: MemorySampler) -> dict:
         labelled = [
             label_calls(sampler, rollout_owner, "collect_rollout", "scoring"),
             label_calls(sampler, first.parts.sampler, sample, "generation"),
-            label_calls(sampler, trainer, "_update", "update", mark="after update"),
+            label_calls(sampler, marl.train.trainer, "update_policies", "update", mark="after update"),
         ]
         history = trainer.train()
     records = history if job["system"] == "run" else next(iter(history.values()))

@@ -391,7 +391,7 @@ def run_marl(job: dict, sampler: MemorySampler) -> dict:
         labelled = [
             label_calls(sampler, marl.train.trainer, "collect_rollout", "scoring"),
             label_calls(sampler, trainer.parts.sampler, "sample", "generation"),
-            label_calls(sampler, trainer, "_update", "update", mark="after update"),
+            label_calls(sampler, marl.train.trainer, "update_policies", "update", mark="after update"),
         ]
         history = trainer.train()
     # marl logs every update with `episode` and `eps` (episodes per second since the loop started), so the

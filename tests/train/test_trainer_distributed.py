@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
     prompts = datasets.Dataset.from_dict({"prompt": [f"prompt number {i}" for i in range(16)]})
     trainer = RLOOTrainer(config, model, tokenizer, prompts, reward_funcs=reward_fn)
     trainer.train()
-    weights = torch.cat([sharding.full(p).detach().flatten() for p in model.policy_parameters()])
+    weights = torch.cat([parallel.full(p).detach().flatten() for p in model.policy_parameters()])
     report = {"rank": rank, "world": trainer.parts.parallelism.num_processes, "prompts": sorted(set(seen)),
               "weights": weights.tolist(), "episode": trainer.episode, "lengths": lengths}
     with open(os.path.join(output_dir, f"report_{rank}.json"), "w") as handle:
@@ -158,7 +158,7 @@ NORMALISATION_SCRIPT = textwrap.dedent(
         new = masked_sum(new_logprobs, rollout.response_mask)
         # the gradients are averaged over processes in the backward pass
         trainer.parts.parallelism.backward(clipped_policy_loss(new, new.detach(), advantages, 0.2).loss)
-        return [sharding.full(parameter.grad) for parameter in trainer.parts.policy_update.parameters]
+        return [parallel.full(parameter.grad) for parameter in trainer.parts.policy_update.parameters]
 
     def flat(gradients):
         return torch.cat([g.flatten() for g in gradients])
