@@ -92,21 +92,11 @@ class SamplerSettings:
 
 
 class Sampler(Protocol):
-    """Draws completions. Built as ``factory(model, tokenizer, settings)`` (:func:`register_sampler`).
-
-    Required: :meth:`batch`, :meth:`sample` and :meth:`policy_weights_changed`; nothing else is read unless
-    it is there. Optional, each found with ``getattr`` and left alone where absent:
-
-    - ``settings``: a :class:`SamplerSettings` (a dataclass with ``rows_per_pass``) read at each
-      :meth:`sample`; the out-of-memory guard halves its ``rows_per_pass`` and retries. Without it the
-      sampling phase runs as the sampler draws, and an out-of-memory error in it ends the run (checkpoint,
-      exit 3) instead of a retry (:mod:`marl.train.memory_guard`);
-    - ``keeps_logprobs`` (on the factory or the sampler): ``True`` where the samples carry the log-prob each
-      token was drawn with, which ``--vllm_importance_sampling_correction`` needs; ``fallback_reason``: why
-      a sampler built for this model keeps none;
-    - ``sample_routed(prompts, k, policies)`` (on the factory's class): the rows of several policies in one
-      decode, which a sweep of several policies needs.
-    """
+    """Draws completions. Built as ``factory(model, tokenizer, settings)`` (:func:`register_sampler`); marl
+    reads these three methods and, only where present, the optional: ``settings`` (a :class:`SamplerSettings`
+    read at each :meth:`sample`, whose ``rows_per_pass`` the guard halves when sampling runs out of memory;
+    without it that error ends the run), ``keeps_logprobs`` and ``fallback_reason`` (read by the sampler
+    correction, :func:`check_keeps_logprobs`), ``sample_routed`` on the factory (a sweep's policies)."""
 
     def batch(self, prompts: Sequence[Prompt]) -> PromptBatch:
         """``prompts`` left-padded on the sampler's device, ready for :meth:`sample`."""

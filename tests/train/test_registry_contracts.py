@@ -207,6 +207,14 @@ CASES = {
 }  # fmt: skip
 
 
+def test_every_registry_has_a_protocol_only_case():
+    from test_docs import _registries  # every Registry(...) of the package, as (register function, flag)
+
+    assert sorted(function for function, _ in _registries()) == sorted(
+        case.register.__name__ for case in CASES.values()
+    )
+
+
 @contextlib.contextmanager
 def registered(case: Case) -> Iterator[None]:
     case.register(NAME, case.implementation)
