@@ -55,6 +55,7 @@ class AdvantageEstimator(Protocol):
     no source judged the completion), ``judged`` bool ``[B]``, ``k`` completions per prompt, ``gather`` None
     (one process) or an accelerate-style gather for statistics over every process's rollout (every process
     then calls the estimator, as with any collective). Returns finite advantages ``[B]``, 0 for unjudged rows.
+    Optional: a keyword-only ``scale_rewards`` parameter, which then receives ``--scale_rewards``.
     """
 
     def __call__(

@@ -67,7 +67,10 @@ class ScoringBatch:
 
 @runtime_checkable
 class RewardSource(Protocol):
-    """Anything with a ``name`` and a ``score(batch) -> float32 [B]`` method (NaN where it does not judge)."""
+    """Anything with a ``name`` and a ``score(batch) -> float32 [B]`` method (NaN where it does not judge).
+
+    Optional: an ``int`` attribute ``rows_per_pass`` (rows per forward pass) that the source reads at each
+    ``score``; the out-of-memory guard halves it with the scorer's when scoring runs out of memory."""
 
     name: str
 

@@ -92,7 +92,11 @@ class SamplerSettings:
 
 
 class Sampler(Protocol):
-    """Draws completions. Built as ``factory(model, tokenizer, settings)`` (:func:`register_sampler`)."""
+    """Draws completions. Built as ``factory(model, tokenizer, settings)`` (:func:`register_sampler`); marl
+    reads these three methods and, only where present, the optional: ``settings`` (a :class:`SamplerSettings`
+    read at each :meth:`sample`, whose ``rows_per_pass`` the guard halves when sampling runs out of memory;
+    without it that error ends the run), ``keeps_logprobs`` and ``fallback_reason`` (read by the sampler
+    correction, :func:`check_keeps_logprobs`), ``sample_routed`` on the factory (a sweep's policies)."""
 
     def batch(self, prompts: Sequence[Prompt]) -> PromptBatch:
         """``prompts`` left-padded on the sampler's device, ready for :meth:`sample`."""

@@ -12,7 +12,8 @@ changed is put back (the update: the policy's weights, optimizer, schedule and t
 log-probs, copied to the CPU at the update's start), the freed memory given back, the random state set back to
 the phase's start, and the phase's size halved:
 
-- sampling: ``rows_per_pass`` of the sampler, in whole prompts (at least one prompt's k rows). The sampler
+- sampling: ``rows_per_pass`` of the sampler's ``settings``, in whole prompts (at least one prompt's k rows),
+  where the sampler has them (an optional part of :class:`marl.rollout.samplers.Sampler`). The sampler
   draws chunk by chunk, so a retried sampling draws what a run started at the halved size draws;
 - scoring: ``rows_per_pass`` of the scorer and of every reward source that chunks (log-probs and scores
   per row: only floating-point rounding can differ);
@@ -22,7 +23,10 @@ the phase's start, and the phase's size halved:
 
 Then the phase runs again from its start; the rollout already sampled is kept. Each change is printed once and
 kept for the rest of the run. When the smallest size fails too, :class:`marl.errors.PhaseMemoryError` names
-the phase and the sizes tried (the trainer checkpoints the last completed update first). Under several
+the phase and the sizes tried (the trainer checkpoints the last completed update first). A phase whose part
+cannot be resized (a sampler without ``settings.rows_per_pass``) runs as it is: its out-of-memory error is not
+retried, one line says so, and the run ends as at the smallest size. A size is described only once its
+phase fails, so that a part is asked only for what its protocol names. Under several
 processes an out-of-memory error is not retried: the other processes wait in a collective that the failed one
 never reaches.
 
@@ -78,14 +82,40 @@ def halved_chunk_rows(rows: int, k: int) -> int | None:
 
 @dataclass
 class Resizable:
-    """A phase's size: ``describe()`` says it as flags, ``halve()`` halves it (``False``: at its smallest)."""
+    """A phase's size: ``describe()`` says it as flags, ``halve()`` halves it (``False``: at its smallest);
+    ``fixed``: why it cannot be resized at all (``None``: it can)."""
 
     describe: Callable[[], str]
     halve: Callable[[], bool]
+    fixed: str | None = None
+
+
+def sampler_chunk_rows(sampler: Any) -> int | None:
+    """The rows per chunk of ``sampler``: ``settings.rows_per_pass`` where its settings are a dataclass that
+    has them (the optional part of the sampler protocol the guard resizes), else ``None``.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> from marl.rollout.samplers import SamplerSettings
+        >>> settings = SamplerSettings(temperature=1.0, response_length=8, rows_per_pass=16)
+        >>> sampler_chunk_rows(SimpleNamespace(settings=settings)), sampler_chunk_rows(object())
+        (16, None)
+    """
+    settings = getattr(sampler, "settings", None)
+    rows = getattr(settings, "rows_per_pass", None)
+    resizable = dataclasses.is_dataclass(settings) and not isinstance(settings, type)
+    return rows if resizable and isinstance(rows, int) else None
 
 
 def sampling_size(sampler: Any, k: int) -> Resizable:
-    """The sampler's rows per chunk (``rows_per_pass`` of its settings)."""
+    """The sampler's rows per chunk (``rows_per_pass`` of its settings); fixed where it has none."""
+    if sampler_chunk_rows(sampler) is None:
+        name = type(sampler).__name__
+        return Resizable(
+            lambda: f"sampling as {name} draws",
+            lambda: False,
+            fixed=f"the sampler {name} cannot be resized (it has no settings.rows_per_pass)",
+        )
 
     def halve() -> bool:
         rows = halved_chunk_rows(sampler.settings.rows_per_pass, k)
@@ -104,8 +134,8 @@ def scoring_size(scorer: Any, reward: Any, k: int) -> Resizable:
         if rows is None:
             return False
         scorer.rows_per_pass = rows
-        for source in reward.sources:  # the reward adapters score in chunks of the same rows
-            if hasattr(source, "rows_per_pass"):
+        for source in reward.sources:  # sources that chunk (optional in their protocol) take the same rows
+            if isinstance(getattr(source, "rows_per_pass", None), int):
                 source.rows_per_pass = rows
         return True
 
@@ -184,7 +214,7 @@ class PhaseGuard:
             ...     with attempt:
             ...         stats = work()
         """
-        tried = [self.sizes[phase].describe()]
+        size, tried = self.sizes[phase], []
         while True:
             attempt = Attempt(self, phase)
             yield attempt
@@ -195,9 +225,13 @@ class PhaseGuard:
                 restore()
             free_cached(self.device)
             set_rng_state(attempt.start)
-            if not self.sizes[phase].halve():
+            tried = tried or [size.describe()]  # described once it failed: the part is asked nothing before
+            if size.fixed is not None:
+                print(f"marl: out of memory in {phase}: {size.fixed}, so it is not retried", file=sys.stderr)
                 raise PhaseMemoryError(phase, tried, attempt.failed)
-            tried.append(self.sizes[phase].describe())
+            if not size.halve():
+                raise PhaseMemoryError(phase, tried, attempt.failed)
+            tried.append(size.describe())
             self.changes.append(f"out of memory in {phase}: {tried[-2]} -> {tried[-1]}, kept for the rest")
             print(f"marl: {self.changes[-1]} of the run ({attempt.failed})", file=sys.stderr)
 

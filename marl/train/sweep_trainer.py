@@ -135,7 +135,7 @@ def check_sweep_model(configs: Sequence[RLOOConfig], model: MultiAdapterModel) -
             )
         name = configs[0].sampler or device_sampler(model.device.type)  # unset: the device's (all route)
         sampler = get_sampler(name)
-        if not hasattr(sampler, "sample_routed"):
+        if getattr(sampler, "sample_routed", None) is None:  # optional in the sampler protocol
             raise ConfigError(
                 f"--sampler {name} cannot sample the rows of several policies in one decode "
                 "(it has no sample_routed): use --sampler static"
