@@ -288,3 +288,43 @@ def test_learning_jobs_of_both_systems_agree_on_every_mapped_field(modules, algo
     assert [(Path(folder) / "adapter_config.json").is_file() for folder in ours.reward_adapter] == [True]
     if algorithm == "grpo":
         assert (ours.loss_type, ours.scale_rewards, ours.kl_placement) == ("dapo", "group", "loss")
+
+
+@pytest.mark.parametrize("free_mib", [64, 100_000])
+def test_the_cpu_continuous_batching_cache_fits_whatever_memory_is_free(modules, monkeypatch, free_mib):
+    """``trl-grpo-cb`` on a CPU (its dry run) generates with the sizes the run fixes, as TRL makes the config,
+    with little or much memory free as transformers reads it; a share of the free memory fails with little."""
+    pytest.importorskip("trl")
+    import torch
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import cache
+
+    vs_trl = modules["vs_trl"]
+    config = vs_trl.build_config("gpu-0.5b", vs_trl.parse_args(["--setup", "gpu-0.5b", "--dry-run"]))
+    from built_models import random_model  # the dry run's model, as the benchmark builds it
+
+    model = random_model(config.model, config.dtype, "cpu").eval()
+    used = 2**30
+    monkeypatch.setattr(
+        cache, "get_device_and_memory_breakdown",
+        lambda: (torch.device("cpu"), used + free_mib * 2**20, used, used),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 1000, (24,)).tolist() for _ in range(config.batch_size)]
+    generation = GenerationConfig(max_new_tokens=config.response_length, do_sample=True, eos_token_id=None)
+
+    def generate(sizes: dict) -> dict:
+        # TRL's default share applies to the footprint check only once the sizes are fixed
+        cb_config = ContinuousBatchingConfig(**{"max_memory_percent": 0.5, **sizes})
+        return model.generate_batch(
+            prompts, generation_config=generation, continuous_batching_config=cb_config, progress_bar=False
+        )
+
+    outputs = generate(vs_trl.continuous_batching_sizes(config, longest_prompt=24))
+    assert [len(output.generated_tokens) for output in outputs.values()] == [config.response_length] * len(
+        prompts
+    )
+    if free_mib < 100:
+        with pytest.raises(ValueError, match="Invalid values"):
+            generate({"max_memory_percent": 0.01})  # the sizing this replaced

@@ -209,6 +209,27 @@ def _finish(result: dict, sampler: MemorySampler, torch, config: BenchConfig) ->
     return result
 
 
+def continuous_batching_sizes(config: BenchConfig, longest_prompt: int) -> dict[str, int]:
+    """The sizes of transformers' paged cache for ``trl-grpo-cb`` on a CPU, fixed by the run: room for every
+    completion of an update at once (its prompt, its response and a block to spare), all their prompts in one
+    batch. Sized from the free memory instead, a small share of it can fall below the cache's fixed overhead,
+    which depends on the machine and on what else runs there: a negative number of blocks.
+
+    Example:
+        >>> config = BenchConfig(setup="dry", model="tiny", device="cpu", dtype="float32",
+        ...                      prompts_per_update=2, rloo_k=2, response_length=8, updates=2)
+        >>> continuous_batching_sizes(config, longest_prompt=40)
+        {'num_blocks': 8, 'max_batch_tokens': 160, 'max_requests_per_batch': 4}
+    """
+    tokens_per_block = 256  # ContinuousBatchingConfig's page_size
+    blocks = -(-(longest_prompt + config.response_length) // tokens_per_block) + 1
+    return {
+        "num_blocks": config.batch_size * blocks,
+        "max_batch_tokens": config.batch_size * longest_prompt,
+        "max_requests_per_batch": config.batch_size,
+    }
+
+
 def run_trl(job: dict, sampler: MemorySampler) -> dict:
     """One TRL run: policy = base + peft_config; reward = a separate SequenceClassification copy + PEFT."""
     config = BenchConfig(**job["config"])
@@ -259,8 +280,9 @@ def run_trl(job: dict, sampler: MemorySampler) -> dict:
     cache = {"cache_implementation": config.cache_implementation} if config.cache_implementation else {}
     if job["system"] == "trl-grpo-cb":
         cache = {"use_transformers_continuous_batching": True}
-        if config.device == "cpu":  # sized from the free memory, its paged cache takes gigabytes on a CPU
-            cache["transformers_continuous_batching_config"] = {"max_memory_percent": 0.01}
+        if config.device == "cpu":  # on a GPU it takes its share of the free memory, as TRL sizes it
+            longest = max(len(tokenizer(prompt)["input_ids"]) for prompt in job["prompts"])
+            cache["transformers_continuous_batching_config"] = continuous_batching_sizes(config, longest)
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as output_dir:
         args = config_class(
             output_dir=output_dir,

@@ -333,6 +333,10 @@ def read_dataset_files(path: Path, builder: str, **options: Any) -> datasets.Dat
     # datasets logs its own error before raising; the error raised here says it once, with the file's name.
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    # Nor its bar for turning a local file into its cache: a refusal after it would not be one line.
+    bar = not datasets.are_progress_bars_disabled()
+    if bar:
+        datasets.disable_progress_bars()
     try:
         return datasets.load_dataset(builder, **options)
     except (
@@ -349,6 +353,8 @@ def read_dataset_files(path: Path, builder: str, **options: Any) -> datasets.Dat
         ) from error
     finally:
         datasets.logging.set_verbosity(verbosity)
+        if bar:
+            datasets.enable_progress_bars()
 
 
 def file_suffix(path: Path) -> str:
