@@ -57,7 +57,6 @@ from marl.algo.shaping import ShapedRewards, shape_rollout
 from marl.config.rloo_config import RLOOConfig
 from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
 from marl.data.prompts import prompt_text, prompts_for_update
-from marl.errors import PhaseMemoryError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
 from marl.rollout.completions import Rollout
@@ -310,14 +309,16 @@ class RLOOTrainer:
             save_total_limit=self.config.save_total_limit,
         )
 
-    def checkpoint_before_stopping(self, error: PhaseMemoryError, resumed: int, update_start: dict) -> None:
-        """Save the last completed update (the guard put back the policy's state; ``update_start``: the random
-        state it ended with), unless it is saved already or none was done, and name it in ``error``."""
-        folder = self.output_dir / run_dir.checkpoint_name(self.state.update)
-        if self.state.update > resumed and not folder.exists():
-            checkpoints.set_rng_state(update_start)
+    def checkpoint_before_stopping(self, resumed: int) -> str:
+        """After an error stopped the update in progress, with the state put back as it was at its start:
+        save the last completed update unless it is saved already or none was done; returns a sentence
+        saying where it is."""
+        done, folder = self.state.update, self.output_dir / run_dir.checkpoint_name(self.state.update)
+        if done > resumed and not folder.exists():
             self.save_checkpoint()
-        error.checkpoint = str(folder) if folder.exists() else None
+        if folder.exists():
+            return f"Update {done} is saved in {folder}: --resume_from_checkpoint latest resumes from it."
+        return "No update was completed, so nothing was saved."
 
     def load_checkpoint(self, path: Path) -> None:
         """Continue from the ``checkpoint-N`` folder ``path``: the policy, optimizer, schedule and state."""
@@ -395,8 +396,7 @@ def train_policies(
         disable=not parallelism.is_local_main_process,
     ) as progress:
         while first.state.update < sizes.num_total_batches:
-            # a run out of memory at its smallest sizes checkpoints the update before with this state
-            update_start = checkpoints.rng_state() if guard.retry else None
+            start_of_update = checkpoints.UpdateStart.of(trainers)  # the update before is saved from it
             try:
                 # 1. rollout: every policy's prompts, sampled and scored
                 rolled = rollouts()
@@ -410,11 +410,11 @@ def train_policies(
                     for trainer, rollout, own, label in zip(trainers, rolled, shaped, labels, strict=True)
                 ]
                 judged = [part for part in parts if part is not None]
-                done = iter(update_policies(judged, guard, first.state.update + 1) if judged else [])
+                update = first.state.update + 1
+                done = iter(update_policies(judged, guard, update, start_of_update) if judged else [])
                 release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout
-            except PhaseMemoryError as error:  # every policy's last completed update is checkpointed
-                for trainer in trainers:
-                    trainer.checkpoint_before_stopping(error, resumed, update_start)
+            except BaseException as error:  # Ctrl-C too: every policy's last completed update is saved first
+                checkpoints.stop_with_checkpoints(trainers, start_of_update, resumed, error)
                 raise
             # 4. metrics, sample tables, callbacks: each policy's own
             metrics = []
@@ -440,18 +440,24 @@ def train_policies(
 
 
 def update_policies(
-    parts: Sequence[UpdatePart], guard: PhaseGuard, update: int
+    parts: Sequence[UpdatePart],
+    guard: PhaseGuard,
+    update: int,
+    update_start: checkpoints.UpdateStart | None = None,
 ) -> list[tuple[UpdateStats, int]]:
     """PPO-clip epochs over every part's rollout (the ``update``-th, for warnings), under ``guard``'s
     ``"update"`` phase; returns each part's sums for the policy metrics and how many of its optimizer steps
     were skipped. Each part keeps its own rows, row order (its own ``randperm`` draws, in the order of the
     parts), loss settings, finiteness check and optimizer step; the epochs, mini-batches and micro-batches are
     the same for every part (a sweep refuses batch settings that differ, :mod:`marl.config.sweep`). The model
-    is left in eval mode, also when a step fails."""
+    is left in eval mode, also when a step fails. ``update_start`` learns whether a step began and gets the copies
+    that can undo it."""
     first = parts[0].step
     config, sizes = first.config, first.sizes
     # what the update changes is copied first, so that an update out of memory can start over smaller
     snapshots = [PolicySnapshot(part.step, part.rollout) for part in parts] if guard.retry else []
+    if update_start is not None:
+        update_start.snapshots = snapshots
     # With several policies on CPU the C heap is trimmed after each policy's micro-batch, else it keeps every
     # policy's freed blocks (benchmarks/results/2026-11-26-sweep-cpu-long4-shared.md); a run reuses its heap.
     release_between_parts = len(parts) > 1 and parts[0].rollout.response_ids.device.type == "cpu"
@@ -481,6 +487,8 @@ def update_policies(
                                 if release_between_parts:
                                     release_freed_memory()
                         # 3d. every part's optimizer step (skipped where a loss or gradient is not finite)
+                        if update_start is not None:
+                            update_start.stepped = True
                         for part, loss_finite in zip(parts, finite, strict=True):
                             if part.step.optimizer_step(loss_finite):
                                 part.skipped += 1

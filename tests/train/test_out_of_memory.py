@@ -103,6 +103,18 @@ def test_out_of_memory_at_the_smallest_size_checkpoints_and_resuming_finishes_th
     assert (run / ADAPTER).read_bytes() == (tmp_path / "full" / ADAPTER).read_bytes()
 
 
+def test_out_of_memory_in_the_first_update_says_nothing_was_saved_in_a_sentence(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(TEST_HOOK, "update:1+")
+    with pytest.raises(PhaseMemoryError) as raised:
+        build(tiny_llama_dir, tiny_config(tmp_path / "run", **SETTINGS)).train()
+    assert raised.value.checkpoint is None
+    line = str(raised.value)
+    assert "\n" not in line and "goes on and smaller settings" not in line
+    assert "No update was completed, so nothing was saved: run again with smaller settings. marl plan" in line
+
+
 def test_the_hook_raises_torchs_own_error_and_refuses_a_bad_spec(monkeypatch):
     from marl.errors import ConfigError
     from marl.train.memory_guard import PhaseGuard, Resizable
@@ -153,7 +165,11 @@ def test_the_command_stops_with_one_line_and_its_own_exit_code_and_resumes(tmp_p
         "(--per_device_train_batch_size 4 --gradient_accumulation_steps 1; "
         "--per_device_train_batch_size 2 --gradient_accumulation_steps 2): "
     )
-    assert f"the last completed update is in {run / 'checkpoint-2'}" in line
+    assert (
+        f"The last completed update is in {run / 'checkpoint-2'}: resume it with "
+        "--resume_from_checkpoint latest "
+        "and smaller settings." in line
+    )
     assert "marl plan with the same flags and --device cpu --memory_gb GB" in line
     resumed = run_cli(world, [*words, "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
