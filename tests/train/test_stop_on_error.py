@@ -142,29 +142,54 @@ def test_a_sweep_saves_every_member_at_the_same_update(tiny_llama_dir, tmp_path)
         assert_ends_as(tmp_path / "run" / member, tmp_path / "reference" / member)
 
 
+def raising_reward_file(path, body: str):
+    """A reward function file whose count_e runs ``body`` from update 3 on (of the command's updates)."""
+    from support.kill_resume import UPDATES
+
+    path.write_text(
+        "import os, signal\n"
+        "def count_e(prompts, completions, trainer_state, **columns):\n"
+        f"    if trainer_state.global_step >= 2 * trainer_state.max_steps // {UPDATES}:\n"
+        f"        {body}\n"
+        "    return [c.count('e') for c in completions]\n"
+    )
+    return f"{path}:count_e"
+
+
 @pytest.mark.slow
-def test_the_command_ends_in_one_line_naming_the_resume_flag_and_resuming_ends_as_the_full_run(tmp_path):
-    from support.kill_resume import UPDATES, command, make_world, run_cli
+@pytest.mark.parametrize(
+    ("body", "code", "ending"),
+    [
+        (
+            "raise RuntimeError('the scoring service is down')",
+            2,
+            "Fix that function (--debug shows the traceback) Update 2 is saved in {checkpoint}: "
+            "--resume_from_checkpoint latest resumes from it.",
+        ),
+        # Ctrl-C as it comes while update 3 scores its completions
+        (
+            "os.kill(os.getpid(), signal.SIGINT)",
+            130,
+            "interrupted: after 2 of 6 updates; last checkpoint {checkpoint}. Resume with: ",
+        ),
+    ],
+)
+def test_the_command_ends_in_one_line_naming_the_resume_flag_and_resuming_ends_as_the_full_run(
+    tmp_path, body, code, ending
+):
+    from support.kill_resume import command, make_world, run_cli
 
     world = make_world(tmp_path / "world")
     assert run_cli(world, command(world, tmp_path / "reference")).returncode == 0
-    raising = tmp_path / "world" / "raising.py"
-    raising.write_text(
-        "def count_e(prompts, completions, trainer_state, **columns):\n"
-        f"    if trainer_state.global_step >= 2 * trainer_state.max_steps // {UPDATES}:\n"
-        "        raise RuntimeError('the scoring service is down')\n"
-        "    return [c.count('e') for c in completions]\n"
-    )
     run = tmp_path / "run"
     words = [*command(world, run), "--save_steps", "0", "--save_minutes", "0"]
-    fixed = f"{world['reward']}:count_e"
-    failed = run_cli(world, [f"{raising}:count_e" if word == fixed else word for word in words])
-    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
-    [line] = [line for line in failed.stderr.splitlines() if line.startswith("marl train-rloo: error: ")]
-    assert line.endswith(
-        f"Fix that function (--debug shows the traceback) Update 2 is saved in {run / 'checkpoint-2'}: "
-        "--resume_from_checkpoint latest resumes from it."
-    )
+    fixed, raising = f"{world['reward']}:count_e", raising_reward_file(tmp_path / "raising.py", body)
+    failed = run_cli(world, [raising if word == fixed else word for word in words])
+    assert failed.returncode == code and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    [line] = [line for line in failed.stderr.splitlines() if line.startswith("marl train-rloo: ")]
+    expected = ending.format(checkpoint=run / "checkpoint-2")
+    assert expected in line and "--resume_from_checkpoint latest" in line, line
+    assert sorted(path.name for path in run.glob("checkpoint-*")) == ["checkpoint-2"]
     resumed = run_cli(world, [*words, "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_ends_as(run, tmp_path / "reference")
