@@ -353,6 +353,15 @@ CASES = [
     Case(RLOO, ["--save_total_limit", "0"], r"save_total_limit=0 must be >= 1"),
     Case(RLOO, ["--fit", "always"], r"--fit 'always' is not one of \('auto', 'off'\): pass --fit auto"),
     Case(RLOO, ["--fit_memory_gb", "0"], r"--fit_memory_gb 0.0 must be a positive number of GB"),
+    *[
+        Case(
+            RLOO,
+            ["--fit_memory_gb", value],
+            rf"error: --fit_memory_gb {value} is not a memory size: pass a number of GB, e\.g\. "
+            r"--fit_memory_gb 12, or leave it unset to plan for the GPU's free memory$",
+        )
+        for value in ("nan", "inf")
+    ],
     Case(RLOO, ["--seed", "-1"], r"--seed=-1 is out of range"),
     Case(RLOO, ["--seed", "5000000000"], r"--seed=5000000000 is out of range"),
     Case(RLOO, ["--threads", "-1"], r"--threads=-1 must be >= 0 \(0: follow the free cores"),
@@ -585,7 +594,8 @@ PLAN = "plan"
 CASES += [
     Case(PLAN, ["--device", "tpu"], r"--device 'tpu' is not one of \['cuda', 'cpu'\]"),
     Case(PLAN, ["--memory_gb", "0"], r"--memory_gb 0.0 must be a positive number of GB"),
-    Case(PLAN, ["--memory_gb", "nan"], r"--memory_gb=nan is not a finite number"),
+    Case(PLAN, ["--memory_gb", "nan"], r"--memory_gb=nan is not a finite number\. Pass a real number, or "
+         r"leave --memory_gb unset$"),
     Case(PLAN, ["--prompt_length", "0"], r"--prompt_length and --num_processes must be 1 or more"),
     Case(PLAN, ["--num_processes", "0"], r"--prompt_length and --num_processes must be 1 or more"),
     Case(PLAN, ["--compare", "maybe"], r"--compare.*got maybe"),
