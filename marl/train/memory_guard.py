@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from tqdm import tqdm
 
 from marl.config.batch_sizes import micro_batch_changes_the_loss
 from marl.errors import ConfigError, PhaseMemoryError
@@ -155,7 +156,7 @@ class PhaseGuard:
         embeddings: the base's input embeddings (every forward pass runs them: the test hook's place).
         retry: whether an out-of-memory error is retried smaller (one process only).
         planned: each phase's planned peak in bytes as ``max_memory_allocated`` or the CPU measure sees it,
-            when known (the app sets it from the plan).
+            when known (the app sets it from the plan); ``replan()`` gives it again after a size changed.
         peaks: each phase's latest measured peak (bytes); ``largest``: the largest of the run.
         changes: the size changes made, as printed.
     """
@@ -165,6 +166,7 @@ class PhaseGuard:
     embeddings: torch.nn.Module
     retry: bool = True
     planned: dict[str, int] | None = None
+    replan: Callable[[], dict[str, int]] | None = None
     peaks: dict[str, int] = field(default_factory=dict)
     largest: dict[str, int] = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
@@ -199,7 +201,10 @@ class PhaseGuard:
                 raise PhaseMemoryError(phase, tried, attempt.failed)
             tried.append(self.sizes[phase].describe())
             self.changes.append(f"out of memory in {phase}: {tried[-2]} -> {tried[-1]}, kept for the rest")
-            print(f"marl: {self.changes[-1]} of the run ({attempt.failed})", file=sys.stderr)
+            # on a line of its own: a progress bar drawn on stderr is cleared, then drawn again below it
+            tqdm.write(f"marl: {self.changes[-1]} of the run ({attempt.failed})", file=sys.stderr)
+            if self.replan is not None:  # the plan's peaks follow the sizes now in force
+                self.planned = self.replan()
 
     def run(
         self, phase: str, work: Callable[[], Result], restore: Callable[[], None] | None = None

@@ -450,8 +450,8 @@ def update_policies(
     were skipped. Each part keeps its own rows, row order (its own ``randperm`` draws, in the order of the
     parts), loss settings, finiteness check and optimizer step; the epochs, mini-batches and micro-batches are
     the same for every part (a sweep refuses batch settings that differ, :mod:`marl.config.sweep`). The model
-    is left in eval mode, also when a step fails. ``update_start`` learns whether a step began and gets the copies
-    that can undo it."""
+    is left in eval mode, also when a step fails. ``update_start`` learns whether a step began and gets the
+    copies that can undo it."""
     first = parts[0].step
     config, sizes = first.config, first.sizes
     # what the update changes is copied first, so that an update out of memory can start over smaller
