@@ -337,25 +337,28 @@ class RLOOTrainer:
             **{field.name: state[field.name] for field in dataclasses.fields(TrainerState)}
         )
 
-    def start_writing(self, plan: run_dir.RunStart, resumed: int) -> None:
+    def write_settings(self, changes: Sequence[str]) -> None:
+        """Write ``rloo_config.json``: the settings in force, and the sizes the guard halved (``changes``)."""
+        parts = self.parts
+        dataset = {
+            **self.dataset_source,
+            "train_prompts": len(parts.train_prompts),
+            "eval_prompts": None if parts.eval_prompts is None else len(parts.eval_prompts),
+        }
+        settings = run_dir.run_settings(
+            self.config, self.model, parts.policy, parts.parallelism.num_processes, dataset
+        )
+        record = {"rewards": run_dir.reward_record(parts.reward), "fit_chosen": self.fit_record}
+        run_dir.write_run_config(self.output_dir, settings | record | {run_dir.RETRIED_KEY: list(changes)})
+
+    def start_writing(self, plan: run_dir.RunStart, resumed: int, changes: Sequence[str] = ()) -> None:
         """Once the first update is done, and not before: replace what the folder held, then write this run's
         settings and open the trackers. A start that fails or is killed earlier leaves the folder as it
         was."""
         parts = self.parts
         if parts.parallelism.is_main_process:
             self.log_history = plan.commit(resumed)
-            dataset = {
-                **self.dataset_source,
-                "train_prompts": len(parts.train_prompts),
-                "eval_prompts": None if parts.eval_prompts is None else len(parts.eval_prompts),
-            }
-            settings = run_dir.run_settings(
-                self.config, self.model, parts.policy, parts.parallelism.num_processes, dataset
-            )
-            run_dir.write_run_config(
-                self.output_dir,
-                settings | {"rewards": run_dir.reward_record(parts.reward), "fit_chosen": self.fit_record},
-            )
+            self.write_settings(changes)
         if self.config.trackers:
             parts.parallelism.accelerator.init_trackers(
                 run_dir.TRACKER_DIR, config=run_dir.tracker_config(self.config)
@@ -385,6 +388,16 @@ def train_policies(
         if plan.checkpoint is not None:
             trainer.load_checkpoint(plan.checkpoint)
     resumed = first.state.update
+    retried = resumed and run_dir.resume_retried_micro_batch(first.output_dir, [t.config for t in trainers])
+    if retried:  # resumed at the micro-batch the run it resumes went on at
+        guard.changes.append(f"out of memory in update: {retried[0]} -> {retried[1]}, kept for the rest")
+        guard.planned = guard.replan() if guard.replan is not None else guard.planned
+        if parallelism.is_main_process:
+            print(
+                f"marl: resuming with {retried[1]}, as the run went on after running out of memory",
+                file=sys.stderr,
+            )
+    recorded = len(guard.changes)
     first.save_schedule.start()
     start = (time.perf_counter(), first.episode)
     title = progress_description(first.config)
@@ -424,8 +437,11 @@ def train_policies(
                 own = complete_for_metrics(rollout, own, trainer.parts.scorer, trainer.config.kl_coef)
                 trainer.state.update += 1
                 if trainer.state.update == resumed + 1:
-                    trainer.start_writing(plan, resumed)
+                    trainer.start_writing(plan, resumed, guard.changes)
+                elif len(guard.changes) > recorded and parallelism.is_main_process:  # retried smaller
+                    trainer.write_settings(guard.changes)
                 metrics.append(trainer.report(rollout, own, stats, start))
+            recorded = len(guard.changes)
             progress.update(1)
             progress.set_postfix(progress_postfix(metrics, first.episode))
             # 5. checkpoint: every policy at the same update
@@ -434,7 +450,7 @@ def train_policies(
                     trainer.save_checkpoint()
     if first.state.update == resumed:  # resumed from the last checkpoint: nothing left to train
         for trainer, plan in zip(trainers, plans, strict=True):
-            trainer.start_writing(plan, resumed)
+            trainer.start_writing(plan, resumed, guard.changes)
     for trainer in trainers:
         trainer.parts.parallelism.save_policy_adapter(trainer.model, trainer.output_dir, trainer.parts.policy)
 
