@@ -240,8 +240,9 @@ class PhaseGuard:
             metrics[f"memory/{phase}_plan_mb"] = planned / MB
         return metrics
 
-    def summary(self) -> str | None:
-        """One line: each phase's largest measured peak of the run against its plan."""
+    def summary(self, unplanned: str | None = None) -> str | None:
+        """One line: each phase's largest measured peak of the run against its plan; ``unplanned``: why the
+        plan is not compared (it models another setting than the run's), said instead."""
         if not self.largest:
             return None
         parts = []
@@ -250,11 +251,12 @@ class PhaseGuard:
                 continue
             measured, planned = self.largest[phase], (self.planned or {}).get(phase)
             text = f"{phase} {measured / MB:,.0f} MB"
-            if planned:
+            if planned and unplanned is None:
                 text += f" (plan {planned / MB:,.0f} MB, {measured / planned:.0%})"
             parts.append(text)
         where = "allocated on the GPU" if self.device.type == "cuda" else "resident above the imports"
-        return f"peak memory per phase ({where}): " + ", ".join(parts)
+        said = f"; {unplanned}" if unplanned is not None and self.planned else ""
+        return f"peak memory per phase ({where}): " + ", ".join(parts) + said
 
 
 class Attempt:

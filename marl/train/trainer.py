@@ -55,7 +55,7 @@ from marl.algo.metrics import (
 )
 from marl.algo.shaping import ShapedRewards, shape_rollout
 from marl.config.rloo_config import RLOOConfig
-from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
+from marl.cpu.allocator import release_freed_memory, unplanned_allocator, use_cpu_allocator
 from marl.data.prompts import prompt_text, prompts_for_update
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
@@ -190,7 +190,8 @@ class RLOOTrainer:
             print(plan.notice, file=sys.stderr)
         train_policies([self], [plan], lambda: [self.rollout()])
         if parallelism.is_main_process:
-            summary = self.phases.summary()
+            cpu = parallelism.device.type == "cpu"
+            summary = self.phases.summary(unplanned_allocator(self.config.cpu_allocator) if cpu else None)
             if summary is not None:
                 print(summary, file=sys.stderr)
             curves = training_curves_note(
