@@ -70,12 +70,13 @@ class PhaseMemoryError(MarlError, MemoryError):
 
     def __str__(self) -> str:
         kept = (
-            f"the last completed update is in {self.checkpoint}; resume with --resume_from_checkpoint latest"
+            f"The last completed update is in {self.checkpoint}: resume it with --resume_from_checkpoint "
+            "latest and smaller settings."
             if self.checkpoint
-            else "no update was completed since the last checkpoint; --resume_from_checkpoint latest goes on"
+            else "No update was completed, so nothing was saved: run again with smaller settings."
         )
         advice = self.advice or "marl plan with the same flags and --memory_gb lists settings that fit"
         return (
             f"out of memory in the {self.phase} phase at every size tried ({'; '.join(self.tried)}): "
-            f"{self.reason}. {kept} and smaller settings. {advice}"
+            f"{self.reason}. {kept} {advice}"
         )

@@ -86,7 +86,9 @@ def error_boundary(
         except MarlError as error:
             if _debugging(words):
                 raise
-            print(f"{prog}: error: {error}", file=sys.stderr)
+            # the notes say what a run saved before it stopped (marl.train.checkpoints.stop_with_checkpoints)
+            line = " ".join([str(error), *getattr(error, "__notes__", [])])
+            print(f"{prog}: error: {line}", file=sys.stderr)
             # a run out of memory at its smallest sizes has its own code (marl.errors.OUT_OF_MEMORY_EXIT_CODE)
             raise SystemExit(getattr(error, "exit_code", INPUT_ERROR_EXIT_CODE)) from None
         except BaseException as error:

@@ -230,14 +230,23 @@ def memory_card_with_plan(trainer: Any) -> Any:
     import dataclasses
 
     from marl.plan.planner import plan_for_trainer
+    from marl.train.checkpoints import rng_state, set_rng_state
 
     runs = getattr(trainer, "trainers", [trainer])  # a sweep's policies, each as a run
-    plan = plan_for_trainer(runs[0], policies=len(runs))
-    peaks = {phase.name: phase.total for phase in plan.phases if phase.name != "load"}
-    # the run logs its measured peaks beside these (a sweep's phases run under its first policy's guard);
-    # max_memory_allocated does not see the CUDA runtime
-    outside = plan.target.runtime_bytes if plan.target.device == "cuda" else 0
-    runs[0].phases.planned = {name: peak - outside for name, peak in peaks.items()}
+
+    def planned() -> tuple[dict[str, int], dict[str, int]]:
+        drawn = rng_state()  # planning draws from torch's generator; a retry's plan must not move the run's
+        plan = plan_for_trainer(runs[0], policies=len(runs))
+        set_rng_state(drawn)
+        peaks = {phase.name: phase.total for phase in plan.phases if phase.name != "load"}
+        # max_memory_allocated does not see the CUDA runtime
+        outside = plan.target.runtime_bytes if plan.target.device == "cuda" else 0
+        return peaks, {name: peak - outside for name, peak in peaks.items()}
+
+    # the run logs its measured peaks beside these (a sweep's phases run under its first policy's guard),
+    # planned again at the sizes in force after a retry
+    peaks, runs[0].phases.planned = planned()
+    runs[0].phases.replan = lambda: planned()[1]
     card = trainer.model.memory_report([run.parts.policy for run in runs])
     return dataclasses.replace(card, predicted_peaks=peaks)
 

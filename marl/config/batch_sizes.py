@@ -39,6 +39,12 @@ FIT_MEMORY_HELP = (
     "(the least over its processes); on CPU --fit auto needs it."
 )
 
+# What --fit_memory_gb nan or inf is told (after "--fit_memory_gb nan").
+FIT_MEMORY_NOT_FINITE = (
+    "is not a memory size: pass a number of GB, e.g. --fit_memory_gb 12, or leave it unset to plan for the "
+    "GPU's free memory"
+)
+
 
 class BatchSettings(Protocol):
     """The fields of a config that decide its batch arithmetic (``RLOOConfig`` has them all)."""

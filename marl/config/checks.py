@@ -29,7 +29,8 @@ from marl.errors import ConfigError
 
 def check_fields(settings: Any) -> None:
     """Refuse a field whose value is not of its annotated type or not one of its ``choices`` (metadata, which
-    ``HfArgumentParser`` also gives argparse), and every NaN or infinite float."""
+    ``HfArgumentParser`` also gives argparse), and every NaN or infinite float (said as the class's
+    ``NOT_FINITE`` says it for a field, when it does)."""
     hints = typing.get_type_hints(type(settings))
     for item in dataclasses.fields(settings):
         value, hint = getattr(settings, item.name), hints[item.name]
@@ -44,8 +45,20 @@ def check_fields(settings: Any) -> None:
             raise ConfigError(f"{flag}={value!r} is not a choice. Use one of {tuple(choices)}")
         for number in value if isinstance(value, list) else [value]:
             if isinstance(number, float) and not math.isfinite(number):
-                example = "" if item.default is dataclasses.MISSING else f", e.g. {flag} {item.default}"
-                raise ConfigError(f"{flag}={value!r} is not a finite number. Pass a real number{example}")
+                raise ConfigError(_not_finite(flag, value, item, getattr(settings, "NOT_FINITE", {})))
+
+
+def _not_finite(flag: str, value: Any, item: dataclasses.Field, said: dict[str, str]) -> str:
+    """The refusal of a NaN or infinite value: the settings' own sentence for the field (``said``, their
+    ``NOT_FINITE``: what the value should be), else an example from a numeric default, else "leave it
+    unset"."""
+    if item.name in said:
+        return f"{flag} {value!r} {said[item.name]}"
+    if item.default is None:
+        return f"{flag}={value!r} is not a finite number. Pass a real number, or leave {flag} unset"
+    numeric = isinstance(item.default, int | float | list) and not isinstance(item.default, bool)
+    example = f", e.g. {flag} {item.default}" if numeric and item.default != [] else ""
+    return f"{flag}={value!r} is not a finite number. Pass a real number{example}"
 
 
 def _matches(value: Any, hint: Any) -> bool:

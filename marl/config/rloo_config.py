@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from marl.config.algorithms import algorithm_field, check_algorithm_settings, resolve_algorithm
 from marl.config.batch_sizes import (
+    FIT_MEMORY_NOT_FINITE,
     BatchSizes,
     batch_sizes,
     check_batch_settings,
@@ -174,6 +175,9 @@ class RLOOConfig:
         >>> config.rloo_k, config.kl_coef
         (4, 0.05)
     """
+
+    # what a NaN or infinite value of these fields is told (marl.config.checks.check_fields)
+    NOT_FINITE: ClassVar[dict[str, str]] = {"fit_memory_gb": FIT_MEMORY_NOT_FINITE}
 
     # --- run ---
     output_dir: str = field(

@@ -36,6 +36,8 @@ CPU_ALLOCATOR_HELP = (
     "back when freed (a lower peak, but every new block is faulted in again: an update measured 1.4x "
     "slower). Both give the heap back between phases. Ignored on GPU."
 )
+# The setting the memory planner's CPU figures model (marl.plan.planner).
+PLANNED_CPU_ALLOCATOR = "maps"
 # glibc's mallopt parameter numbers (malloc.h).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MiB = 2**20
@@ -104,3 +106,19 @@ def release_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def unplanned_allocator(allocator: str) -> str | None:
+    """Why a CPU run's measured peaks are not compared with the plan: it used another ``--cpu_allocator``
+    than the plan models (``None`` when it did not).
+
+    Example:
+        >>> unplanned_allocator("maps") is None
+        True
+    """
+    if allocator == PLANNED_CPU_ALLOCATOR:
+        return None
+    return (
+        f"not compared with the plan, which models --cpu_allocator {PLANNED_CPU_ALLOCATOR}: this run used "
+        f"--cpu_allocator {allocator}, whose C heap also keeps the blocks freed within a phase"
+    )

@@ -49,7 +49,10 @@ from marl.rewards.adapter import padded_chunks, score_chunks
 
 # Adapter names TRL's trainers give adapters on the PEFT model: the policy, and the frozen copy of its
 # starting weights that they add as the reference when handed a PeftModel with beta != 0.
-TRL_ADAPTER_NAMES = ("default", "ref")
+TRL_ADAPTER_NAMES = {
+    "default": "TRL's trainers train the policy adapter under that name",
+    "ref": "TRL's trainers add the frozen copy of the policy's starting weights under that name",
+}
 # Where a sharded launch says so before any model is prepared: accelerate's launcher and plugins set these.
 _FSDP_ENV = "ACCELERATE_USE_FSDP"
 _DEEPSPEED_ENV, _ZERO_STAGE_ENV = "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE"
@@ -164,7 +167,7 @@ def reward_adapter_function(
     problem = sharding_problem(model)
     if problem is not None:
         raise ConfigError(_sharded_message(problem))
-    check_adapter_name(name, [*model.peft_config, *TRL_ADAPTER_NAMES], "reward adapter")
+    check_adapter_name(name, list(model.peft_config), "reward adapter", reserved=TRL_ADAPTER_NAMES)
     folder = loading.read_reward_folder(adapter_dir, allow_pickle)
     base = model.get_base_model()
     lora_dtype = next((p.dtype for n, p in model.named_parameters() if "lora_" in n), torch.float32)

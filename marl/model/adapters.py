@@ -87,7 +87,7 @@ def read_adapter_config(directory: Path, *, role: str) -> dict[str, Any]:
     config_file = directory / ADAPTER_CONFIG_NAME
     if not config_file.is_file():
         raise AdapterError(
-            f"{directory} is not a PEFT adapter: it has no {ADAPTER_CONFIG_NAME}. {_WRITTEN_BY[role]}"
+            f"{directory} is not a PEFT adapter (it has no {ADAPTER_CONFIG_NAME}); {_WRITTEN_BY[role]}"
         )
     config = _read_json(config_file, what=f"the {role} adapter's configuration")
     if config.get("peft_type") != "LORA":
@@ -478,8 +478,11 @@ class RewardAdapter:
     pad_token_id: int
 
 
-def check_adapter_name(name: str, taken: list[str], role: str) -> None:
-    """Refuse a name that is not a plain identifier, is reserved, or is already used on this base."""
+def check_adapter_name(
+    name: str, taken: list[str], role: str, reserved: Mapping[str, str] | None = None
+) -> None:
+    """Refuse a name that is not a plain identifier, is reserved (marl's own, or ``reserved``: name -> what
+    takes it, e.g. another library's adapters), or is already used on this base (``taken``: its adapters)."""
     if not isinstance(name, str) or not _ADAPTER_NAME.match(name) or name == BASE_VIEW:
         raise ConfigError(
             f"{role} name {name!r} is not usable: use letters, digits, '_' and '-' (no dots or spaces)"
@@ -491,8 +494,11 @@ def check_adapter_name(name: str, taken: list[str], role: str) -> None:
         )
     if name in taken:
         raise ConfigError(
-            f"{role} name {name!r} is already used on this base (adapters: {taken}); choose another"
+            f"{role} name {name!r} is already used on this base (adapters: {sorted(set(taken))}); choose "
+            "another"
         )
+    if reserved and name in reserved:
+        raise ConfigError(f"{role} name {name!r} is reserved: {reserved[name]}. Choose another name")
 
 
 def named_reward_adapters(

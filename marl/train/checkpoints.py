@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from marl.errors import CheckpointError, MissingPathError
+from marl.errors import CheckpointError, MissingPathError, PhaseMemoryError
 from marl.model.adapters import SAFETENSORS_WEIGHTS_NAME
 from marl.train import parallel
 from marl.train.run_dir import (
@@ -117,6 +118,77 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class UpdateStart:
+    """What a run held at an update's start, so that an error stopping that update can still checkpoint the
+    update before, as a checkpoint due then would have: the random state, and each policy's schedule, rate
+    and skipped-step count. ``snapshots`` (the policies' copies when the update took them) and ``stepped`` (an
+    optimizer step of this update began) say whether the policies' weights can be put back.
+
+    Example:
+        >>> start = UpdateStart.of(trainers)  # doctest: +SKIP
+        >>> start.put_back(trainers)  # after an error: False when the weights are lost  # doctest: +SKIP
+        True
+    """
+
+    rng: dict[str, Any]
+    schedules: list[dict[str, Any]]
+    rates: list[float]
+    skipped: list[int]
+    snapshots: list[Any] = field(default_factory=list)
+    stepped: bool = False
+
+    @classmethod
+    def of(cls, trainers: Any) -> UpdateStart:
+        updates = [trainer.parts.policy_update for trainer in trainers]
+        return cls(
+            rng=rng_state(),
+            schedules=[copy.deepcopy(update.scheduler.state_dict()) for update in updates],
+            rates=[update.last_learning_rate for update in updates],
+            skipped=[trainer.state.skipped_optimizer_steps for trainer in trainers],
+        )
+
+    def put_back(self, trainers: Any) -> bool:
+        """Every policy and the random state as at the start; ``False`` (nothing changed) when an optimizer
+        step began and no copy of the weights was kept."""
+        if self.stepped and not self.snapshots:
+            return False
+        for snapshot in self.snapshots if self.stepped else []:
+            snapshot.restore()
+        for trainer, schedule, rate, skipped in zip(
+            trainers, self.schedules, self.rates, self.skipped, strict=True
+        ):
+            trainer.parts.policy_update.scheduler.load_state_dict(copy.deepcopy(schedule))
+            trainer.parts.policy_update.last_learning_rate = rate
+            trainer.state.skipped_optimizer_steps = skipped
+        set_rng_state(self.rng)
+        return True
+
+
+def stop_with_checkpoints(trainers: Any, start: UpdateStart, resumed: int, error: BaseException) -> None:
+    """An error stopped the update in progress: put every policy back as it was at the update's start and
+    save its last completed update, then say where in ``error`` (``error.checkpoint`` of an out-of-memory
+    error, else a note its one line ends with). Not under several processes (the others would wait in the
+    checkpoint's collectives) nor when the update changed the weights and kept no copy of them."""
+    first = trainers[0]
+    if first.state.update == resumed:  # nothing done since the start: what is saved is what there is
+        said = first.checkpoint_before_stopping(resumed)
+    elif first.parts.parallelism.num_processes > 1:
+        said = "Nothing newer than the last checkpoint was saved: the other processes could not join in."
+    elif not start.put_back(trainers):
+        said = (
+            f"Update {first.state.update + 1} was stopped after it had changed the policy, so update "
+            f"{first.state.update} could not be saved; resume from the last checkpoint."
+        )
+    else:  # every member of a sweep at the same update
+        said = [trainer.checkpoint_before_stopping(resumed) for trainer in trainers][0]  # noqa: RUF015
+    if isinstance(error, PhaseMemoryError):
+        folder = first.output_dir / checkpoint_name(first.state.update)
+        error.checkpoint = str(folder) if folder.exists() else None
+    elif not isinstance(error, KeyboardInterrupt):  # Ctrl-C's line lists the checkpoints itself
+        error.add_note(said)
 
 
 def staging_folder(output_dir: Path, update: int) -> Path:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from tqdm import tqdm
 
 from marl.config.batch_sizes import micro_batch_changes_the_loss
 from marl.errors import ConfigError, PhaseMemoryError
@@ -185,7 +186,7 @@ class PhaseGuard:
         embeddings: the base's input embeddings (every forward pass runs them: the test hook's place).
         retry: whether an out-of-memory error is retried smaller (one process only).
         planned: each phase's planned peak in bytes as ``max_memory_allocated`` or the CPU measure sees it,
-            when known (the app sets it from the plan).
+            when known (the app sets it from the plan); ``replan()`` gives it again after a size changed.
         peaks: each phase's latest measured peak (bytes); ``largest``: the largest of the run.
         changes: the size changes made, as printed.
     """
@@ -195,6 +196,7 @@ class PhaseGuard:
     embeddings: torch.nn.Module
     retry: bool = True
     planned: dict[str, int] | None = None
+    replan: Callable[[], dict[str, int]] | None = None
     peaks: dict[str, int] = field(default_factory=dict)
     largest: dict[str, int] = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
@@ -233,7 +235,10 @@ class PhaseGuard:
                 raise PhaseMemoryError(phase, tried, attempt.failed)
             tried.append(size.describe())
             self.changes.append(f"out of memory in {phase}: {tried[-2]} -> {tried[-1]}, kept for the rest")
-            print(f"marl: {self.changes[-1]} of the run ({attempt.failed})", file=sys.stderr)
+            # on a line of its own: a progress bar drawn on stderr is cleared, then drawn again below it
+            tqdm.write(f"marl: {self.changes[-1]} of the run ({attempt.failed})", file=sys.stderr)
+            if self.replan is not None:  # the plan's peaks follow the sizes now in force
+                self.planned = self.replan()
 
     def run(
         self, phase: str, work: Callable[[], Result], restore: Callable[[], None] | None = None
@@ -269,8 +274,9 @@ class PhaseGuard:
             metrics[f"memory/{phase}_plan_mb"] = planned / MB
         return metrics
 
-    def summary(self) -> str | None:
-        """One line: each phase's largest measured peak of the run against its plan."""
+    def summary(self, unplanned: str | None = None) -> str | None:
+        """One line: each phase's largest measured peak of the run against its plan; ``unplanned``: why the
+        plan is not compared (it models another setting than the run's), said instead."""
         if not self.largest:
             return None
         parts = []
@@ -279,11 +285,12 @@ class PhaseGuard:
                 continue
             measured, planned = self.largest[phase], (self.planned or {}).get(phase)
             text = f"{phase} {measured / MB:,.0f} MB"
-            if planned:
+            if planned and unplanned is None:
                 text += f" (plan {planned / MB:,.0f} MB, {measured / planned:.0%})"
             parts.append(text)
         where = "allocated on the GPU" if self.device.type == "cuda" else "resident above the imports"
-        return f"peak memory per phase ({where}): " + ", ".join(parts)
+        said = f"; {unplanned}" if unplanned is not None and self.planned else ""
+        return f"peak memory per phase ({where}): " + ", ".join(parts) + said
 
 
 class Attempt:

@@ -375,6 +375,31 @@ def tracker_config(config: Any) -> dict[str, Any]:
     return {key: value_of(value) for key, value in asdict(config).items()}
 
 
+# rloo_config.json's record of the sizes the out-of-memory guard halved (marl.train.memory_guard), as printed.
+RETRIED_KEY = "retried_smaller"
+MICRO_BATCH = ("per_device_train_batch_size", "gradient_accumulation_steps")
+
+
+def resume_retried_micro_batch(output_dir: Path, configs: Sequence[Any]) -> tuple[str, str] | None:
+    """Set ``configs`` (a run's, or a sweep's members') to the micro-batch the run in ``output_dir`` was
+    retried at after its update ran out of memory (its ``rloo_config.json``), when the effective batch is the
+    one typed; returns the typed and the retried micro-batch as flags, or ``None`` when there is none."""
+    try:
+        recorded = json.loads((output_dir / CONFIG_FILE).read_text())
+        micro, steps = (int(recorded[key]) for key in MICRO_BATCH)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    retried = any(change.startswith("out of memory in update") for change in recorded.get(RETRIED_KEY, []))
+    first = configs[0]
+    typed = first.per_device_train_batch_size, first.gradient_accumulation_steps
+    if not retried or micro >= typed[0] or micro * steps != typed[0] * typed[1]:
+        return None
+    for config in configs:
+        config.per_device_train_batch_size, config.gradient_accumulation_steps = micro, steps
+    flags = "--per_device_train_batch_size {} --gradient_accumulation_steps {}"
+    return flags.format(*typed), flags.format(micro, steps)
+
+
 def write_run_config(output_dir: Path, settings: dict[str, Any]) -> None:
     output_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(output_dir / CONFIG_FILE, json.dumps(settings, indent=2, default=str) + "\n")

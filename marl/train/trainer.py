@@ -55,9 +55,8 @@ from marl.algo.metrics import (
 )
 from marl.algo.shaping import ShapedRewards, shape_rollout
 from marl.config.rloo_config import RLOOConfig
-from marl.cpu.allocator import release_freed_memory, use_cpu_allocator
+from marl.cpu.allocator import release_freed_memory, unplanned_allocator, use_cpu_allocator
 from marl.data.prompts import prompt_text, prompts_for_update
-from marl.errors import PhaseMemoryError
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
 from marl.rollout.completions import Rollout
@@ -191,7 +190,8 @@ class RLOOTrainer:
             print(plan.notice, file=sys.stderr)
         train_policies([self], [plan], lambda: [self.rollout()])
         if parallelism.is_main_process:
-            summary = self.phases.summary()
+            cpu = parallelism.device.type == "cpu"
+            summary = self.phases.summary(unplanned_allocator(self.config.cpu_allocator) if cpu else None)
             if summary is not None:
                 print(summary, file=sys.stderr)
             curves = training_curves_note(
@@ -310,14 +310,16 @@ class RLOOTrainer:
             save_total_limit=self.config.save_total_limit,
         )
 
-    def checkpoint_before_stopping(self, error: PhaseMemoryError, resumed: int, update_start: dict) -> None:
-        """Save the last completed update (the guard put back the policy's state; ``update_start``: the random
-        state it ended with), unless it is saved already or none was done, and name it in ``error``."""
-        folder = self.output_dir / run_dir.checkpoint_name(self.state.update)
-        if self.state.update > resumed and not folder.exists():
-            checkpoints.set_rng_state(update_start)
+    def checkpoint_before_stopping(self, resumed: int) -> str:
+        """After an error stopped the update in progress, with the state put back as it was at its start:
+        save the last completed update unless it is saved already or none was done; returns a sentence
+        saying where it is."""
+        done, folder = self.state.update, self.output_dir / run_dir.checkpoint_name(self.state.update)
+        if done > resumed and not folder.exists():
             self.save_checkpoint()
-        error.checkpoint = str(folder) if folder.exists() else None
+        if folder.exists():
+            return f"Update {done} is saved in {folder}: --resume_from_checkpoint latest resumes from it."
+        return "No update was completed, so nothing was saved."
 
     def load_checkpoint(self, path: Path) -> None:
         """Continue from the ``checkpoint-N`` folder ``path``: the policy, optimizer, schedule and state."""
@@ -336,25 +338,28 @@ class RLOOTrainer:
             **{field.name: state[field.name] for field in dataclasses.fields(TrainerState)}
         )
 
-    def start_writing(self, plan: run_dir.RunStart, resumed: int) -> None:
+    def write_settings(self, changes: Sequence[str]) -> None:
+        """Write ``rloo_config.json``: the settings in force, and the sizes the guard halved (``changes``)."""
+        parts = self.parts
+        dataset = {
+            **self.dataset_source,
+            "train_prompts": len(parts.train_prompts),
+            "eval_prompts": None if parts.eval_prompts is None else len(parts.eval_prompts),
+        }
+        settings = run_dir.run_settings(
+            self.config, self.model, parts.policy, parts.parallelism.num_processes, dataset
+        )
+        record = {"rewards": run_dir.reward_record(parts.reward), "fit_chosen": self.fit_record}
+        run_dir.write_run_config(self.output_dir, settings | record | {run_dir.RETRIED_KEY: list(changes)})
+
+    def start_writing(self, plan: run_dir.RunStart, resumed: int, changes: Sequence[str] = ()) -> None:
         """Once the first update is done, and not before: replace what the folder held, then write this run's
         settings and open the trackers. A start that fails or is killed earlier leaves the folder as it
         was."""
         parts = self.parts
         if parts.parallelism.is_main_process:
             self.log_history = plan.commit(resumed)
-            dataset = {
-                **self.dataset_source,
-                "train_prompts": len(parts.train_prompts),
-                "eval_prompts": None if parts.eval_prompts is None else len(parts.eval_prompts),
-            }
-            settings = run_dir.run_settings(
-                self.config, self.model, parts.policy, parts.parallelism.num_processes, dataset
-            )
-            run_dir.write_run_config(
-                self.output_dir,
-                settings | {"rewards": run_dir.reward_record(parts.reward), "fit_chosen": self.fit_record},
-            )
+            self.write_settings(changes)
         if self.config.trackers:
             parts.parallelism.accelerator.init_trackers(
                 run_dir.TRACKER_DIR, config=run_dir.tracker_config(self.config)
@@ -384,6 +389,16 @@ def train_policies(
         if plan.checkpoint is not None:
             trainer.load_checkpoint(plan.checkpoint)
     resumed = first.state.update
+    retried = resumed and run_dir.resume_retried_micro_batch(first.output_dir, [t.config for t in trainers])
+    if retried:  # resumed at the micro-batch the run it resumes went on at
+        guard.changes.append(f"out of memory in update: {retried[0]} -> {retried[1]}, kept for the rest")
+        guard.planned = guard.replan() if guard.replan is not None else guard.planned
+        if parallelism.is_main_process:
+            print(
+                f"marl: resuming with {retried[1]}, as the run went on after running out of memory",
+                file=sys.stderr,
+            )
+    recorded = len(guard.changes)
     first.save_schedule.start()
     start = (time.perf_counter(), first.episode)
     title = progress_description(first.config)
@@ -395,8 +410,7 @@ def train_policies(
         disable=not parallelism.is_local_main_process,
     ) as progress:
         while first.state.update < sizes.num_total_batches:
-            # a run out of memory at its smallest sizes checkpoints the update before with this state
-            update_start = checkpoints.rng_state() if guard.retry else None
+            start_of_update = checkpoints.UpdateStart.of(trainers)  # the update before is saved from it
             try:
                 # 1. rollout: every policy's prompts, sampled and scored
                 rolled = rollouts()
@@ -410,11 +424,11 @@ def train_policies(
                     for trainer, rollout, own, label in zip(trainers, rolled, shaped, labels, strict=True)
                 ]
                 judged = [part for part in parts if part is not None]
-                done = iter(update_policies(judged, guard, first.state.update + 1) if judged else [])
+                update = first.state.update + 1
+                done = iter(update_policies(judged, guard, update, start_of_update) if judged else [])
                 release_freed_memory()  # else the C heap keeps the update's CPU peak through the next rollout
-            except PhaseMemoryError as error:  # every policy's last completed update is checkpointed
-                for trainer in trainers:
-                    trainer.checkpoint_before_stopping(error, resumed, update_start)
+            except BaseException as error:  # Ctrl-C too: every policy's last completed update is saved first
+                checkpoints.stop_with_checkpoints(trainers, start_of_update, resumed, error)
                 raise
             # 4. metrics, sample tables, callbacks: each policy's own
             metrics = []
@@ -424,8 +438,11 @@ def train_policies(
                 own = complete_for_metrics(rollout, own, trainer.parts.scorer, trainer.config.kl_coef)
                 trainer.state.update += 1
                 if trainer.state.update == resumed + 1:
-                    trainer.start_writing(plan, resumed)
+                    trainer.start_writing(plan, resumed, guard.changes)
+                elif len(guard.changes) > recorded and parallelism.is_main_process:  # retried smaller
+                    trainer.write_settings(guard.changes)
                 metrics.append(trainer.report(rollout, own, stats, start))
+            recorded = len(guard.changes)
             progress.update(1)
             progress.set_postfix(progress_postfix(metrics, first.episode))
             # 5. checkpoint: every policy at the same update
@@ -434,24 +451,30 @@ def train_policies(
                     trainer.save_checkpoint()
     if first.state.update == resumed:  # resumed from the last checkpoint: nothing left to train
         for trainer, plan in zip(trainers, plans, strict=True):
-            trainer.start_writing(plan, resumed)
+            trainer.start_writing(plan, resumed, guard.changes)
     for trainer in trainers:
         trainer.parts.parallelism.save_policy_adapter(trainer.model, trainer.output_dir, trainer.parts.policy)
 
 
 def update_policies(
-    parts: Sequence[UpdatePart], guard: PhaseGuard, update: int
+    parts: Sequence[UpdatePart],
+    guard: PhaseGuard,
+    update: int,
+    update_start: checkpoints.UpdateStart | None = None,
 ) -> list[tuple[UpdateStats, int]]:
     """PPO-clip epochs over every part's rollout (the ``update``-th, for warnings), under ``guard``'s
     ``"update"`` phase; returns each part's sums for the policy metrics and how many of its optimizer steps
     were skipped. Each part keeps its own rows, row order (its own ``randperm`` draws, in the order of the
     parts), loss settings, finiteness check and optimizer step; the epochs, mini-batches and micro-batches are
     the same for every part (a sweep refuses batch settings that differ, :mod:`marl.config.sweep`). The model
-    is left in eval mode, also when a step fails."""
+    is left in eval mode, also when a step fails. ``update_start`` learns whether a step began and gets the
+    copies that can undo it."""
     first = parts[0].step
     config, sizes = first.config, first.sizes
     # what the update changes is copied first, so that an update out of memory can start over smaller
     snapshots = [PolicySnapshot(part.step, part.rollout) for part in parts] if guard.retry else []
+    if update_start is not None:
+        update_start.snapshots = snapshots
     # With several policies on CPU the C heap is trimmed after each policy's micro-batch, else it keeps every
     # policy's freed blocks (benchmarks/results/2026-11-26-sweep-cpu-long4-shared.md); a run reuses its heap.
     release_between_parts = len(parts) > 1 and parts[0].rollout.response_ids.device.type == "cpu"
@@ -481,6 +504,8 @@ def update_policies(
                                 if release_between_parts:
                                     release_freed_memory()
                         # 3d. every part's optimizer step (skipped where a loss or gradient is not finite)
+                        if update_start is not None:
+                            update_start.stepped = True
                         for part, loss_finite in zip(parts, finite, strict=True):
                             if part.step.optimizer_step(loss_finite):
                                 part.skipped += 1

@@ -180,7 +180,11 @@ def test_bad_policy_folders_are_one_line_before_any_model_loads(sweep, family_di
             r"prompts.jsonl is a file; pass the adapter's folder",
         ),
         "reward adapter": ([first, sweep["reward"]], out, r"sequence-classification \(reward\) adapter"),
-        "not a run": ([first, str(empty)], out, r"is not a PEFT adapter: it has no adapter_config.json"),
+        "not a run": (
+            [first, str(empty)],
+            out,
+            r"is not a PEFT adapter \(it has no adapter_config.json\); pass the folder",
+        ),
         "other base": ([first, str(other_base)], out, r"were trained on different bases .* separately$"),
         "unfinished": ([str(unfinished)], [], r"member lr-3e-4 has no policy adapter .*not finished"),
         "twice": ([first, first], out, r"names .*lr-1e-4 twice"),

@@ -206,7 +206,27 @@ def test_a_folder_that_is_not_a_reward_adapter_is_refused(tiny_llama_dir, tmp_pa
     assert "no score head" in one_line(error)
     with pytest.raises(AdapterError) as error:
         reward_adapter_function(policy, tiny_llama_dir, tokenizer)  # a model folder
-    assert "not a PEFT adapter" in one_line(error)
+    assert one_line(error) == (
+        f"{tiny_llama_dir} is not a PEFT adapter (it has no adapter_config.json); pass the folder that "
+        "`marl train-reward` (or TRL's RewardTrainer with a LoRA peft_config, task_type='SEQ_CLS') wrote"
+    )
+    assert list(policy.peft_config) == ["default"]
+
+
+def test_a_name_trls_trainers_take_is_refused_with_the_reason(tiny_llama_dir, tiny_reward_adapter):
+    policy = policy_model(tiny_llama_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    with pytest.raises(ConfigError) as error:
+        reward_adapter_function(policy, tiny_reward_adapter, tokenizer, name="ref")
+    assert one_line(error) == (
+        "reward adapter name 'ref' is reserved: TRL's trainers add the frozen copy of the policy's starting "
+        "weights under that name. Choose another name"
+    )
+    with pytest.raises(ConfigError) as error:
+        reward_adapter_function(policy, tiny_reward_adapter, tokenizer, name="default")
+    assert one_line(error) == (
+        "reward adapter name 'default' is already used on this base (adapters: ['default']); choose another"
+    )
     assert list(policy.peft_config) == ["default"]
 
 

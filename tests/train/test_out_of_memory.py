@@ -6,6 +6,7 @@ completed update and stops, and resuming finishes it as an uninterrupted run."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -62,7 +63,11 @@ def test_a_phase_out_of_memory_is_run_again_at_half_its_size(
     survived.train()
     phase = hook.split(":")[0]
     assert survived.phases.changes == [f"out of memory in {phase}: {change}, kept for the rest"]
-    assert capsys.readouterr().err.count(f"marl: out of memory in {phase}") == 1  # logged once
+    err = capsys.readouterr().err
+    assert err.count(f"marl: out of memory in {phase}") == 1  # logged once
+    # on a line of its own, though the bar is drawn on stderr: the bar's line is cleared first
+    before = err[: err.index(f"marl: out of memory in {phase}")]
+    assert "RLOO (" in before and re.split(r"[\r\n]", before)[-1] == "", before[-200:]
 
     monkeypatch.delenv(TEST_HOOK)
     if callable(halved):  # a run started at the halved size
@@ -101,6 +106,18 @@ def test_out_of_memory_at_the_smallest_size_checkpoints_and_resuming_finishes_th
     resumed = build(tiny_llama_dir, tiny_config(run, **SETTINGS))
     resumed.train(resume_from_checkpoint=True)
     assert (run / ADAPTER).read_bytes() == (tmp_path / "full" / ADAPTER).read_bytes()
+
+
+def test_out_of_memory_in_the_first_update_says_nothing_was_saved_in_a_sentence(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(TEST_HOOK, "update:1+")
+    with pytest.raises(PhaseMemoryError) as raised:
+        build(tiny_llama_dir, tiny_config(tmp_path / "run", **SETTINGS)).train()
+    assert raised.value.checkpoint is None
+    line = str(raised.value)
+    assert "\n" not in line and "goes on and smaller settings" not in line
+    assert "No update was completed, so nothing was saved: run again with smaller settings. marl plan" in line
 
 
 def test_the_hook_raises_torchs_own_error_and_refuses_a_bad_spec(monkeypatch):
@@ -153,7 +170,11 @@ def test_the_command_stops_with_one_line_and_its_own_exit_code_and_resumes(tmp_p
         "(--per_device_train_batch_size 4 --gradient_accumulation_steps 1; "
         "--per_device_train_batch_size 2 --gradient_accumulation_steps 2): "
     )
-    assert f"the last completed update is in {run / 'checkpoint-2'}" in line
+    assert (
+        f"The last completed update is in {run / 'checkpoint-2'}: resume it with "
+        "--resume_from_checkpoint latest "
+        "and smaller settings." in line
+    )
     assert "marl plan with the same flags and --device cpu --memory_gb GB" in line
     resumed = run_cli(world, [*words, "--resume_from_checkpoint", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -187,3 +208,51 @@ def test_a_sweeps_update_out_of_memory_is_run_again_for_every_policy(tiny_llama_
     for member in ("learning_rate=1e-2", "learning_rate=2e-2"):
         first, second = adapter(tmp_path / "survived" / member), adapter(tmp_path / "started" / member)
         assert largest_difference(first, second) <= 1e-5
+
+
+def test_the_micro_batch_in_force_after_a_retry_is_recorded_planned_and_resumed(
+    tiny_llama_dir, tmp_path, monkeypatch, capsys
+):
+    """Update 2 is retried at micro-batches of 2: rloo_config.json and the update's plan metric say so from
+    then on; a run stopped in update 3 resumes at that micro-batch and ends as the run that went on."""
+    import json
+
+    from test_stop_on_error import FailingForward
+
+    from marl.apps.train_rloo import memory_card_with_plan
+
+    def planned(folder, **settings):
+        trainer = build(tiny_llama_dir, tiny_config(folder, **SETTINGS, **settings))
+        memory_card_with_plan(trainer)  # as the command plans the run
+        return trainer
+
+    monkeypatch.setenv(TEST_HOOK, "update:9")  # update 2's first forward pass
+    planned(tmp_path / "went-on").train()
+    recorded = json.loads((tmp_path / "went-on" / "rloo_config.json").read_text())
+    halved = "--per_device_train_batch_size 2 --gradient_accumulation_steps 4"
+    assert [recorded[key] for key in ("per_device_train_batch_size", "gradient_accumulation_steps")] == [2, 4]
+    assert recorded["retried_smaller"] == [
+        "out of memory in update: --per_device_train_batch_size 4 --gradient_accumulation_steps 2 -> "
+        f"{halved}, kept for the rest"
+    ]
+    metrics = [json.loads(line) for line in (tmp_path / "went-on" / "metrics.jsonl").read_text().splitlines()]
+    at_two = planned(tmp_path / "at-two", per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    assert metrics[0]["memory/update_plan_mb"] != metrics[-1]["memory/update_plan_mb"]
+    assert metrics[-1]["memory/update_plan_mb"] == at_two.phases.planned["update"] / 1e6
+
+    run = tmp_path / "run"
+    trainer = planned(run)
+    FailingForward(trainer, 30)  # update 3's fifth forward pass, after its first optimizer step
+    with pytest.raises(RuntimeError, match="a custom part failed"):
+        trainer.train()
+    assert sorted(path.name for path in run.glob("checkpoint-*")) == ["checkpoint-2"]
+    stopped = json.loads((run / "rloo_config.json").read_text())
+    assert [stopped[key] for key in ("per_device_train_batch_size", "gradient_accumulation_steps")] == [2, 4]
+    monkeypatch.delenv(TEST_HOOK)
+    capsys.readouterr()
+    planned(run).train(resume_from_checkpoint=True)
+    assert (
+        f"marl: resuming with {halved}, as the run went on after running out of memory"
+        in capsys.readouterr().err
+    )
+    assert (run / ADAPTER).read_bytes() == (tmp_path / "went-on" / ADAPTER).read_bytes()
