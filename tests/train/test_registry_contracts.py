@@ -338,7 +338,7 @@ def test_an_outside_part_written_to_its_protocol_trains_and_meets_an_out_of_memo
             assert err.count(said) == 1 and err.count("cannot be resized") == 1
             [line] = [line for line in err.splitlines() if line.startswith("marl train-rloo: error: ")]
             assert "out of memory in the sampling phase" in line
-            assert f"the last completed update is in {tmp_path / 'cli' / 'checkpoint-1'}" in line
+            assert f"The last completed update is in {tmp_path / 'cli' / 'checkpoint-1'}" in line
             assert sorted(path.name for path in (tmp_path / "cli").glob("checkpoint-*")) == ["checkpoint-1"]
         assert "marl: --fit auto: " in err  # --fit auto planned the run with the outside part
 
