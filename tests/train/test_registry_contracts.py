@@ -347,8 +347,10 @@ def test_an_outside_part_written_to_its_protocol_trains_and_meets_an_out_of_memo
 
 LAUNCHED = textwrap.dedent(
     """
+    import os
     import sys
-    sys.path.insert(0, sys.argv[1])
+    # this test's folder, and tests/ for the `support` package it imports (pytest puts it there)
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[1])]
     from test_registry_contracts import NAME, PerPromptSampler
     from marl.apps.cli import main
     from marl.rollout.samplers import register_sampler
