@@ -183,7 +183,8 @@ def stop_with_checkpoints(trainers: Any, start: UpdateStart, resumed: int, error
             f"{first.state.update} could not be saved; resume from the last checkpoint."
         )
     else:  # every member of a sweep at the same update
-        said = [trainer.checkpoint_before_stopping(resumed) for trainer in trainers][0]  # noqa: RUF015
+        saved = [trainer.checkpoint_before_stopping(resumed) for trainer in trainers]
+        said = saved[0]  # the members are saved at the same update: the first one's sentence speaks for all
     if isinstance(error, PhaseMemoryError):
         folder = first.output_dir / checkpoint_name(first.state.update)
         error.checkpoint = str(folder) if folder.exists() else None
