@@ -354,6 +354,13 @@ class RLOOConfig:
         default=None,
         metadata={"help": "Subtract this from the score of completions that do not contain the stop token."},
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "With tools (--tool, --environment): the most tool-calling turns of one completion; unset: "
+            "until a turn calls no tool or --response_length is reached (TRL's field and default)."
+        },
+    )
     normalize_reward: bool = field(
         default=False,
         metadata={
