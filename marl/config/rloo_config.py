@@ -357,8 +357,8 @@ class RLOOConfig:
     max_tool_calling_iterations: int | None = field(
         default=None,
         metadata={
-            "help": "With tools (--tool, --environment): the most tool-calling turns of one completion; unset: "
-            "until a turn calls no tool or --response_length is reached (TRL's field and default)."
+            "help": "With tools (--tool, --environment): the most tool-calling turns of one completion; "
+            "unset: until a turn calls no tool or --response_length is reached (TRL's field and default)."
         },
     )
     normalize_reward: bool = field(
