@@ -91,6 +91,15 @@ def test_tool_flags_repeat_and_an_environment_may_be_the_only_reward():
         parse_train_rloo_args(["--tool", "my_tools:add"])  # a tool alone scores nothing
 
 
+@pytest.mark.parametrize(
+    ("trl_name", "hint"),
+    [("--tools", "--tool module:function"), ("--environment_factory", "--environment module:Factory")],
+)
+def test_trls_keyword_names_get_marls_flag(trl_name, hint):
+    with pytest.raises(ConfigError, match=rf"{trl_name} is a TRL name: marl's flag is {hint}"):
+        parse_train_rloo_args(["--reward_adapter", "rm", trl_name, "m:f"])
+
+
 def test_the_flags_import_what_the_trainer_takes(files):
     import datasets
 
