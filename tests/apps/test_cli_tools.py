@@ -14,7 +14,7 @@ from marl.apps.cli import main
 from marl.apps.train_rloo import ScriptArguments, parse_train_rloo_args, tool_arguments
 from marl.errors import ConfigError
 
-from support.tiny import refused, write_jsonl
+from support.tiny import refused, save_reward_adapter, write_jsonl
 
 TOOLS = '''
 def add(a: int, b: int) -> int:
@@ -165,7 +165,7 @@ def test_a_sweep_with_tools_and_a_negative_turn_limit_are_refused(capsys):
 
 @pytest.mark.slow
 @pytest.mark.skip(reason="needs the tool-calling core")
-def test_a_run_with_a_tool_an_environment_and_a_reward_adapter(files, tiny_reward_adapter, tmp_path):
+def test_a_run_with_a_tool_an_environment_and_a_reward_adapter(files, tmp_path):
     from transformers import AutoTokenizer
     from trl.chat_template_utils import qwen2_5_chat_template
 
@@ -174,12 +174,17 @@ def test_a_run_with_a_tool_an_environment_and_a_reward_adapter(files, tiny_rewar
     tokenizer = AutoTokenizer.from_pretrained(base)
     tokenizer.chat_template = qwen2_5_chat_template
     tokenizer.save_pretrained(base)
+    config = json.loads((base / "config.json").read_text())  # the tools' schemas make long prompts
+    (base / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    reward = save_reward_adapter(base, tmp_path / "reward")
     output_dir = tmp_path / "run"
     flags = ["--tool", f"{files['tools']}:add", "--environment", f"{files['tools']}:Calculator"]
-    flags += ["--reward_adapter", str(tiny_reward_adapter), "--max_tool_calling_iterations", "2"]
+    flags += ["--reward_adapter", str(reward), "--max_tool_calling_iterations", "2"]
     words = train_words(files, output_dir, *flags)
     words[words.index("--model_name_or_path") + 1] = str(base)
     main(words)
     (record,) = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert record["tools/call_frequency"] >= 0 and 0 <= record["tools/failure_frequency"] <= 1
     assert {"rewards/reward", "rewards/Calculator"} <= set(record)  # the adapter and get_reward, weight 1
+    assert 0 <= record["tools/failure_frequency"] <= 1
+    # a completion's get_reward is 1 only where it called multiply: never more than its tool calls
+    assert 0 <= record["rewards/Calculator"] <= record["tools/call_frequency"]
