@@ -7,7 +7,7 @@ the registry names of the config (right after parsing), then the output folder a
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -308,102 +308,50 @@ def reward_settings(script: ScriptArguments, config: RLOOConfig) -> list[RewardS
     ]
 
 
-EnvironmentFactory = Callable[[], Any]
-
-
 def tool_arguments(script: ScriptArguments, train_dataset: datasets.Dataset) -> dict[str, Any]:
     """The ``tools`` and ``environment_factory`` keywords of :class:`marl.RLOOTrainer` that ``--tool`` and
-    ``--environment`` ask for, imported (``{}`` without them); a dict of environments is checked against the
-    ``environment`` column of ``train_dataset``.
+    ``--environment`` ask for (``{}`` without them), imported and checked as the trainer checks them
+    (:class:`marl.rollout.toolbox.ToolBox`: each tool described to the model, each environment made once),
+    a dict of environments against the ``environment`` column of ``train_dataset``.
 
     Example:
         >>> import datasets
-        >>> script = ScriptArguments(tool=["math:fsum"], environment="collections:Counter")
+        >>> script = ScriptArguments(environment="string:digits")
         >>> tool_arguments(script, datasets.Dataset.from_dict({"prompt": ["a"]}))
-        {'tools': [<built-in function fsum>], 'environment_factory': <class 'collections.Counter'>}
+        Traceback (most recent call last):
+        ...
+        marl.errors.DataError: --environment 'string:digits': 'digits' is a str, not a callable making ...
     """
-    from marl.rewards.functions import import_function
+    from marl.rewards.functions import import_function, import_object
+    from marl.rollout.toolbox import ENVIRONMENT_COLUMN, ToolBox, check_tool
 
     arguments: dict[str, Any] = {}
     if script.tool:
         arguments["tools"] = [import_function(spec, "--tool") for spec in script.tool]
+        for spec, tool in zip(script.tool, arguments["tools"], strict=True):
+            check_tool(tool, f"--tool {spec}")
     if script.environment:
-        factory = import_environment_factory(script.environment)
-        if isinstance(factory, dict):
-            check_environment_column(factory, train_dataset, script.environment)
+        spec = script.environment
+        factory = import_object(spec, "--environment", "Factory")
+        entries = factory.values() if isinstance(factory, dict) else [factory]
+        if not all(callable(entry) for entry in entries):
+            raise DataError(
+                f"--environment {spec!r}: {spec.rpartition(':')[2]!r} is a {type(factory).__name__}, not a "
+                "callable making an environment (e.g. its class) or a dict of them by name"
+            )
+        try:
+            box = ToolBox(environment_factory=factory)
+        except ConfigError as error:
+            raise ConfigError(f"--environment {spec!r}: {error}") from error
+        column = (
+            train_dataset[ENVIRONMENT_COLUMN] if ENVIRONMENT_COLUMN in train_dataset.column_names else None
+        )
+        names = column if column is not None else [None] * len(train_dataset)
+        box.check_examples(
+            [{ENVIRONMENT_COLUMN: name} for name in names], f"--environment {spec!r}: the prompts,"
+        )
         arguments["environment_factory"] = factory
     return arguments
-
-
-def import_environment_factory(spec: str) -> EnvironmentFactory | dict[str, EnvironmentFactory]:
-    """``--environment module:Factory`` (or ``path/to/file.py:Factory``) as TRL's ``environment_factory``
-    takes it: a callable that makes one environment, or a dict of such callables by name.
-
-    Example:
-        >>> import_environment_factory("collections:Counter")
-        <class 'collections.Counter'>
-        >>> import_environment_factory("string:digits")
-        Traceback (most recent call last):
-        ...
-        marl.errors.DataError: --environment 'string:digits': 'digits' is a str, not a callable or ...
-    """
-    import importlib
-    from pathlib import Path
-
-    from marl.rewards.functions import _import_file
-
-    module_name, separator, name = spec.rpartition(":")
-    if not separator or not module_name or not name:
-        raise DataError(f"--environment {spec!r} must look like 'module:Factory' or 'file.py:Factory'")
-    try:  # import_function's rules, where the attribute may also be a dict
-        if module_name.endswith(".py"):
-            module = _import_file(Path(module_name).expanduser())
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as error:
-        raise DataError(
-            f"--environment {spec!r}: could not import {module_name!r} ({type(error).__name__}: {error}). "
-            "Check the name, that the module is on PYTHONPATH (or pass a .py file path), and that it imports"
-        ) from error
-    factory = getattr(module, name, None)
-    if factory is None:
-        raise DataError(f"--environment {spec!r}: module {module_name!r} has no attribute {name!r}")
-    named = factory if isinstance(factory, dict) else {}
-    not_callable = [key for key, value in named.items() if not callable(value)]
-    if not_callable:
-        raise DataError(f"--environment {spec!r}: the entries {not_callable} of {name!r} are not callables")
-    if not named and not callable(factory):
-        raise DataError(
-            f"--environment {spec!r}: {name!r} is a {type(factory).__name__}, not a callable or a dict of "
-            "callables (a class whose instances are environments, or a dict of them by name)"
-        )
-    return factory
-
-
-def check_environment_column(
-    factories: dict[str, EnvironmentFactory], train_dataset: datasets.Dataset, spec: str
-) -> None:
-    """Refuse a dict of environments when an example does not name one of them in its ``environment`` column.
-
-    Example:
-        >>> import datasets
-        >>> rows = datasets.Dataset.from_dict({"prompt": ["a"], "environment": ["chess"]})
-        >>> check_environment_column({"go": dict}, rows, "games:BY_NAME")
-        Traceback (most recent call last):
-        ...
-        marl.errors.DataError: --environment 'games:BY_NAME' is a dict of environments ['go'], but ...
-    """
-    if "environment" not in train_dataset.column_names:
-        raise DataError(
-            f"--environment {spec!r} is a dict of environments {sorted(factories)}: the prompts need an "
-            "'environment' column naming each example's one"
-        )
-    unknown = sorted({str(name) for name in train_dataset["environment"] if name not in factories})
-    if unknown:
-        raise DataError(
-            f"--environment {spec!r} is a dict of environments {sorted(factories)}, but examples name "
-            f"{unknown} in their 'environment' column. Give every example one of those names"
-        )
 
 
 def dataset_record(script: ScriptArguments) -> dict[str, Any]:

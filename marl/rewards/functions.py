@@ -36,16 +36,17 @@ from marl.rewards.trl_calls import RewardCall, callable_name, is_async, run_rewa
 RewardFunction = Callable[..., Sequence[float | None]]
 
 
-def import_function(spec: str, flag: str) -> Callable[..., Any]:
-    """Import ``module:function`` or ``path/to/file.py:function``; ``flag`` names the option in errors.
+def import_object(spec: str, flag: str, kind: str = "function") -> Any:
+    """Import the object ``module:name`` or ``path/to/file.py:name`` names; ``flag`` names the option and
+    ``kind`` what it names in errors.
 
     Example:
-        >>> import_function("math:fsum", "--reward_fn")([1.0, 2.0])
-        3.0
+        >>> import_object("string:digits", "--environment")
+        '0123456789'
     """
-    module_name, separator, function_name = spec.rpartition(":")
-    if not separator or not module_name or not function_name:
-        raise DataError(f"{flag} {spec!r} must look like 'module:function' or 'path/to/file.py:function'")
+    module_name, separator, name = spec.rpartition(":")
+    if not separator or not module_name or not name:
+        raise DataError(f"{flag} {spec!r} must look like 'module:{kind}' or 'path/to/file.py:{kind}'")
     try:
         if module_name.endswith(".py"):
             module = _import_file(Path(module_name).expanduser())
@@ -56,11 +57,23 @@ def import_function(spec: str, flag: str) -> Callable[..., Any]:
             f"{flag} {spec!r}: could not import {module_name!r} ({type(error).__name__}: {error}). "
             "Check the name, that the module is on PYTHONPATH (or pass a .py file path), and that it imports"
         ) from error
-    function = getattr(module, function_name, None)
-    if function is None:
-        raise DataError(f"{flag} {spec!r}: module {module_name!r} has no attribute {function_name!r}")
+    found = getattr(module, name, None)
+    if found is None:
+        raise DataError(f"{flag} {spec!r}: module {module_name!r} has no attribute {name!r}")
+    return found
+
+
+def import_function(spec: str, flag: str) -> Callable[..., Any]:
+    """Import ``module:function`` or ``path/to/file.py:function``; ``flag`` names the option in errors.
+
+    Example:
+        >>> import_function("math:fsum", "--reward_fn")([1.0, 2.0])
+        3.0
+    """
+    function = import_object(spec, flag)
     if not callable(function):
-        raise DataError(f"{flag} {spec!r}: {function_name!r} is a {type(function).__name__}, not a function")
+        name = spec.rpartition(":")[2]
+        raise DataError(f"{flag} {spec!r}: {name!r} is a {type(function).__name__}, not a function")
     return function
 
 

@@ -39,25 +39,26 @@ ENVIRONMENT_COLUMN = "environment"
 ENVIRONMENT_METHODS = ("reset", "get_reward")
 
 
-def check_tool(tool: Callable[..., Any], where: str) -> None:
+def check_tool(tool: Callable[..., Any], where: str | None = None) -> None:
     """Refuse a tool the chat template cannot describe: transformers' ``get_json_schema`` reads its type hints
-    and its Google-style docstring, as the template does when it renders the tools.
+    and its Google-style docstring, as the template does when it renders the tools. ``where`` names it in
+    the error (default: ``tool 'its name'``).
 
     Example:
-        >>> check_tool(lambda a: a, "--tool")
+        >>> check_tool(lambda a: a)
         Traceback (most recent call last):
         ...
-        marl.errors.ConfigError: --tool <lambda>: the model cannot be told how to call it (...
+        marl.errors.ConfigError: tool '<lambda>': the model cannot be told how to call it (...
     """
     from transformers.utils import get_json_schema
 
-    name = getattr(tool, "__name__", repr(tool))
+    where = where or f"tool {getattr(tool, '__name__', repr(tool))!r}"
     try:
         get_json_schema(tool)
     except Exception as error:
         raise ConfigError(
-            f"{where} {name}: the model cannot be told how to call it ({error}). Give every argument a type "
-            "hint and the function a Google-style docstring with an 'Args:' line per argument"
+            f"{where}: the model cannot be told how to call it ({error}). Give every argument a type hint "
+            "and the function a Google-style docstring with an 'Args:' line per argument"
         ) from error
 
 
@@ -89,7 +90,7 @@ class ToolBox:
     ) -> None:
         self.tools = list(tools or [])
         for tool in self.tools:
-            check_tool(tool, "tools:")
+            check_tool(tool)
         self.by_column = isinstance(environment_factory, Mapping)
         if environment_factory is None:
             self.factories: dict[str | None, Callable[[], Any]] = {}
@@ -112,7 +113,7 @@ class ToolBox:
                     "reset(**example) (returning None, or text to add to the prompt)"
                 )
             for method in environment_tools(instance):
-                check_tool(method, f"{where}: {type(instance).__name__}.")
+                check_tool(method, f"{where}: {type(instance).__name__}.{method.__name__}")
             self.pool[name] = [instance]
             if (
                 callable(getattr(type(instance), "get_reward", None))
