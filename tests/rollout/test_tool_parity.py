@@ -12,18 +12,21 @@ environment owning the reward. marl's rows are k-major (row ``j * P + i``), TRL'
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from support.processes import run_processes
 from support.tool_agents import (
-    ENVIRONMENT_TOOLS,
     MAX_COMPLETION_LENGTH,
+    SETUPS,
     TASKS,
     TEMPLATES,
     TOOL_TEMPLATES,
-    TOOLS,
-    Calculator,
     K,
     examples,
+    marl_tool_run,
     save_tool_model,
     trl_tool_run,
 )
@@ -33,10 +36,19 @@ if trl.__version__ != "1.16.0":  # the parity is pinned to the version "Coming f
     pytest.skip(f"parity pinned to TRL 1.16.0, found {trl.__version__}", allow_module_level=True)
 
 TOLERANCE = 1e-6
-SETUPS = {
-    "tools": dict(tools=TOOLS),
-    "environment": dict(tools=ENVIRONMENT_TOOLS, environment_factory=Calculator),
-}
+DRIVER = str(Path(__file__).resolve().parents[1] / "support" / "tool_parity_run.py")
+# Every split of these over two processes leaves one process more turns to decode than the other.
+TWO_PROCESS_TASKS = ("answer", "add", "add-twice", "long")
+# TRL's metrics of the rollout that marl logs under the same names
+TOOL_METRICS = (
+    "tools/call_frequency",
+    "tools/failure_frequency",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+)
 # The assistant turns of each task's two rows (TRL's prompt-major order: sample 0, then sample 1); on Qwen's
 # template the second row of "add-twice" makes both calls in one turn.
 TURNS = {
@@ -59,13 +71,14 @@ def trl_runs(model_dirs, tmp_path_factory):
     """TRL's run of each (template, setup), made once."""
     made: dict = {}
 
-    def run(template: str, setup: str) -> dict:
-        if (template, setup) not in made:
+    def run(template: str, setup: str, tasks: tuple[str, ...] = TASKS, **settings) -> dict:
+        key = (template, setup, tasks, tuple(sorted(settings.items())))
+        if key not in made:
             output = tmp_path_factory.mktemp(f"trl-{template}-{setup}")
-            made[template, setup] = trl_tool_run(
-                model_dirs[template], examples(), output_dir=output, **SETUPS[setup]
+            made[key] = trl_tool_run(
+                model_dirs[template], examples(tasks), output_dir=output, **SETUPS[setup], **settings
             )
-        return made[template, setup]
+        return made[key]
 
     return run
 
@@ -140,3 +153,68 @@ def test_trl_scores_the_environment_by_what_its_tools_were_called_with(template,
         total = int(adds[-1]["content"]) if adds else start
         assert run["rewards"]["Calculator"][row] == pytest.approx(total / 10 + len(adds)), row
     assert run["metrics"]["rewards/Calculator/std"] > 0
+
+
+def largest_difference(ours: list, theirs: list) -> float:
+    assert len(ours) == len(theirs)
+    return max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+
+
+def assert_same_rows(ours: dict, theirs: dict, rows: list[int] | None = None) -> None:
+    """marl's rows (in TRL's order) equal TRL's ``rows`` (default: all): ids, tool masks, every reward source,
+    the advantages."""
+    rows = list(range(len(theirs["completion_ids"]))) if rows is None else rows
+    assert ours["completion_ids"] == [theirs["completion_ids"][row] for row in rows]
+    assert ours["tool_mask"] == [theirs["tool_mask"][row] for row in rows]
+    assert sorted(ours["rewards"]) == sorted(theirs["rewards"])
+    for name, values in theirs["rewards"].items():
+        assert largest_difference(ours["rewards"][name], [values[row] for row in rows]) <= TOLERANCE, name
+    assert largest_difference(ours["advantages"], [theirs["advantages"][row] for row in rows]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_marl_tool_rollout_and_update_equal_trl(template, setup, model_dirs, trl_runs, tmp_path):
+    pytest.importorskip("marl.rollout.tool_calls")
+    theirs = trl_runs(template, setup)
+    ours = marl_tool_run(model_dirs[template], examples(), output_dir=tmp_path, **SETUPS[setup])
+    assert ours["examples"] == [row // K for row in range(K * len(TASKS))]
+    assert_same_rows(ours, theirs)
+    assert ours["completions"] == theirs["completions"]  # the turns as reward functions get them
+    assert abs(ours["loss"] - theirs["loss"]) <= TOLERANCE
+    assert theirs["metrics"]["kl"] > 1e-3  # the policy is away from its reference: the KL term counts
+    for name in (*TOOL_METRICS, "kl", "entropy"):
+        expected = pytest.approx(theirs["metrics"][name], rel=TOLERANCE, abs=TOLERANCE)
+        assert ours["metrics"][name] == expected, name
+
+
+def test_marl_stops_at_the_tool_calling_iterations_trl_stops_at(model_dirs, trl_runs, tmp_path):
+    pytest.importorskip("marl.rollout.tool_calls")
+    theirs = trl_runs("qwen2", "tools", max_tool_calling_iterations=1)
+    ours = marl_tool_run(
+        model_dirs["qwen2"], examples(), output_dir=tmp_path, max_tool_calling_iterations=1, **SETUPS["tools"]
+    )
+    assert ours["config"].max_tool_calling_iterations == 1  # rloo_config_from_trl carried it
+    first = TASKS.index("add-twice") * K  # its second call is made but never answered
+    assert theirs["completions"][first][-1].get("tool_calls")
+    assert_same_rows(ours, theirs)
+    assert abs(ours["loss"] - theirs["loss"]) <= TOLERANCE
+
+
+@pytest.mark.slow
+def test_marl_on_two_processes_equals_trl_on_the_whole_batch(model_dirs, trl_runs, tmp_path):
+    pytest.importorskip("marl.rollout.tool_calls")
+    theirs = trl_runs("llama3", "environment", TWO_PROCESS_TASKS)
+    run_processes(DRIVER, str(model_dirs["llama3"]), str(tmp_path), "environment", *TWO_PROCESS_TASKS)
+    reports = [json.loads((tmp_path / f"report_{rank}.json").read_text()) for rank in range(2)]
+    assert [report["world"] for report in reports] == [2, 2]
+    assert sorted(reports[0]["examples"] + reports[1]["examples"]) == sorted(
+        row // K for row in range(K * len(TWO_PROCESS_TASKS))
+    )
+    for report in reports:
+        rows = [example * K + sample for example in dict.fromkeys(report["examples"]) for sample in range(K)]
+        assert_same_rows(report, theirs, rows)
+        for name in ("tools/call_frequency", "tools/failure_frequency"):  # over both processes
+            assert report["metrics"][name] == pytest.approx(theirs["metrics"][name], abs=TOLERANCE)
+    # each process's loss is its tokens' share over both processes' tokens, as TRL's on each of two processes
+    assert abs(sum(report["loss"] for report in reports) / 2 - theirs["loss"]) <= TOLERANCE

@@ -109,6 +109,13 @@ class Calculator:
         return self.total / 10 + self.calls
 
 
+# What each side is given: plain tools, or an environment owning a reward beside the plain tools.
+SETUPS: dict[str, dict[str, Any]] = {
+    "tools": dict(tools=TOOLS),
+    "environment": dict(tools=ENVIRONMENT_TOOLS, environment_factory=Calculator),
+}
+
+
 def tool_messages_reward(completions: list[list[dict]], **_: Any) -> list[float]:
     """The number of tool results in the conversation, plus a hundredth of the last message's length."""
     return [
@@ -533,3 +540,92 @@ def register_scripted_sampler() -> str:
     if SAMPLER_NAME not in SAMPLERS:
         register_sampler(SAMPLER_NAME, ScriptedSampler)
     return SAMPLER_NAME
+
+
+def marl_tool_run(
+    model_dir: Path,
+    rows: Sequence[dict],
+    *,
+    output_dir: Path,
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Any = None,
+    reward_funcs: Sequence[Callable] = REWARD_FUNCS,
+    max_tool_calling_iterations: int | None = None,
+    processes: int = 1,
+    **config: Any,
+) -> dict[str, Any]:
+    """marl's side of :func:`trl_tool_run`: ``RLOOTrainer`` with the config ``rloo_config_from_trl`` makes of
+    the same ``GRPOConfig``, ``--sampler scripted``, the same LoRA policy; one rollout, its shaped rewards and
+    one update. On ``processes`` processes each takes its share of the prompts (the ``GRPOConfig`` given
+    per device). Returns this process's rows in TRL's prompt-major order of the examples (``rows``: the
+    whole batch's examples, each row's example found by its ``start`` column) with ``examples`` (which example
+    each returned row completes), ``loss`` (this process's loss of the update: its tokens' share over every
+    process's loss tokens), the rollout's ``metrics``, the ``config`` and the ``rollout``."""
+    import time
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    from marl import MultiAdapterModel, RLOOTrainer
+    from marl.algo.from_trl import rloo_config_from_trl
+    from marl.train.trainer import update_policies
+
+    args = trl_config(
+        Path(output_dir) / "trl-args",
+        K * len(rows) // processes,
+        max_tool_calling_iterations=max_tool_calling_iterations,
+        **config,
+    )
+    marl_config = rloo_config_from_trl(
+        args,
+        model_name_or_path=str(model_dir),
+        sampler=register_scripted_sampler(),
+        lora_r=LORA_R,
+        lora_alpha=LORA_ALPHA,
+        lora_target_modules=["all-linear"],
+        num_sample_generations=0,
+        save_steps=0,
+    )
+    model = MultiAdapterModel.from_config(marl_config)
+    set_policy_weights(model.peft_model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = RLOOTrainer(
+            marl_config,
+            model,
+            AutoTokenizer.from_pretrained(model_dir),
+            Dataset.from_list(list(rows)),
+            reward_funcs=list(reward_funcs),
+            tools=tools,
+            environment_factory=environment_factory,
+        )
+        rollout = trainer.rollout()
+        shaped = trainer.shaped_rewards(rollout)
+        part = trainer.update_part(rollout, shaped)
+        stats = update_policies([part], trainer.phases, update=1)[0][0]
+        metrics = trainer.report(rollout, shaped, stats, (time.perf_counter(), 0))
+    # marl's row j * P + i completes prompt i; TRL's rows are example-major
+    prompts = rollout.prompt_index.max().item() + 1
+    example_of_prompt = [rollout.prompt_columns[i]["start"] for i in range(prompts)]
+    order = sorted(
+        range(len(rollout.prompt_index)),
+        key=lambda row: (example_of_prompt[rollout.prompt_index[row]], row // prompts),
+    )
+    ids, mask = rollout.completion_ids, rollout.response_mask
+    tool_mask = [rollout.tool_mask[row][mask[row]].long().tolist() for row in range(len(ids))]
+    return {
+        "trainer": trainer,
+        "rollout": rollout,
+        "config": marl_config,
+        "examples": [example_of_prompt[rollout.prompt_index[row]] for row in order],
+        "completion_ids": [ids[row] for row in order],
+        "tool_mask": [tool_mask[row] for row in order],
+        "rewards": {
+            name: [rollout.source_scores[row, column].item() for row in order]
+            for column, name in enumerate(trainer.parts.reward.names)
+        },
+        "advantages": [shaped.advantages[row].item() for row in order],
+        "loss": float(stats.loss / stats.completions),
+        "completions": [rollout.turns[row] for row in order],
+        "metrics": metrics,
+    }
