@@ -38,7 +38,7 @@ if trl.__version__ != "1.16.0":  # the parity is pinned to the version "Coming f
 TOLERANCE = 1e-6
 DRIVER = str(Path(__file__).resolve().parents[1] / "support" / "tool_parity_run.py")
 # Every split of these over two processes leaves one process more turns to decode than the other.
-TWO_PROCESS_TASKS = ("answer", "add", "add-twice", "long")
+TWO_PROCESS_TASKS = ("answer", "one-call", "two-calls", "long")
 # TRL's metrics of the rollout that marl logs under the same names
 TOOL_METRICS = (
     "tools/call_frequency",
@@ -50,11 +50,11 @@ TOOL_METRICS = (
     "completions/mean_terminated_length",
 )
 # The assistant turns of each task's two rows (TRL's prompt-major order: sample 0, then sample 1); on Qwen's
-# template the second row of "add-twice" makes both calls in one turn.
+# template the second row of "two-calls" makes both calls in one turn.
 TURNS = {
     "answer": (1, 1),
-    "add": (2, 2),
-    "add-twice": (3, 3),
+    "one-call": (2, 2),
+    "two-calls": (3, 3),
     "fail": (2, 2),
     "long": (2, 1),  # the second row's echo result does not fit: it ends with its call, without the result
 }
@@ -107,7 +107,7 @@ def test_trl_masks_the_tool_results_and_its_rows_stop_at_different_turns(templat
         turns = [message for message in messages if message["role"] == "assistant"]
         results = [message for message in messages if message["role"] == "tool"]
         expected_turns = TURNS[task][sample]
-        if template == "qwen2" and task == "add-twice" and sample == 1:
+        if template == "qwen2" and task == "two-calls" and sample == 1:
             expected_turns = 2
         assert len(turns) == expected_turns, (task, sample)
         # the model's spans are its turns; between them, the tools' results in the template's format
@@ -138,7 +138,7 @@ def test_trl_answers_a_raising_tool_and_an_unknown_tool_with_an_error_and_counts
         "{'error': 'Tool multiply not found.'}",
         "{'error': 'division by zero'}",
     ]
-    # calls: add 1 + 1, add-twice 2 + 2, fail 1 + 1, long 1 + 1 (the echo call that did not fit counts too)
+    # calls: one-call 1 + 1, two-calls 2 + 2, fail 1 + 1, long 1 + 1 (the echo call that did not fit counts)
     rows = K * len(TASKS)
     assert run["metrics"]["tools/call_frequency"] == pytest.approx(10 / rows)
     assert run["metrics"]["tools/failure_frequency"] == pytest.approx(2 / 10)
@@ -152,6 +152,7 @@ def test_trl_scores_the_environment_by_what_its_tools_were_called_with(template,
         start = row // K  # examples() starts task i's calculator at i
         total = int(adds[-1]["content"]) if adds else start
         assert run["rewards"]["Calculator"][row] == pytest.approx(total / 10 + len(adds)), row
+        assert run["rewards"]["environment_calls_reward"][row] == len(adds) / 2, row
     assert run["metrics"]["rewards/Calculator/std"] > 0
 
 
@@ -195,7 +196,7 @@ def test_marl_stops_at_the_tool_calling_iterations_trl_stops_at(model_dirs, trl_
         model_dirs["qwen2"], examples(), output_dir=tmp_path, max_tool_calling_iterations=1, **SETUPS["tools"]
     )
     assert ours["config"].max_tool_calling_iterations == 1  # rloo_config_from_trl carried it
-    first = TASKS.index("add-twice") * K  # its second call is made but never answered
+    first = TASKS.index("two-calls") * K  # its second call is made but never answered
     assert theirs["completions"][first][-1].get("tool_calls")
     assert_same_rows(ours, theirs)
     assert abs(ours["loss"] - theirs["loss"]) <= TOLERANCE

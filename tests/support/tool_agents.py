@@ -109,13 +109,6 @@ class Calculator:
         return self.total / 10 + self.calls
 
 
-# What each side is given: plain tools, or an environment owning a reward beside the plain tools.
-SETUPS: dict[str, dict[str, Any]] = {
-    "tools": dict(tools=TOOLS),
-    "environment": dict(tools=ENVIRONMENT_TOOLS, environment_factory=Calculator),
-}
-
-
 def tool_messages_reward(completions: list[list[dict]], **_: Any) -> list[float]:
     """The number of tool results in the conversation, plus a hundredth of the last message's length."""
     return [
@@ -129,7 +122,22 @@ def completion_ids_reward(completion_ids: list[list[int]], **_: Any) -> list[flo
     return [len(ids) / 100 + ids[-1] / 1000 for ids in completion_ids]
 
 
+def environment_calls_reward(environments: list[Calculator], **_: Any) -> list[float]:
+    """Reads the environments, one per completion, as TRL passes them: the calls each one took, halved."""
+    return [environment.calls / 2 for environment in environments]
+
+
 REWARD_FUNCS = [tool_messages_reward, completion_ids_reward]
+# What each side is given: plain tools, or an environment owning a reward beside the plain tools (and a reward
+# function that reads the environments).
+SETUPS: dict[str, dict[str, Any]] = {
+    "tools": dict(tools=TOOLS),
+    "environment": dict(
+        tools=ENVIRONMENT_TOOLS,
+        environment_factory=Calculator,
+        reward_funcs=[*REWARD_FUNCS, environment_calls_reward],
+    ),
+}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -290,9 +298,11 @@ def plan(task: str, results: int, sample: int, one_call_per_turn: bool) -> Turn:
     of a prompt differ where their contexts are still equal."""
     if task == "answer":
         return f"It is {'very ' * sample}done."
-    if task == "add":
-        return [("add", {"a": 2, "b": 3 + 10 * sample})] if results == 0 else "The sum is back."
-    if task == "add-twice":  # two calls in two turns, or (where the template allows) both in one turn
+    if task == "one-call":  # a sync tool or an async one
+        if results == 0:
+            return [("add", {"a": 2, "b": 3})] if sample == 0 else [("echo", {"text": "ab", "times": 3})]
+        return "The result is back."
+    if task == "two-calls":  # two calls in two turns, or (where the template allows) both in one turn
         if results == 0:
             both = sample == 1 and not one_call_per_turn
             return [("add", {"a": 1, "b": 2})] + ([("add", {"a": 3, "b": 4})] if both else [])
@@ -308,7 +318,7 @@ def plan(task: str, results: int, sample: int, one_call_per_turn: bool) -> Turn:
     raise ValueError(f"no plan for task {task!r}")
 
 
-TASKS = ("answer", "add", "add-twice", "fail", "long")
+TASKS = ("answer", "one-call", "two-calls", "fail", "long")
 TASK = re.compile(r"task=([a-z-]+)")
 
 
