@@ -7,7 +7,10 @@ itself makes of it (the tool mask, the turns, the errors, the tool metrics); the
 same ``GRPOConfig`` (``rloo_config_from_trl``) and the same LoRA policy, its sampler the same script: the
 completion ids, the tool mask, every reward source, the advantages and the loss of the update must equal
 TRL's within 1e-6 (fp32), on the Qwen2.5 (Hermes) and the Llama-3.1 templates, with plain tools and with an
-environment owning the reward. marl's rows are k-major (row ``j * P + i``), TRL's prompt-major.
+environment owning the reward; and marl on two processes (``fsdp2``, driver
+``tests/support/tool_parity_run.py``), each on its share of the prompts, against TRL on the whole batch, the
+process whose rows stop first decoding on in step with the other. marl's rows are k-major (row
+``j * P + i``), TRL's prompt-major.
 """
 
 from __future__ import annotations
@@ -183,6 +186,10 @@ def test_marl_tool_rollout_and_update_equal_trl(template, setup, model_dirs, trl
     assert_same_rows(ours, theirs)
     assert ours["completions"] == theirs["completions"]  # the turns as reward functions get them
     assert abs(ours["loss"] - theirs["loss"]) <= TOLERANCE
+    # turn 1 samples each prompt once for its k rows; every later turn, the rows still calling tools
+    turns = max(len(runs_of(mask, 1)) for mask in ours["tool_mask"])
+    assert ours["sampler_calls"][0] == (len(TASKS), K)
+    assert [k for _, k in ours["sampler_calls"][1:]] == [1] * (turns - 1)
     assert theirs["metrics"]["kl"] > 1e-3  # the policy is away from its reference: the KL term counts
     for name in (*TOOL_METRICS, "kl", "entropy"):
         expected = pytest.approx(theirs["metrics"][name], rel=TOLERANCE, abs=TOLERANCE)
@@ -206,7 +213,9 @@ def test_marl_stops_at_the_tool_calling_iterations_trl_stops_at(model_dirs, trl_
 def test_marl_on_two_processes_equals_trl_on_the_whole_batch(model_dirs, trl_runs, tmp_path):
     pytest.importorskip("marl.rollout.tool_calls")
     theirs = trl_runs("llama3", "environment", TWO_PROCESS_TASKS)
-    run_processes(DRIVER, str(model_dirs["llama3"]), str(tmp_path), "environment", *TWO_PROCESS_TASKS)
+    run_processes(
+        DRIVER, str(model_dirs["llama3"]), str(tmp_path), "fsdp2", "environment", *TWO_PROCESS_TASKS
+    )
     reports = [json.loads((tmp_path / f"report_{rank}.json").read_text()) for rank in range(2)]
     assert [report["world"] for report in reports] == [2, 2]
     assert sorted(reports[0]["examples"] + reports[1]["examples"]) == sorted(
@@ -217,5 +226,9 @@ def test_marl_on_two_processes_equals_trl_on_the_whole_batch(model_dirs, trl_run
         assert_same_rows(report, theirs, rows)
         for name in ("tools/call_frequency", "tools/failure_frequency"):  # over both processes
             assert report["metrics"][name] == pytest.approx(theirs["metrics"][name], abs=TOLERANCE)
+    # one process's rows stop turns before the other's; it decodes on with them (a row it throws away)
+    turns = [max(len(runs_of(mask, 1)) for mask in report["tool_mask"]) for report in reports]
+    assert turns[0] != turns[1]
+    assert len(reports[0]["sampler_calls"]) == len(reports[1]["sampler_calls"]) == max(turns)
     # each process's loss is its tokens' share over both processes' tokens, as TRL's on each of two processes
     assert abs(sum(report["loss"] for report in reports) / 2 - theirs["loss"]) <= TOLERANCE

@@ -386,18 +386,6 @@ def set_policy_weights(model: torch.nn.Module) -> int:
 # TRL's side
 
 
-def prompt_major(values: Sequence, k: int) -> list:
-    """marl's row ``j * P + i`` at TRL's row ``i * k + j``."""
-    prompts = len(values) // k
-    return [values[j * prompts + i] for i in range(prompts) for j in range(k)]
-
-
-def k_major(values: Sequence, k: int) -> list:
-    """TRL's row ``i * k + j`` (sample j of prompt i) at marl's row ``j * P + i``."""
-    prompts = len(values) // k
-    return [values[i * k + j] for j in range(k) for i in range(prompts)]
-
-
 def trl_config(output_dir: Path | str, rows: int, **overrides: Any):
     """The ``GRPOConfig`` both sides run with (marl's through ``rloo_config_from_trl``)."""
     from trl import GRPOConfig
@@ -502,7 +490,8 @@ def trl_tool_run(
 
 class ScriptedSampler:
     """A marl ``Sampler`` whose completions are the script's turns: each row's context is its prompt's ids
-    without padding, rows k-major (row ``j * P + i``: sample ``j`` of prompt ``i``)."""
+    without padding, rows k-major (row ``j * P + i``: sample ``j`` of prompt ``i``). ``calls`` records how
+    many prompts each call had and their ``k``."""
 
     def __init__(self, model: Any, tokenizer: Any, settings: Any) -> None:
         from marl.model.sampling import eos_token_ids, pad_token_id
@@ -513,6 +502,7 @@ class ScriptedSampler:
         self.eos_token_ids = eos_token_ids(tokenizer, model.generation_config)
         self.pad_token_id = pad_token_id(tokenizer)
         self.script = Script(tokenizer, settings.response_length)
+        self.calls: list[tuple[int, int]] = []  # (prompts, k) of each sample call
 
     def batch(self, prompts):
         from marl.data.prompts import PromptBatch
@@ -522,6 +512,7 @@ class ScriptedSampler:
     def sample(self, prompts, k: int, *, view: str = "policy"):
         from marl.rollout.completions import Samples
 
+        self.calls.append((prompts.ids.shape[0], k))
         unpadded = [ids[mask.bool()].tolist() for ids, mask in zip(prompts.ids, prompts.mask, strict=True)]
         contexts = unpadded * k  # k-major
         turns = self.script.turns(contexts)
@@ -562,6 +553,7 @@ def marl_tool_run(
     reward_funcs: Sequence[Callable] = REWARD_FUNCS,
     max_tool_calling_iterations: int | None = None,
     processes: int = 1,
+    parallelism: str = "replicated",
     **config: Any,
 ) -> dict[str, Any]:
     """marl's side of :func:`trl_tool_run`: ``RLOOTrainer`` with the config ``rloo_config_from_trl`` makes of
@@ -595,6 +587,7 @@ def marl_tool_run(
         lora_target_modules=["all-linear"],
         num_sample_generations=0,
         save_steps=0,
+        parallelism=parallelism,
     )
     model = MultiAdapterModel.from_config(marl_config)
     set_policy_weights(model.peft_model)
@@ -638,4 +631,5 @@ def marl_tool_run(
         "loss": float(stats.loss / stats.completions),
         "completions": [rollout.turns[row] for row in order],
         "metrics": metrics,
+        "sampler_calls": trainer.parts.sampler.calls,
     }

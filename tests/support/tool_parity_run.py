@@ -3,7 +3,8 @@ policy, its shaped rewards and one update (``support.tool_agents.marl_tool_run``
 of the prompts; ``tests/rollout/test_tool_parity.py`` compares the processes' rows with TRL's run on the
 whole batch.
 
-Usage: ``python tool_parity_run.py MODEL_DIR OUTPUT_DIR SETUP TASK...`` (SETUP ``tools`` or ``environment``).
+Usage: ``python tool_parity_run.py MODEL_DIR OUTPUT_DIR PARALLELISM SETUP TASK...`` (SETUP ``tools`` or
+``environment``).
 It writes ``report_<rank>.json``: this process's examples, completion ids, tool masks, rewards, advantages,
 loss and tool metrics, in TRL's prompt-major order of its examples.
 """
@@ -22,14 +23,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support.tool_agents import SETUPS, examples, marl_tool_run
 
-REPORTED = ("examples", "completion_ids", "tool_mask", "rewards", "advantages", "loss")
+REPORTED = ("examples", "completion_ids", "tool_mask", "rewards", "advantages", "loss", "sampler_calls")
 
 
-def main(model_dir: str, output_dir: str, setup: str, *tasks: str) -> None:
+def main(model_dir: str, output_dir: str, parallelism: str, setup: str, *tasks: str) -> None:
     torch.set_num_threads(1)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     run = marl_tool_run(
-        Path(model_dir), examples(tasks), output_dir=Path(output_dir), processes=world, **SETUPS[setup]
+        Path(model_dir),
+        examples(tasks),
+        output_dir=Path(output_dir),
+        processes=world,
+        parallelism=parallelism,
+        **SETUPS[setup],
     )
     report = {key: run[key] for key in REPORTED}
     report["world"] = run["trainer"].parts.parallelism.num_processes
