@@ -16,9 +16,11 @@ process whose rows stop first decoding on in step with the other. marl's rows ar
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from support.processes import run_processes
 from support.tool_agents import (
@@ -39,6 +41,7 @@ if trl.__version__ != "1.16.0":  # the parity is pinned to the version "Coming f
     pytest.skip(f"parity pinned to TRL 1.16.0, found {trl.__version__}", allow_module_level=True)
 
 TOLERANCE = 1e-6
+ENVIRONMENT_NAMES = ("calculator", "notepad")  # the examples' environment column, in turn
 DRIVER = str(Path(__file__).resolve().parents[1] / "support" / "tool_parity_run.py")
 # Every split of these over two processes leaves one process more turns to decode than the other.
 TWO_PROCESS_TASKS = ("answer", "one-call", "two-calls", "long")
@@ -78,8 +81,9 @@ def trl_runs(model_dirs, tmp_path_factory):
         key = (template, setup, tasks, tuple(sorted(settings.items())))
         if key not in made:
             output = tmp_path_factory.mktemp(f"trl-{template}-{setup}")
+            rows = examples(tasks, ENVIRONMENT_NAMES if setup == "environments" else ())
             made[key] = trl_tool_run(
-                model_dirs[template], examples(tasks), output_dir=output, **SETUPS[setup], **settings
+                model_dirs[template], rows, output_dir=output, **SETUPS[setup], **settings
             )
         return made[key]
 
@@ -160,8 +164,10 @@ def test_trl_scores_the_environment_by_what_its_tools_were_called_with(template,
 
 
 def largest_difference(ours: list, theirs: list) -> float:
-    assert len(ours) == len(theirs)
-    return max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+    """The largest absolute difference; NaN (not judged) equals only NaN."""
+    ours, theirs = torch.tensor(ours, dtype=torch.float64), torch.tensor(theirs, dtype=torch.float64)
+    assert ours.shape == theirs.shape and torch.equal(ours.isnan(), theirs.isnan())
+    return float((ours - theirs).nan_to_num(0.0).abs().max())
 
 
 def assert_same_rows(ours: dict, theirs: dict, rows: list[int] | None = None) -> None:
@@ -176,7 +182,7 @@ def assert_same_rows(ours: dict, theirs: dict, rows: list[int] | None = None) ->
     assert largest_difference(ours["advantages"], [theirs["advantages"][row] for row in rows]) <= TOLERANCE
 
 
-@pytest.mark.parametrize("setup", SETUPS)
+@pytest.mark.parametrize("setup", ["tools", "environment"])
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_marl_tool_rollout_and_update_equal_trl(template, setup, model_dirs, trl_runs, tmp_path):
     pytest.importorskip("marl.rollout.tool_calls")
@@ -194,6 +200,20 @@ def test_marl_tool_rollout_and_update_equal_trl(template, setup, model_dirs, trl
     for name in (*TOOL_METRICS, "kl", "entropy"):
         expected = pytest.approx(theirs["metrics"][name], rel=TOLERANCE, abs=TOLERANCE)
         assert ours["metrics"][name] == expected, name
+
+
+def test_marl_picks_each_examples_environment_as_trl_does(model_dirs, trl_runs, tmp_path):
+    pytest.importorskip("marl.rollout.tool_calls")
+    theirs = trl_runs("qwen2", "environments")
+    rows = examples(TASKS, ENVIRONMENT_NAMES)
+    ours = marl_tool_run(model_dirs["qwen2"], rows, output_dir=tmp_path, **SETUPS["environments"])
+    # a notepad row is offered no add: its call of add fails, and Calculator does not judge it
+    notepad = [row for row in range(K * len(TASKS)) if rows[row // K]["environment"] == "notepad"]
+    assert all(math.isnan(theirs["rewards"]["Calculator"][row]) for row in notepad)
+    assert any("Tool add not found" in str(theirs["completions"][row]) for row in notepad)
+    assert_same_rows(ours, theirs)
+    assert ours["completions"] == theirs["completions"]
+    assert abs(ours["loss"] - theirs["loss"]) <= TOLERANCE
 
 
 def test_marl_stops_at_the_tool_calling_iterations_trl_stops_at(model_dirs, trl_runs, tmp_path):

@@ -109,6 +109,23 @@ class Calculator:
         return self.total / 10 + self.calls
 
 
+class Notepad:
+    """Notes the model writes down; it owns no reward (its rows are not judged by Calculator's)."""
+
+    def reset(self, **example: Any) -> str | None:
+        self.notes: list[str] = []
+        return None
+
+    def note(self, text: str) -> int:
+        """Writes a note down and returns how many notes there are.
+
+        Args:
+            text: The note.
+        """
+        self.notes.append(text)
+        return len(self.notes)
+
+
 def tool_messages_reward(completions: list[list[dict]], **_: Any) -> list[float]:
     """The number of tool results in the conversation, plus a hundredth of the last message's length."""
     return [
@@ -136,6 +153,10 @@ SETUPS: dict[str, dict[str, Any]] = {
         tools=ENVIRONMENT_TOOLS,
         environment_factory=Calculator,
         reward_funcs=[*REWARD_FUNCS, environment_calls_reward],
+    ),
+    # each example's ``environment`` column picks one (see examples(environments=...))
+    "environments": dict(
+        tools=ENVIRONMENT_TOOLS, environment_factory={"calculator": Calculator, "notepad": Notepad}
     ),
 }
 
@@ -355,12 +376,16 @@ class Script:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def examples(tasks: Sequence[str] = TASKS) -> list[dict]:
-    """One conversational example per task; ``start`` is a column the environment's ``reset`` reads."""
-    return [
+def examples(tasks: Sequence[str] = TASKS, environments: Sequence[str] = ()) -> list[dict]:
+    """One conversational example per task; ``start`` is a column the environment's ``reset`` reads; with
+    ``environments``, an ``environment`` column naming them in turn."""
+    rows = [
         {"prompt": [{"role": "user", "content": f"Please do task={task}."}], "start": index}
         for index, task in enumerate(tasks)
     ]
+    for index, row in enumerate(rows if environments else []):
+        row["environment"] = environments[index % len(environments)]
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------------------
