@@ -31,6 +31,8 @@ SKIPPED_BLOCKS = {
     ("docs/guides/sweeps.md", 2),
     ("docs/guides/train-on-one-gpu.md", 1),
     ("docs/guides/coming-from-trl.md", 3),
+    ("docs/guides/agents-with-tools.md", 3),
+    ("docs/guides/agents-with-tools.md", 4),
     ("README.md", 1),
 }
 FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.MULTILINE | re.DOTALL)

@@ -201,10 +201,10 @@ _IRRELEVANT = {
     ),
     **_all(
         IRRELEVANT,
-        "read only with a refused setting (sync_ref_model, use_adaptive_entropy, tools)",
+        "read only with a refused setting (sync_ref_model, use_adaptive_entropy)",
         """
         ref_model_mixup_alpha ref_model_sync_steps entropy_coef_min entropy_coef_max entropy_coef_delta
-        entropy_target max_tool_calling_iterations""",
+        entropy_target""",
     ),
     "gradient_checkpointing": FieldOutcome(
         IRRELEVANT, "transformers' older name of activation_checkpointing"
@@ -215,7 +215,7 @@ GRPO_ONLY = {
         CONVERTED,
         "same meaning under the same name",
         """
-        loss_type scale_rewards importance_sampling_level use_bias_correction_kl
+        loss_type scale_rewards importance_sampling_level use_bias_correction_kl max_tool_calling_iterations
         vllm_importance_sampling_mode vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min""",
     ),
     "vllm_importance_sampling_correction": FieldOutcome(
@@ -267,6 +267,7 @@ SAME_MEANING = {
     "scale_rewards": "scale_rewards",
     "importance_sampling_level": "importance_sampling_level",
     "use_bias_correction_kl": "use_bias_correction_kl",
+    "max_tool_calling_iterations": "max_tool_calling_iterations",
     "normalize_advantages": "normalize_advantage",
     "vllm_importance_sampling_mode": "vllm_importance_sampling_mode",
     "vllm_importance_sampling_clip_max": "vllm_importance_sampling_clip_max",

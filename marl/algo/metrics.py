@@ -44,7 +44,9 @@ of 0 (:func:`marl.algo.group_spread.zero_std_groups`). ``kl`` and ``entropy`` co
 micro-batch step, the mean over every process's loss tokens of the per-token KL term the loss adds (the k3
 estimate, times the ratio with ``use_bias_correction_kl``; logged only where the KL is in the loss) and of the
 policy's entropy, then the mean over the update's micro-batch steps, as TRL averages the values its loss logs.
-Minima and maxima are taken over processes (:data:`REDUCTION`), the rest from sums.
+Minima and maxima are taken over processes (:data:`REDUCTION`), the rest from sums. With tools
+(:mod:`marl.rollout.tool_calls`), lengths and the entropy count the model's tokens, not the tools' results,
+and ``tools/call_frequency`` and ``tools/failure_frequency`` are TRL's (:func:`tool_metrics`).
 
 Example:
     >>> stats = RolloutStats(kl=2.0, entropy=6.0, non_score_reward=-0.1, rlhf_reward=1.9, scores=2.0,
@@ -68,7 +70,7 @@ import torch
 from marl.algo.group_spread import ZERO_SPREAD_METRIC, flat_groups, zero_std_groups
 from marl.algo.losses import LossSettings, PolicyLoss, loss_mask
 from marl.algo.shaping import ShapedRewards
-from marl.algo.tensors import masked_sum
+from marl.algo.tensors import masked_sum, model_tokens
 
 if TYPE_CHECKING:
     from marl.rollout.completions import Rollout
@@ -147,6 +149,10 @@ class RolloutStats:
     # prompt groups whose judged raw rewards have a standard deviation of 0, and groups (counted with ``k``)
     zero_std_groups: float = 0.0
     groups: float = 0.0
+    # with tools: the completions counted, their tool calls and the calls that failed (TRL's tools/* metrics)
+    tool_rows: float = 0.0
+    tool_calls: float = 0.0
+    tool_failures: float = 0.0
 
     @classmethod
     def of(cls, rollout: Any, shaped: ShapedRewards, k: int | None = None) -> RolloutStats:
@@ -161,7 +167,7 @@ class RolloutStats:
             flat, spread = flat_groups(torch.cat([judged_scores, rollout.source_scores], dim=1), k)
             zero_std, groups = zero_std_groups(rollout.scores, k)
         parts = shaped.source_advantages
-        lengths = rollout.response_mask.sum(dim=1).double()
+        lengths = model_tokens(rollout).sum(dim=1).double()  # the model's tokens, not the tools' results
         terminated = lengths[rollout.contains_stop]
         rewards = torch.where(shaped.judged, rollout.scores.double(), 0.0)
         sources = torch.where(source_judged, rollout.source_scores.double(), 0.0)
@@ -171,7 +177,7 @@ class RolloutStats:
 
         return cls(
             kl=0.0 if shaped.kl is None else shaped.kl.sum(),
-            entropy=masked_sum(-rollout.logprobs, rollout.response_mask).sum(),
+            entropy=masked_sum(-rollout.logprobs, model_tokens(rollout)).sum(),
             non_score_reward=judged_sum(shaped.non_score_reward),
             rlhf_reward=judged_sum(shaped.rlhf_reward),
             scores=judged_sum(shaped.scores),
@@ -196,6 +202,7 @@ class RolloutStats:
             source_squares=(sources**2).sum(dim=0),
             zero_std_groups=zero_std,
             groups=groups,
+            **tool_counts(rollout),
         )
 
 
@@ -250,6 +257,27 @@ class UpdateStats:
             self._first_seen = True
 
 
+def tool_counts(rollout: Any) -> dict[str, float]:
+    """A tool-calling rollout's completions, tool calls and failed calls (none without tools)."""
+    calls = getattr(rollout, "tool_calls", None)
+    if calls is None:
+        return {}
+    failures = rollout.tool_failures
+    return {"tool_rows": float(calls.numel()), "tool_calls": calls.sum(), "tool_failures": failures.sum()}
+
+
+def tool_metrics(stats: RolloutStats) -> dict[str, float]:
+    """TRL's ``tools/call_frequency`` (tool calls per completion) and ``tools/failure_frequency`` (the share
+    of the calls that failed: 0 without calls), over every process; none without tools."""
+    if stats.tool_rows == 0:
+        return {}
+    calls = float(stats.tool_calls)
+    return {
+        "tools/call_frequency": calls / float(stats.tool_rows),
+        "tools/failure_frequency": float(stats.tool_failures) / calls if calls > 0 else 0.0,
+    }
+
+
 def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, float]:
     """The ``objective/*`` means of a rollout and each reward source's mean ``rewards/<name>`` (over the
     completions it judged), from sums over all processes; see the module docstring for which completions each
@@ -285,6 +313,7 @@ def rollout_metrics(stats: RolloutStats, source_names: list[str]) -> dict[str, f
         **per_source,
         **kl,
         **trl_rollout_metrics(stats, source_names),
+        **tool_metrics(stats),
         "objective/entropy": stats.entropy / count,
         "objective/non_score_reward": judged_mean(stats.non_score_reward),
         "objective/rlhf_reward": judged_mean(stats.rlhf_reward),
@@ -412,7 +441,7 @@ def sampler_gap_metrics(rollout: Any, parallelism: Any) -> dict[str, float]:
     log-probs (the same on every process: one sampler)."""
     if getattr(rollout, "sampled_logprobs", None) is None or rollout.logprobs is None:
         return {}
-    gap = sampler_gap(rollout.sampled_logprobs, rollout.logprobs, rollout.response_mask)
+    gap = sampler_gap(rollout.sampled_logprobs, rollout.logprobs, model_tokens(rollout))
     summed = parallelism.sum_over_processes(SamplerGapStats(total=gap.sum(), tokens=float(gap.numel())))
     local_max = gap.max() if gap.numel() else torch.zeros((), device=gap.device)
     largest = float(parallelism.gather(local_max.reshape(1)).max())
@@ -479,6 +508,6 @@ def sampler_correction_metrics(
     correction = settings.sampler_correction
     if correction is None or rollout.sampled_logprobs is None or rollout.logprobs is None:
         return {}
-    mask = loss_mask(rollout.response_mask, rollout.contains_stop, settings)
+    mask = loss_mask(model_tokens(rollout), rollout.contains_stop, settings)
     ratios = counted_ratios(correction.ratio(rollout.logprobs, rollout.sampled_logprobs, mask), mask)
     return ratio_metrics(parallelism.sum_over_processes(RatioStats.of(ratios)))

@@ -74,7 +74,7 @@ from marl.algo.advantages import (
     rloo_advantages,
     unbiased_std,
 )
-from marl.algo.tensors import STD_EPSILON, Gather, sequence_kl, standardize
+from marl.algo.tensors import STD_EPSILON, Gather, model_tokens, sequence_kl, standardize
 from marl.errors import ConfigError
 from marl.registry import Registry
 
@@ -424,7 +424,7 @@ def shape_rollout(
         rollout.scores,
         rollout.logprobs,
         rollout.ref_logprobs,
-        rollout.response_mask,
+        model_tokens(rollout),
         rollout.contains_stop,
         k=config.rloo_k,
         kl_coef=config.kl_coef,

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -73,3 +74,17 @@ def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.
         tensor([1.])
     """
     return masked_sum(logprobs - ref_logprobs, mask)
+
+
+def model_tokens(rows: Any) -> torch.Tensor:
+    """The valid tokens the model sampled of ``rows`` (samples, or any record with a ``response_mask``): all
+    of them but, with tools, the tools' results between its turns (TRL's ``tool_mask``).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> valid = torch.tensor([[True, True, True]])
+        >>> model_tokens(SimpleNamespace(response_mask=valid, tool_mask=torch.tensor([[True, False, True]])))
+        tensor([[ True, False,  True]])
+    """
+    tool_mask = getattr(rows, "tool_mask", None)
+    return rows.response_mask if tool_mask is None else rows.response_mask & tool_mask

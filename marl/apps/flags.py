@@ -58,6 +58,8 @@ TRL_FLAG_HINTS: dict[str, str] = {
     "max_length": "marl's flag is --response_length (new tokens per completion); prompts are never cut",
     "reward_funcs": "marl's flags are --reward_fn module:function and --reward_adapter DIR",
     "reward_model_path": "marl's flag is --reward_adapter DIR (a reward LoRA + score head)",
+    "tools": "marl's flag is --tool module:function (repeat it for several tools)",
+    "environment_factory": "marl's flag is --environment module:Factory",
     "sft_model_path": "marl's flags are --model_name_or_path and --policy_adapter DIR",
     "max_prompt_length": "marl does not cut prompts: a prompt too long for the context with its completion "
     "is refused",

@@ -7,23 +7,25 @@ the registry names of the config (right after parsing), then the output folder a
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from marl.apps.flags import argv_words, parse_flags
 from marl.config.checks import check_fields
 from marl.data.prompts import dataset_name_field
-from marl.errors import ConfigError
+from marl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
+    import datasets
+
     from marl.config.rloo_config import RLOOConfig
     from marl.rewards.reward_kinds import RewardSetting
 
 
 @dataclass
 class ScriptArguments:
-    """Flags of ``train-rloo`` beyond :class:`marl.RLOOConfig`: data, reward function, output folder."""
+    """Flags of ``train-rloo`` beyond :class:`marl.RLOOConfig`: data, rewards, tools, output folder."""
 
     dataset_name: str = dataset_name_field()
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
@@ -51,6 +53,24 @@ class ScriptArguments:
             "--reward_adapter name, which it then reads instead of the default 'adapter' kind, e.g. "
             "--reward_adapter sentiment=DIR --reward eos_adapter:sentiment. Repeat the flag for several; "
             "weighted by --reward_weights after the --reward_adapter and --reward_fn sources."
+        },
+    )
+    tool: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "A tool the policy may call, 'module:function' (or 'file.py:function'), as TRL's tools: "
+            "a plain (sync or async) function with type hints and a docstring, its result added to the "
+            "conversation and masked out of the loss. Repeat the flag for several; the chat template must "
+            "support tool calls; --max_tool_calling_iterations bounds the turns."
+        },
+    )
+    environment: str | None = field(
+        default=None,
+        metadata={
+            "help": "An environment 'module:Factory' (or 'file.py:Factory'), as TRL's environment_factory: "
+            "a callable making one environment per rollout (reset() starts it, its public methods are its "
+            "tools, get_reward() is a reward source of weight 1 named after its class), or a dict of such "
+            "callables by name, chosen by each example's 'environment' column."
         },
     )
     overwrite_output_dir: bool = field(
@@ -100,10 +120,11 @@ def parse_train_rloo_args(
 
     script, config = parse_flags([ScriptArguments, RLOOConfig], prog, argv_words(argv))
     resolve_device_settings(config, Device.current() if device is None else Device.named(device))
-    if not script.reward_fn and not config.reward_adapter and not script.reward:
+    # an environment may own the reward (get_reward); the trainer refuses a run with no reward source at all
+    if not script.reward_fn and not config.reward_adapter and not script.reward and not script.environment:
         raise ConfigError(
             "no reward: pass --reward_adapter DIR (a reward LoRA from `marl train-reward`) and/or "
-            "--reward_fn module:function (or --reward KIND:SPEC)"
+            "--reward_fn module:function (or --reward KIND:SPEC, or an --environment with get_reward)"
         )
     reward_settings(script, config)  # a bad --reward fails here, before any work
     # Every registry name (advantage estimator, sampler, parallelism) is resolved before any work; imported
@@ -111,6 +132,8 @@ def parse_train_rloo_args(
     from marl.train.training_parts import check_components
 
     check_components(config)
+    if script.sweep and (script.tool or script.environment):
+        raise ConfigError("--sweep trains without tools: drop --sweep, or --tool and --environment")
     if script.sweep:
         from marl.train.sweep_trainer import check_sweep_configs
 
@@ -188,6 +211,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
 
     # Planned before the model loads, so that a --reward_fn typo fails at once.
     rewards = plan_rewards(reward_settings(script, config))
+    tools = tool_arguments(script, train_dataset)  # and a --tool or --environment typo
     # Created before the model so that, without a GPU, every launched process joins one CPU group (a default
     # state would set itself up as a single process and the trainer would refuse the mismatch).
     state = PartialState(cpu=not torch.cuda.is_available())
@@ -212,6 +236,7 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
         eval_dataset,
         reward_funcs=rewards.build(RewardParts(model, tokenizer, config.local_rollout_forward_batch_size)),
         dataset_source=dataset_record(script),
+        **tools,
     )
     for run in trainer.trainers if members else [trainer]:
         run.fit_record = None if fit is None else fit.record()  # rloo_config.json records what --fit chose
@@ -281,6 +306,104 @@ def reward_settings(script: ScriptArguments, config: RLOOConfig) -> list[RewardS
         *(RewardSetting("function", spec) for spec in script.reward_fn or []),
         *chosen,
     ]
+
+
+EnvironmentFactory = Callable[[], Any]
+
+
+def tool_arguments(script: ScriptArguments, train_dataset: datasets.Dataset) -> dict[str, Any]:
+    """The ``tools`` and ``environment_factory`` keywords of :class:`marl.RLOOTrainer` that ``--tool`` and
+    ``--environment`` ask for, imported (``{}`` without them); a dict of environments is checked against the
+    ``environment`` column of ``train_dataset``.
+
+    Example:
+        >>> import datasets
+        >>> script = ScriptArguments(tool=["math:fsum"], environment="collections:Counter")
+        >>> tool_arguments(script, datasets.Dataset.from_dict({"prompt": ["a"]}))
+        {'tools': [<built-in function fsum>], 'environment_factory': <class 'collections.Counter'>}
+    """
+    from marl.rewards.functions import import_function
+
+    arguments: dict[str, Any] = {}
+    if script.tool:
+        arguments["tools"] = [import_function(spec, "--tool") for spec in script.tool]
+    if script.environment:
+        factory = import_environment_factory(script.environment)
+        if isinstance(factory, dict):
+            check_environment_column(factory, train_dataset, script.environment)
+        arguments["environment_factory"] = factory
+    return arguments
+
+
+def import_environment_factory(spec: str) -> EnvironmentFactory | dict[str, EnvironmentFactory]:
+    """``--environment module:Factory`` (or ``path/to/file.py:Factory``) as TRL's ``environment_factory``
+    takes it: a callable that makes one environment, or a dict of such callables by name.
+
+    Example:
+        >>> import_environment_factory("collections:Counter")
+        <class 'collections.Counter'>
+        >>> import_environment_factory("string:digits")
+        Traceback (most recent call last):
+        ...
+        marl.errors.DataError: --environment 'string:digits': 'digits' is a str, not a callable or ...
+    """
+    import importlib
+    from pathlib import Path
+
+    from marl.rewards.functions import _import_file
+
+    module_name, separator, name = spec.rpartition(":")
+    if not separator or not module_name or not name:
+        raise DataError(f"--environment {spec!r} must look like 'module:Factory' or 'file.py:Factory'")
+    try:  # import_function's rules, where the attribute may also be a dict
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name).expanduser())
+        else:
+            module = importlib.import_module(module_name)
+    except Exception as error:
+        raise DataError(
+            f"--environment {spec!r}: could not import {module_name!r} ({type(error).__name__}: {error}). "
+            "Check the name, that the module is on PYTHONPATH (or pass a .py file path), and that it imports"
+        ) from error
+    factory = getattr(module, name, None)
+    if factory is None:
+        raise DataError(f"--environment {spec!r}: module {module_name!r} has no attribute {name!r}")
+    named = factory if isinstance(factory, dict) else {}
+    not_callable = [key for key, value in named.items() if not callable(value)]
+    if not_callable:
+        raise DataError(f"--environment {spec!r}: the entries {not_callable} of {name!r} are not callables")
+    if not named and not callable(factory):
+        raise DataError(
+            f"--environment {spec!r}: {name!r} is a {type(factory).__name__}, not a callable or a dict of "
+            "callables (a class whose instances are environments, or a dict of them by name)"
+        )
+    return factory
+
+
+def check_environment_column(
+    factories: dict[str, EnvironmentFactory], train_dataset: datasets.Dataset, spec: str
+) -> None:
+    """Refuse a dict of environments when an example does not name one of them in its ``environment`` column.
+
+    Example:
+        >>> import datasets
+        >>> rows = datasets.Dataset.from_dict({"prompt": ["a"], "environment": ["chess"]})
+        >>> check_environment_column({"go": dict}, rows, "games:BY_NAME")
+        Traceback (most recent call last):
+        ...
+        marl.errors.DataError: --environment 'games:BY_NAME' is a dict of environments ['go'], but ...
+    """
+    if "environment" not in train_dataset.column_names:
+        raise DataError(
+            f"--environment {spec!r} is a dict of environments {sorted(factories)}: the prompts need an "
+            "'environment' column naming each example's one"
+        )
+    unknown = sorted({str(name) for name in train_dataset["environment"] if name not in factories})
+    if unknown:
+        raise DataError(
+            f"--environment {spec!r} is a dict of environments {sorted(factories)}, but examples name "
+            f"{unknown} in their 'environment' column. Give every example one of those names"
+        )
 
 
 def dataset_record(script: ScriptArguments) -> dict[str, Any]:

@@ -357,8 +357,8 @@ class RLOOConfig:
     max_tool_calling_iterations: int | None = field(
         default=None,
         metadata={
-            "help": "With tools (--tool, --environment): the most tool-calling turns of one completion; unset: "
-            "until a turn calls no tool or --response_length is reached (TRL's field and default)."
+            "help": "With tools (--tool, --environment): the most tool-calling turns of one completion; "
+            "unset: until a turn calls no tool or --response_length is reached (TRL's field and default)."
         },
     )
     normalize_reward: bool = field(
@@ -467,6 +467,11 @@ class RLOOConfig:
             )
         if self.num_sample_generations < 0:
             fail("num_sample_generations must be >= 0", "Use 0 to disable the sample tables")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            fail(
+                f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0",
+                "Leave --max_tool_calling_iterations unset for no limit",
+            )
         check_save_settings(self.save_steps, self.save_minutes, self.save_total_limit)
         check_fit_settings(self)
 

@@ -19,7 +19,7 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,13 +49,22 @@ def dataset_name_field(help_prefix: str = "Prompts"):
     )
 
 
-def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple[list[int], str]:
+def tokenize_prompt(
+    tokenizer: Any,
+    prompt: Any,
+    where: str = "prompt",
+    *,
+    tools: Sequence[Any] | None = None,
+    chat_template: str | None = None,
+) -> tuple[list[int], str]:
     """Token ids and text of one prompt: plain text as it is, a conversation through the chat template.
 
     A conversation is a list of ``{"role", "content"}`` messages, rendered by TRL's own
     ``apply_chat_template`` as TRL's trainers render a prompt: with a generation prompt, or, when it ends in
     an assistant message, with that message left open, to be continued. Training and evaluation both
-    tokenize through this function, so their prompts look the same to the model.
+    tokenize through this function, so their prompts look the same to the model. ``tools``: the functions the
+    template describes to the model (:mod:`marl.rollout.tool_calls`); ``chat_template``: a template to render
+    with instead of the tokenizer's.
 
     Example:
         >>> ids, text = tokenize_prompt(tokenizer, [{"role": "user", "content": "Hi"}])  # doctest: +SKIP
@@ -78,7 +87,8 @@ def tokenize_prompt(tokenizer: Any, prompt: Any, where: str = "prompt") -> tuple
     from trl.data_utils import apply_chat_template  # TRL's own rendering of a prompt-only example
 
     try:
-        text = apply_chat_template({"prompt": prompt}, tokenizer)["prompt"]
+        template = {} if chat_template is None else {"chat_template": chat_template}
+        text = apply_chat_template({"prompt": prompt}, tokenizer, list(tools or []), **template)["prompt"]
     except ValueError as error:  # TRL refuses a prompt whose last message is neither user, tool nor assistant
         raise DataError(
             f"{where}: {error}; end the conversation with a user message (an assistant one to continue it)"
@@ -437,11 +447,19 @@ class Prompt:
 
 
 def prepare_prompts(
-    dataset: Any, tokenizer: Any, name: str, *, context_length: int | None, response_length: int
+    dataset: Any,
+    tokenizer: Any,
+    name: str,
+    *,
+    context_length: int | None,
+    response_length: int,
+    tools_of: Callable[[Mapping[str, Any]], Sequence[Any]] | None = None,
+    chat_template: str | None = None,
 ) -> list[Prompt]:
     """Tokenise every prompt of ``dataset`` once (a ``prompt`` column of text or conversations rendered with
     the chat template, or an ``input_ids`` column), and check that each fits the context with its completion.
-    The row's other columns are kept with it (:attr:`Prompt.columns`).
+    The row's other columns are kept with it (:attr:`Prompt.columns`). ``tools_of(columns)``: the tools a
+    conversation's template describes (:mod:`marl.rollout.tool_calls`), rendered with ``chat_template``.
 
     Example:
         >>> class Tokenizer:
@@ -469,15 +487,19 @@ def prepare_prompts(
     prompts = []
     for index in range(len(dataset)):
         row = dataset[index]
+        columns = {name: row[name] for name in columns_kept}
         if use_ids:
             ids = [int(token) for token in row["input_ids"]]
             text = tokenizer.decode(ids, skip_special_tokens=True)
         else:
-            ids, text = tokenize_prompt(tokenizer, row["prompt"], f"{name} row {index}")
+            tools = None if tools_of is None else tools_of(columns)
+            where = f"{name} row {index}"
+            ids, text = tokenize_prompt(
+                tokenizer, row["prompt"], where, tools=tools, chat_template=chat_template
+            )
         if not ids:
             raise DataError(f"{name} row {index} has an empty prompt; remove it or give it text")
         messages = None if use_ids or not is_conversation(row["prompt"]) else list(row["prompt"])
-        columns = {name: row[name] for name in columns_kept}
         prompts.append(Prompt(tuple(ids), text, messages, columns))
     longest = max(len(prompt.ids) for prompt in prompts)
     if context_length is not None and longest + response_length > context_length:

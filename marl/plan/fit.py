@@ -228,10 +228,17 @@ def least_free_memory_gb(device: Any) -> float:
 
 
 def fit_target(
-    config: Any, train_dataset: Any, device: Any, memory_gb: float, num_processes: int = 1
+    config: Any,
+    train_dataset: Any,
+    device: Any,
+    memory_gb: float,
+    num_processes: int = 1,
+    tools: Any = None,
 ) -> tuple[Any, PlanTarget]:
     """The model's config and the :class:`PlanTarget` ``--fit auto`` plans for: ``device``, ``memory_gb``,
-    the longest training prompt in tokens, the processes and the compute dtype the model will load in."""
+    the longest training prompt in tokens, the processes and the compute dtype the model will load in.
+    ``tools`` (a :class:`marl.rollout.tool_calls.ToolBox`): the prompts as rendered with them, and the
+    later turns of the longest conversation the limits allow."""
     import torch
 
     from marl.data.assets import resolve_model_path
@@ -242,12 +249,21 @@ def fit_target(
 
     model_config = load_model_config(config.model_name_or_path)
     tokenizer = load_tokenizer(resolve_model_path(config.model_name_or_path))
+    rendering = {}
+    if tools:
+        from marl.rollout.toolbox import prepare_tool_template
+
+        rendering = dict(
+            tools_of=lambda columns: tools.tools_of(tools.environment_of(columns)),
+            chat_template=prepare_tool_template(tokenizer),
+        )
     prompts = prepare_prompts(
         train_dataset,
         tokenizer,
         "train_dataset",
         context_length=getattr(model_config.get_text_config(), "max_position_embeddings", None),
         response_length=config.response_length,
+        **rendering,
     )
     mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config.mixed_precision)
     target = PlanTarget(
@@ -256,6 +272,7 @@ def fit_target(
         prompt_length=max(len(prompt.ids) for prompt in prompts),
         num_processes=num_processes,
         compute_dtype=mixed or default_compute_dtype(),
+        tool_turns=bool(tools),
     )
     return model_config, target
 
@@ -266,9 +283,11 @@ def fit_run(
     device: Any,
     num_processes: int = 1,
     member_configs: list[Any] | None = None,
+    tools: Any = None,
 ) -> FitChoice | None:
     """``--fit auto`` before the model loads: the settings chosen for ``config`` (and a sweep's
-    ``member_configs``, planned as one sweep) on ``device`` with the run's longest prompt, applied to them;
+    ``member_configs``, planned as one sweep) on ``device`` with the run's longest prompt (and with
+    ``tools``, :func:`fit_target`), applied to them;
     ``None`` when ``--fit off``, or on CPU without ``--fit_memory_gb``. Raises the one-line
     :class:`marl.errors.ConfigError` of :func:`choose_settings` when nothing fits.
 
@@ -285,7 +304,7 @@ def fit_run(
         memory_gb = least_free_memory_gb(device)
     if memory_gb is None:
         return None
-    model_config, target = fit_target(config, train_dataset, device, memory_gb, num_processes)
+    model_config, target = fit_target(config, train_dataset, device, memory_gb, num_processes, tools)
     members = member_configs or []
     choice = choose_settings(config, model_config, target, policies=max(1, len(members)))
     apply_choice([config, *members], choice)

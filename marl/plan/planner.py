@@ -10,7 +10,9 @@ The plan of one process is, per phase of the run:
   of the policy LoRA, which exist from the first optimizer step on and stay;
 - **working set**: what the phase makes and holds at once, traced by running the family's own code on the
   meta device with the run's shapes: the sampling chunk's KV cache, the scoring chunk's activations and
-  log-softmax pieces, the update micro-batch's saved activations, transients and LoRA gradients;
+  log-softmax pieces, the update micro-batch's saved activations, transients and LoRA gradients (with
+  tools, the sampling chunk of a later turn too: each row after the longest conversation the limits allow,
+  ``prompt_length + response_length`` tokens, decoding ``response_length`` more);
 - **runtime**: what the framework itself takes once it has run a model: on CUDA the context, library
   handles and kernels (:data:`CUDA_RUNTIME_BYTES`, measured on one GPU), on CPU the libraries' pages and
   buffers above the imports (:data:`CPU_RUNTIME_BYTES`, measured on tiny models: see
@@ -103,6 +105,8 @@ class PlanTarget:
     prompt_length: int = 512  # tokens of the longest prompt of a batch
     num_processes: int = 1
     compute_dtype: torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on CPU (marl's default)
+    # the run calls tools (marl.rollout.tool_calls): a later turn decodes each row after its conversation
+    tool_turns: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -385,6 +389,10 @@ def plan_memory(
         # transformers' deprecation notices about the arguments the sampler passes, once per traced call
         warnings.simplefilter("ignore", FutureWarning)
         sampling = sampling_peak(peft_model, sampling_shapes, shared_prefill=layout.packs)
+        if target.tool_turns:  # the longest conversation the limits allow, then one more turn, row by row
+            conversation = target.prompt_length + config.response_length
+            later = dataclasses.replace(sampling_shapes, prompt_length=conversation, rloo_k=1)
+            sampling = max(sampling, sampling_peak(peft_model, later, shared_prefill=False))
         scoring = scoring_peak(peft_model, head, scoring_shapes, 1, full_logits=layout.full_logits)
         update = update_peak(
             peft_model, head, shapes, full_logits=layout.full_logits, value_pass=layout.value_model
@@ -466,6 +474,7 @@ def plan_for_trainer(trainer: Any, policies: int = 1) -> MemoryPlan:
         prompt_length=max(len(prompt.ids) for prompt in trainer.parts.train_prompts),
         num_processes=parallelism.num_processes,
         compute_dtype=trainer.model.dtype,
+        tool_turns=trainer.parts.tool_calling is not None,
     )
     return plan_memory(trainer.config, trainer.model.config, target, policies=policies)
 

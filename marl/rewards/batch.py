@@ -50,7 +50,9 @@ class ScoringBatch:
     beside the prompt, one value per row) and ``trainer_state`` are what reward functions receive beside the
     texts (:mod:`marl.rewards.trl_calls`); what they log with ``log_extra`` and ``log_metric`` is kept in
     ``reward_log``. ``replies``: each conversation's completion parsed as TRL hands it to reward functions
-    where the tokenizer parses responses (:func:`marl.rewards.trl_calls.parsed_replies`), else ``None``."""
+    where the tokenizer parses responses (:func:`marl.rewards.trl_calls.parsed_replies`), else ``None``.
+    With tools (:mod:`marl.rollout.tool_calls`): ``turns``, each completion as its messages (the assistant's
+    turns and the tools' results), and ``environments``, each row's environment instance."""
 
     prompts: list[str]
     completions: list[str]
@@ -63,6 +65,8 @@ class ScoringBatch:
     trainer_state: Any = None
     reward_log: RewardLog = field(default_factory=RewardLog)
     replies: list[dict[str, Any] | None] | None = None
+    turns: list[list[dict[str, Any]]] | None = None  # with tools: each completion's messages
+    environments: list[Any] | None = None  # with environments: each row's instance
 
 
 @runtime_checkable

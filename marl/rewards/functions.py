@@ -195,7 +195,7 @@ def reward_call(batch: ScoringBatch) -> RewardCall:
     ]
     return RewardCall(
         prompts, batch.completions, batch.completion_ids, batch.columns or {}, batch.trainer_state,
-        batch.reward_log, batch.replies,
+        batch.reward_log, batch.replies, batch.turns, batch.environments,
     )  # fmt: skip
 
 

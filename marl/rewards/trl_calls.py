@@ -150,6 +150,8 @@ class RewardCall:
     trainer_state: Any = None
     log: RewardLog | None = None  # where log_extra and log_metric write (None: a log of this call alone)
     replies: Sequence[Mapping[str, Any] | None] | None = None  # parsed conversation replies (parsed_replies)
+    turns: Sequence[Sequence[Mapping[str, Any]]] | None = None  # with tools: each completion's messages
+    environments: Sequence[Any] | None = None  # with environments: each row's instance, passed as TRL does
 
     def __post_init__(self) -> None:
         if self.log is None:
@@ -158,6 +160,8 @@ class RewardCall:
 
     @property
     def completions(self) -> list[Any]:
+        if self.turns is not None:  # with tools: every turn and tool result, as TRL passes them
+            return [[dict(message) for message in turns] for turns in self.turns]
         replies = self.replies or [None] * len(self.texts)
         return [
             text
@@ -179,6 +183,7 @@ class RewardCall:
             "trainer_state": self.trainer_state,
             "log_extra": self.log.log_extra_for(where),
             "log_metric": self.log.log_metric_for(where),
+            **({} if self.environments is None else {"environments": list(self.environments)}),
         }
 
 

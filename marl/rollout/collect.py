@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from marl.rewards import WeightedRewards
     from marl.rollout.samplers import Sampler
     from marl.rollout.scoring import Scorer
+    from marl.rollout.tool_calls import ToolCalling
 
 
 def collect_rollout(
@@ -45,6 +46,8 @@ def collect_rollout(
     policies: Sequence[str] | None = None,
     passes: ScoringPasses | None = None,
     run_phase: Callable[[str, Callable[[], Any]], Any] = lambda phase, work: work(),
+    tool_calling: ToolCalling | None = None,
+    any_process: Callable[[bool], bool] = bool,
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
     and reference log-probs where the algorithm reads them (``passes``, default ``scorer.passes``), and their
@@ -56,12 +59,20 @@ def collect_rollout(
     (:meth:`marl.rollout.scoring.Scorer.rows_view`); :func:`split_rollout` gives each policy its rows.
 
     ``run_phase(name, work)`` runs the ``"sampling"`` and the ``"scoring"`` work (the trainer's
-    :class:`marl.train.memory_guard.PhaseGuard` measures each and retries it smaller when memory runs out)."""
-    batch = sampler.batch(prompts)
-    samples = run_phase(
-        "sampling",
-        lambda: sampler.sample(batch, k) if policies is None else sampler.sample_routed(batch, k, policies),
-    )
+    :class:`marl.train.memory_guard.PhaseGuard` measures each and retries it smaller when memory runs out).
+
+    ``tool_calling``: the completions are conversations of turns and tool results
+    (:mod:`marl.rollout.tool_calls`), their turns decoded in step over the processes (``any_process``)."""
+    if tool_calling is not None:
+        samples = run_phase("sampling", lambda: tool_calling.rollout(sampler, prompts, k, any_process))
+    else:
+        batch = sampler.batch(prompts)
+        samples = run_phase(
+            "sampling",
+            lambda: (
+                sampler.sample(batch, k) if policies is None else sampler.sample_routed(batch, k, policies)
+            ),
+        )
     # On CPU the C heap keeps the sampler's freed cache, fragmented, through scoring's peak: trim it
     # (benchmarks/results/2026-11-25-memory-plan.md).
     release_freed_memory()
@@ -176,4 +187,4 @@ def complete_for_metrics(
         rollout.logprobs = scorer.logprobs(rollout, POLICY_PASS)[0]
     if shaped.kl is not None or rollout.ref_logprobs is None:
         return shaped
-    return shaped.with_kl(sequence_kl(rollout.logprobs, rollout.ref_logprobs, rollout.response_mask), kl_coef)
+    return shaped.with_kl(sequence_kl(rollout.logprobs, rollout.ref_logprobs, rollout.model_mask), kl_coef)

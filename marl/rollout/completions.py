@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from marl.algo.tensors import model_tokens
 from marl.model.rows import PackedRows, pack_rows
 
 if TYPE_CHECKING:
@@ -55,6 +56,14 @@ class Samples:
     # [B, T] float32: the log-prob the sampler drew each token with (read where response_mask is set); None
     # where the sampler does not keep them (``generate``)
     sampled_logprobs: torch.Tensor | None = None
+    # With tools (marl.rollout.tool_calls): [B, T] bool, True on the model's own tokens and False on the
+    # tools' results between its turns, which no loss or KL reads; None without tools.
+    tool_mask: torch.Tensor | None = None
+    # each row's completion as messages: the assistant's turns with their tool calls, and the tool results
+    turns: list[list[dict[str, Any]]] = dataclasses.field(default_factory=list)
+    environments: list[Any] = dataclasses.field(default_factory=list)  # each row's environment instance
+    tool_calls: torch.Tensor | None = None  # [B] the tool calls of each row
+    tool_failures: torch.Tensor | None = None  # [B] those that failed (an error result)
 
     @classmethod
     def from_responses(
@@ -110,6 +119,11 @@ class Samples:
     @property
     def lengths(self) -> torch.Tensor:
         return self.response_mask.sum(dim=1)
+
+    @property
+    def model_mask(self) -> torch.Tensor:
+        """The valid tokens the model sampled (:func:`model_tokens`)."""
+        return model_tokens(self)
 
     @property
     def completion_ids(self) -> list[list[int]]:

@@ -230,7 +230,9 @@ class Scorer:
             completion_ids=samples.completion_ids,
             columns=columns_per_row(samples.prompt_columns),
             trainer_state=trainer_state,
-            replies=self.replies(samples),
+            replies=None if samples.turns else self.replies(samples),
+            turns=samples.turns or None,
+            environments=samples.environments or None,
         )
 
     def replies(self, samples: Samples) -> list[dict[str, Any] | None] | None:
@@ -253,8 +255,9 @@ class Scorer:
                 prompt = samples.prompt_ids[row][samples.prompt_mask[row].bool()]
                 completion = samples.response_ids[row][samples.response_mask[row]]
                 rows.append(torch.cat([prompt, completion]).tolist())
-            else:
-                rows.append(reward_model_ids(self.tokenizer, messages, samples.completions[row]))
+            else:  # with tools, the completion is its turns and the tools' results between them
+                completion = samples.turns[row] if samples.turns else samples.completions[row]
+                rows.append(reward_model_ids(self.tokenizer, messages, completion))
         return rows
 
     def shared_prefix_rows(

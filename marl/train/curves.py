@@ -1,5 +1,5 @@
-"""Training curves of an RLOO run, read from its ``metrics.jsonl``, as a PNG (matplotlib, no display), and
-what a finished sweep shows beside its policies' folders.
+"""Training curves of an RLOO run, read from its ``metrics.jsonl``, as a PNG (matplotlib, no display), the
+progress bar's title and numbers, and what a finished sweep shows beside its policies' folders.
 
 matplotlib is in marl's ``demo`` extra: without it a run still finishes, and its last line says why there
 are no curves (:func:`training_curves_note`).
@@ -359,3 +359,35 @@ def finish_sweep(members: Sequence[Any], folders: Sequence[Path], trainers: Sequ
         note = f"sweep curves not drawn: {missing}"
     print(f"sweep of {len(names)} policies (the last logged values; {root / SUMMARY_FILE}):\n{table}\n{note}")
     return root
+
+
+def progress_description(config: Any) -> str:
+    """The bar's title: the ``--algorithm`` preset and where its KL acts, with its coefficient.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> progress_description(SimpleNamespace(algorithm="grpo", kl_placement="loss", kl_coef=0.0))
+        'GRPO (KL in the loss, β=0)'
+    """
+    where = "in the loss, β" if config.kl_placement == "loss" else "in the reward, kl_coef"
+    return f"{config.algorithm.upper()} (KL {where}={config.kl_coef:g})"
+
+
+def progress_postfix(metrics: Sequence[dict[str, float]], episode: int) -> dict[str, Any]:
+    """The bar's numbers after an update: completions so far, the mean score (each policy's, in a sweep), and
+    with one policy its k1 sequence KL when a reference pass measured it: ``objective/kl``, the mean over
+    completions of ``Σ_t (log π − log π_ref)``, unbiased but single values can be negative.
+
+    Example:
+        >>> progress_postfix([{"objective/scores": 0.5, "objective/kl": -0.01}], episode=16)
+        {'episode': 16, 'score': '0.500', 'kl_k1': '-0.010'}
+        >>> progress_postfix([{"objective/scores": 0.5}, {"objective/scores": 0.25}], episode=16)
+        {'episode': 16, 'score': '0.500/0.250'}
+    """
+    postfix: dict[str, Any] = {
+        "episode": episode,
+        "score": "/".join(f"{m['objective/scores']:.3f}" for m in metrics),
+    }
+    if len(metrics) == 1 and "objective/kl" in metrics[0]:
+        postfix["kl_k1"] = f"{metrics[0]['objective/kl']:.3f}"
+    return postfix

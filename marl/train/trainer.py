@@ -60,8 +60,10 @@ from marl.data.prompts import prompt_text, prompts_for_update
 from marl.model.multi_adapter import MultiAdapterModel
 from marl.rollout.collect import collect_rollout, complete_for_metrics
 from marl.rollout.completions import Rollout
+from marl.rollout.tool_calls import conversation_text
+from marl.rollout.toolbox import ToolBox
 from marl.train import checkpoints, run_dir
-from marl.train.curves import training_curves_note
+from marl.train.curves import progress_description, progress_postfix, training_curves_note
 from marl.train.memory_guard import PhaseGuard, PolicySnapshot, guard_for, restore_all
 from marl.train.training_parts import (
     UpdatePart,
@@ -113,6 +115,9 @@ class RLOOTrainer:
         dataset_source: where the prompts came from (e.g. ``dataset_name``, ``dataset_train_split``,
             ``prompt_column``), recorded in ``rloo_config.json`` under ``"dataset"`` with the prompt counts;
             ``marl evaluate`` reads it to tell held-out prompts from training prompts.
+        tools, environment_factory: functions the policy may call, and environments whose methods are tools,
+            as TRL's ``GRPOTrainer`` takes them (:mod:`marl.rollout.tool_calls`): each completion is decoded
+            turn by turn, the tools' results between its turns masked out of the loss and the KL.
 
     Attributes:
         parts: the :class:`marl.train.training_parts.TrainingParts` the run trains with (the parallelism,
@@ -138,14 +143,17 @@ class RLOOTrainer:
         judge: Callable[[list[str]], Any] | None = None,
         callbacks: Sequence[Callable[[TrainerState, dict[str, float]], Any]] = (),
         dataset_source: Mapping[str, Any] | None = None,
+        tools: Sequence[Callable[..., Any]] | None = None,
+        environment_factory: Callable[[], Any] | Mapping[str, Callable[[], Any]] | None = None,
     ) -> None:
         if not isinstance(config, RLOOConfig):
             raise TypeError(f"config must be a marl.RLOOConfig, got {type(config).__name__}")
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.eval_dataset = eval_dataset
         self.dataset_source = dict(dataset_source or {})
+        box = ToolBox(tools or (), environment_factory) if tools or environment_factory else None
         self.parts = build_training_parts(
-            config, model, tokenizer, train_dataset, eval_dataset, reward_funcs, judge, callbacks
+            config, model, tokenizer, train_dataset, eval_dataset, reward_funcs, judge, callbacks, box
         )
         self.state = TrainerState()
         self.log_history: list[dict[str, float]] = []
@@ -219,6 +227,7 @@ class RLOOTrainer:
             parts.reward,
             reward_trainer_state(self),  # reward functions get it as trainer_state, as under TRL
             run_phase=self.phases.run,
+            tool_calling=parts.tool_calling,
         )
 
     def shaped_rewards(self, rollout: Rollout) -> ShapedRewards:
@@ -522,38 +531,6 @@ def update_policies(
 # ---------------------------------------------------------------------- reports
 
 
-def progress_description(config: Any) -> str:
-    """The bar's title: the ``--algorithm`` preset and where its KL acts, with its coefficient.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> progress_description(SimpleNamespace(algorithm="grpo", kl_placement="loss", kl_coef=0.0))
-        'GRPO (KL in the loss, β=0)'
-    """
-    where = "in the loss, β" if config.kl_placement == "loss" else "in the reward, kl_coef"
-    return f"{config.algorithm.upper()} (KL {where}={config.kl_coef:g})"
-
-
-def progress_postfix(metrics: Sequence[dict[str, float]], episode: int) -> dict[str, Any]:
-    """The bar's numbers after an update: completions so far, the mean score (each policy's, in a sweep), and
-    with one policy its k1 sequence KL when a reference pass measured it: ``objective/kl``, the mean over
-    completions of ``Σ_t (log π − log π_ref)``, unbiased but single values can be negative.
-
-    Example:
-        >>> progress_postfix([{"objective/scores": 0.5, "objective/kl": -0.01}], episode=16)
-        {'episode': 16, 'score': '0.500', 'kl_k1': '-0.010'}
-        >>> progress_postfix([{"objective/scores": 0.5}, {"objective/scores": 0.25}], episode=16)
-        {'episode': 16, 'score': '0.500/0.250'}
-    """
-    postfix: dict[str, Any] = {
-        "episode": episode,
-        "score": "/".join(f"{m['objective/scores']:.3f}" for m in metrics),
-    }
-    if len(metrics) == 1 and "objective/kl" in metrics[0]:
-        postfix["kl_k1"] = f"{metrics[0]['objective/kl']:.3f}"
-    return postfix
-
-
 def sample_table(trainer: RLOOTrainer, rollout: Rollout) -> dict[str, float]:
     """Save a table of sample completions, every ``num_sample_generations``-th of the run: of held-out prompts
     when given (sampled without disturbing the training RNG), scored by the reward and, with a judge, by the
@@ -569,7 +546,10 @@ def sample_table(trainer: RLOOTrainer, rollout: Rollout) -> dict[str, float]:
         rows = JUDGED_EVAL_ROWS if parts.judge is not None else SAMPLE_TABLE_ROWS
         devices = [parallelism.device] if parallelism.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            samples = parts.sampler.sample(parts.sampler.batch(eval_prompts[:rows]), k=1)
+            if parts.tool_calling is not None:
+                samples = parts.tool_calling.rollout(parts.sampler, eval_prompts[:rows], 1)
+            else:
+                samples = parts.sampler.sample(parts.sampler.batch(eval_prompts[:rows]), k=1)
         with torch.no_grad(), parallelism.autocast():
             batch = parts.scorer.scoring_batch(samples, reward_trainer_state(trainer))
             scores, extra = parts.reward.score(batch).total.tolist(), batch.reward_log.extra
@@ -593,6 +573,8 @@ def sample_table(trainer: RLOOTrainer, rollout: Rollout) -> dict[str, float]:
     else:
         samples, scores = rollout, rollout.scores.tolist()
         extra = rollout.reward_log.extra if rollout.reward_log is not None else {}
-    rows = run_dir.sample_rows(samples.prompt_texts, samples.completions, scores, extra)[:SAMPLE_TABLE_ROWS]
+    # with tools, each completion's turns and tool results
+    completions = [conversation_text(turns) for turns in samples.turns] or samples.completions
+    rows = run_dir.sample_rows(samples.prompt_texts, completions, scores, extra)[:SAMPLE_TABLE_ROWS]
     run_dir.write_sample_table(trainer.output_dir, trainer.state.update, rows)
     return held_out

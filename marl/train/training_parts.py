@@ -59,6 +59,8 @@ from marl.rewards import CheckedJudge, WeightedRewards, build_rewards
 from marl.rewards.trl_calls import logged_metric_means
 from marl.rollout.samplers import Sampler, SamplerSettings, check_keeps_logprobs, get_sampler
 from marl.rollout.scoring import Scorer
+from marl.rollout.tool_calls import ToolCalling, TurnEnds
+from marl.rollout.toolbox import ToolBox, check_tool_prompts, prepare_tool_template
 from marl.train.parallel import Parallelism, get_parallelism
 
 if TYPE_CHECKING:
@@ -88,6 +90,7 @@ class TrainingParts:
     sample_every: int
     advantage_estimator: AdvantageEstimator
     policy_update: PolicyUpdate
+    tool_calling: ToolCalling | None = None  # with tools or environments: the turn-by-turn rollout
 
 
 def check_components(config: RLOOConfig) -> None:
@@ -120,8 +123,10 @@ def build_training_parts(
     reward_funcs: Any = None,
     judge: Callable[[list[str]], Any] | None = None,
     callbacks: Sequence[Callable[..., Any]] = (),
+    tools: ToolBox | None = None,
 ) -> TrainingParts:
-    """The parts of a run of ``config`` on ``model`` (arguments as :class:`marl.RLOOTrainer` takes them).
+    """The parts of a run of ``config`` on ``model`` (arguments as :class:`marl.RLOOTrainer` takes them;
+    ``tools``: its tools and environments, :mod:`marl.rollout.tool_calls`).
 
     Example:
         >>> parts = build_training_parts(config, model, tokenizer, prompts)  # doctest: +SKIP
@@ -147,7 +152,13 @@ def build_training_parts(
         governor.follow(model.peft_model.get_base_model().get_input_embeddings())
     policy = model.get_policy(config.policy_adapter_name).name
     rows_per_pass = config.local_rollout_forward_batch_size
-    reward = build_rewards(model, reward_funcs, config.reward_weights, rows_per_pass)
+    chat_template = None if not tools else prepare_tool_template(tokenizer)
+    weights = config.reward_weights
+    if tools and tools.reward_types:  # each environment owning its reward is one more source, of weight 1
+        given = list(model.rewards) if reward_funcs is None else reward_funcs
+        reward_funcs = [*(given if isinstance(given, list | tuple) else [given]), *tools.reward_sources()]
+        weights = None if weights is None else [*weights, *[1.0] * len(tools.reward_types)]
+    reward = build_rewards(model, reward_funcs, weights, rows_per_pass)
     parallelism = get_parallelism(config.parallelism)(model, config)
     scorer = Scorer(
         model,
@@ -160,10 +171,16 @@ def build_training_parts(
         passes=scoring_passes(config),  # only the log-prob passes the algorithm reads
     )
     lengths = dict(context_length=context_length(model), response_length=config.response_length)
+    if tools:  # each conversation rendered with the tools its template describes
+        lengths.update(tools_of=lambda columns: tools.tools_of(tools.environment_of(columns)))
+        lengths.update(chat_template=chat_template)
     train_prompts = prepare_prompts(train_dataset, tokenizer, "train_dataset", **lengths)
     eval_prompts = (
         None if eval_dataset is None else prepare_prompts(eval_dataset, tokenizer, "eval_dataset", **lengths)
     )
+    if tools:
+        for name, prompts in [("train_dataset", train_prompts), ("eval_dataset", eval_prompts or [])]:
+            check_tool_prompts(tools, prompts, name)
     sizes = config.batch_sizes(parallelism.num_processes, len(train_prompts))
     sample_every = (
         max(1, sizes.num_total_batches // config.num_sample_generations)
@@ -193,6 +210,17 @@ def build_training_parts(
     if config.vllm_importance_sampling_correction:  # a sampler may fall back to generate for this model
         check_keeps_logprobs(config.sampler, sampler)
     optimizer, scheduler = parallelism.prepare(*_optimizer_and_schedule(config, sizes, parameters))
+    tool_calling = None
+    if tools:
+        tool_calling = ToolCalling(
+            tools,
+            tokenizer,
+            chat_template,
+            TurnEnds.of(tokenizer, model, config.stop_token == "eos", config.stop_token_id),
+            config.response_length,
+            context_length(model),
+            config.max_tool_calling_iterations,
+        )
     return TrainingParts(
         judge=judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge"),
         callbacks=[
@@ -223,6 +251,7 @@ def build_training_parts(
             sizes,
             parameters,
         ),
+        tool_calling=tool_calling,
     )
 
 
@@ -349,7 +378,7 @@ class UpdatePart:
         skipped the policy's scoring pass (:mod:`marl.algo.scoring_passes`)."""
         config, rollout = self.step.config, self.rollout
         self.stats, self.skipped = UpdateStats(), 0
-        self.mask = loss_mask(rollout.response_mask, rollout.contains_stop, self.step.loss)
+        self.mask = loss_mask(rollout.model_mask, rollout.contains_stop, self.step.loss)
         truncated = truncation_warning(rollout.contains_stop, self.step.loss, update)
         if truncated is not None:
             warnings.warn(self.label + truncated, RuntimeWarning, stacklevel=4)
@@ -399,7 +428,7 @@ class UpdatePart:
             finite = bool(torch.isfinite(loss))
             step.parallelism.backward(loss / config.gradient_accumulation_steps)
         with torch.no_grad():
-            self.stats.add(policy, entropy, batch.response_mask, self.mask[rows])
+            self.stats.add(policy, entropy, batch.model_mask, self.mask[rows])
         return finite
 
 

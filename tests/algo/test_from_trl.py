@@ -128,6 +128,10 @@ CONVERTED_CASES = {
         {"importance_sampling_level": "sequence"},
     ),
     "use_bias_correction_kl": ({"use_bias_correction_kl": False}, {"use_bias_correction_kl": False}),
+    "max_tool_calling_iterations": (
+        {"max_tool_calling_iterations": 3},
+        {"max_tool_calling_iterations": 3},
+    ),
     # TRL applies its correction only with use_vllm (refused): off, as TRL's is; mode and bounds carry over
     "vllm_importance_sampling_correction": (
         {"vllm_importance_sampling_correction": True},

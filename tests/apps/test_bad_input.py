@@ -196,6 +196,10 @@ CASES = [
     Case(RLOO, ["--reward", "function:nocolon"], r"'nocolon' must look like 'module:function'"),
     Case(RLOO, ["--reward_weights", "1", "2"], r"2 reward weights for 1 reward sources"),
     Case(RLOO, ["--reward_weights", "nan"], r"--reward_weights=\[nan\] is not a finite number"),
+    # --- train-rloo: tools and environments
+    Case(RLOO, ["--tool", "{rfn}:not_callable"], r"--tool .*'not_callable' is a int, not a function"),
+    Case(RLOO, ["--environment", "{rfn}:absent"], r"--environment .*has no attribute 'absent'"),
+    Case(RLOO, ["--max_tool_calling_iterations", "-1"], r"max_tool_calling_iterations=-1 must be >= 0"),
     # --- train-rloo: a sweep of several policies
     Case(RLOO, ["--sweep", "rloo_k=2,4"], r"--sweep rloo_k: cannot differ .*Set --rloo_k once"),
     Case(RLOO, ["--sweep", "learning_rate"], r"--sweep 'learning_rate' is not FIELD=V1,V2"),

@@ -94,6 +94,7 @@ def test_single_strings_are_accepted_from_python():
         ({"lr_scheduler_type": "linearr"}, "lr_scheduler_type"),
         ({"total_episodes": 0}, "total_episodes"),
         ({"save_total_limit": 0}, "save_total_limit"),
+        ({"max_tool_calling_iterations": -1}, r"max_tool_calling_iterations=-1 must be >= 0.*unset"),
         ({"graph_capture": "cudagraphs"}, r"graph_capture='cudagraphs' is not a choice.*'cuda_graphs'"),
         ({"graph_capture": "cuda_graphs", "sampler": "static"}, "--sampler graph only.*Add --sampler graph"),
     ],
