@@ -47,7 +47,6 @@ def collect_rollout(
     passes: ScoringPasses | None = None,
     run_phase: Callable[[str, Callable[[], Any]], Any] = lambda phase, work: work(),
     tool_calling: ToolCalling | None = None,
-    any_process: Callable[[bool], bool] = bool,
 ) -> Rollout:
     """Everything one update needs: k completions per prompt under the policy (``sampler``), their policy
     and reference log-probs where the algorithm reads them (``passes``, default ``scorer.passes``), and their
@@ -62,9 +61,9 @@ def collect_rollout(
     :class:`marl.train.memory_guard.PhaseGuard` measures each and retries it smaller when memory runs out).
 
     ``tool_calling``: the completions are conversations of turns and tool results
-    (:mod:`marl.rollout.tool_calls`), their turns decoded in step over the processes (``any_process``)."""
+    (:mod:`marl.rollout.tool_calls`)."""
     if tool_calling is not None:
-        samples = run_phase("sampling", lambda: tool_calling.rollout(sampler, prompts, k, any_process))
+        samples = run_phase("sampling", lambda: tool_calling.rollout(sampler, prompts, k))
     else:
         batch = sampler.batch(prompts)
         samples = run_phase(

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from marl.errors import ConfigError
-from marl.rollout.toolbox import ENVIRONMENT_COLUMN, ToolBox
+from marl.rollout.toolbox import ENVIRONMENT_COLUMN, ToolBox, environment_tools
 
 if TYPE_CHECKING:
     from marl.data.prompts import Prompt, PromptBatch
@@ -93,7 +93,9 @@ class TurnEnds:
 class ToolCalling:
     """A run's tool-calling rollout, built once: its tools and environments, the tokenizer and the template it
     renders with (:func:`prepare_tool_template`), the ends of a turn, the completion's budget and the
-    model's context, and ``max_iterations`` (TRL's ``max_tool_calling_iterations``; ``None``: no limit)."""
+    model's context, ``max_iterations`` (TRL's ``max_tool_calling_iterations``; ``None``: no limit), and
+    ``any_process``: where the processes decode together (a sharded base), whether any of them has a row
+    left to decode (elsewhere ``bool``: each process's own rows decide)."""
 
     box: ToolBox
     tokenizer: Any
@@ -102,10 +104,9 @@ class ToolCalling:
     response_length: int
     context_length: int | None
     max_iterations: int | None
+    any_process: Callable[[bool], bool] = bool
 
-    def rollout(
-        self, sampler: Sampler, prompts: Sequence[Prompt], k: int, any_process: Callable[[bool], bool] = bool
-    ) -> Samples:
+    def rollout(self, sampler: Sampler, prompts: Sequence[Prompt], k: int) -> Samples:
         """:func:`tool_rollout` of ``prompts`` with these settings."""
         return tool_rollout(
             sampler,
@@ -118,7 +119,7 @@ class ToolCalling:
             max_iterations=self.max_iterations,
             ends=self.ends,
             chat_template=self.chat_template,
-            any_process=any_process,
+            any_process=self.any_process,
         )
 
 
@@ -276,8 +277,12 @@ def tool_rollout(
             )
             prompt = Prompt(tuple(ids), text, messages, prompt.columns)
         row_prompts.append(prompt)
+    # each row calls its own environment's methods: the tools are bound to the row's instance
     rows = [
-        ToolRow(list(prompt.ids), box.tools_of(name)) for prompt, name in zip(row_prompts, names, strict=True)
+        ToolRow(
+            list(prompt.ids), [*box.tools, *(environment_tools(environments[row]) if environments else [])]
+        )
+        for row, prompt in enumerate(row_prompts)
     ]
 
     # Turn 1: each prompt once for its k completions, where its k rows still share it.

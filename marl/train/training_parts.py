@@ -220,6 +220,7 @@ def build_training_parts(
             config.response_length,
             context_length(model),
             config.max_tool_calling_iterations,
+            parallelism.any_process if parallelism.shards_base else bool,
         )
     return TrainingParts(
         judge=judge if judge is None or isinstance(judge, CheckedJudge) else CheckedJudge(judge, "judge"),
