@@ -41,9 +41,10 @@ RLHF_METRIC = "objective/rlhf_reward"
 RLHF_TITLE = "score − coef·KL (objective/rlhf_reward)"
 
 # One panel per entry: its title and the (metric, legend) lines it draws. A panel none of whose metrics a run
-# logged is left out (the judge panel needs a trainer with a judge and held-out prompts). With several reward
-# sources, :func:`logged_panels` adds one panel per source's own score, one with each source's share of the
-# advantage, and their flat groups beside the overall ones.
+# logged is left out (the judge panel needs a trainer with a judge and held-out prompts, the tools panel a run
+# with tools: marl.algo.metrics.tool_metrics). With several reward sources, :func:`logged_panels` adds one
+# panel per source's own score, one with each source's share of the advantage, and their flat groups beside
+# the overall ones.
 PANELS: tuple[Panel, ...] = (
     (
         "reward: weighted sum of the sources (Σ w·r)",
@@ -52,6 +53,10 @@ PANELS: tuple[Panel, ...] = (
     ("gold-judge score, held-out prompts", (("eval/judge_score", None),)),
     ("KL to the reference (sum over tokens)", (("objective/kl", None),)),
     (RLHF_TITLE, ((RLHF_METRIC, None),)),
+    (
+        "tool calls (TRL's tools/* metrics)",
+        (("tools/call_frequency", "calls per completion"), ("tools/failure_frequency", "share that failed")),
+    ),
     (
         "groups whose rewards are all equal (teach nothing)",
         (("objective/zero_spread_groups", "weighted sum"),),

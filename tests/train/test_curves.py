@@ -1,7 +1,7 @@
 """The training curves say what a run's ``objective/rlhf_reward`` is to that run: read from the
 ``rloo_config.json`` beside its ``metrics.jsonl``, the panel is the reward trained on where the KL is folded
 into the reward, score − β·KL (not a reward) where the KL is in the loss, and left out at β = 0. With several
-reward sources, the panels' titles fit their panels."""
+reward sources, the panels' titles fit their panels. A run with tools draws its tool calls."""
 
 from __future__ import annotations
 
@@ -109,4 +109,24 @@ def test_panel_titles_of_several_reward_sources_do_not_run_into_each_other():
         assert box.width <= slot, visible[index].get_title()
         for other in boxes[index + 1 :]:
             assert not box.overlaps(other), visible[index].get_title()
+    pyplot().close(figure)
+
+
+def test_a_run_with_tools_draws_its_tool_calls_and_a_run_without_does_not():
+    from marl.train.curves import pyplot, training_curves_figure
+
+    plain = [{"episode": 8.0 * u, "objective/scores": 0.1 * u, "objective/kl": 0.1} for u in (1, 2)]
+    tools = [
+        {**record, "tools/call_frequency": 0.5 * u, "tools/failure_frequency": 0.25}
+        for u, record in enumerate(plain, start=1)
+    ]
+    lines = {title: lines for title, lines in logged_panels(tools)}
+    assert lines["tool calls (TRL's tools/* metrics)"] == (
+        ("tools/call_frequency", "calls per completion"),
+        ("tools/failure_frequency", "share that failed"),
+    )
+    assert not any(title.startswith("tool calls") for title, _ in logged_panels(plain))
+    figure = training_curves_figure(tools)
+    (axis,) = [axis for axis in figure.axes if axis.get_title().startswith("tool calls")]
+    assert [list(line.get_ydata()) for line in axis.get_lines()] == [[0.5, 1.0], [0.25, 0.25]]
     pyplot().close(figure)
