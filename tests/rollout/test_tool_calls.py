@@ -1,6 +1,6 @@
-"""The tool-calling rollout beyond what TRL's run shows: rows whose environments give them prompts of their own
-(turn 1 then samples each row alone, and nothing packs them by prompt), the tools' results out of the loss's
-tokens, and the sample table's turns."""
+"""The tool-calling rollout beyond what TRL's run shows: rows whose environments give them prompts of their
+own (turn 1 then samples each row alone, and nothing packs them by prompt), the tools' results out of the
+loss's tokens, and the sample table's turns."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from transformers import AutoTokenizer
 from marl import MultiAdapterModel, RLOOConfig, RLOOTrainer
 from marl.algo.tensors import model_tokens
 from marl.rollout.tool_calls import conversation_text
+
 from support.tool_agents import TOOLS, examples, register_scripted_sampler, save_tool_model
+
 
 class Attempts:
     """Each reset tells its attempt number: the k rows of one prompt read different prompts."""
