@@ -88,3 +88,18 @@ def test_the_tools_results_are_in_the_completion_but_not_among_the_models_tokens
     assert torch.equal(rollout.model_mask, model_tokens(rollout))
     table = [conversation_text(turns) for turns in rollout.turns]
     assert all(("\ntool " in text) == bool(c) for text, c in zip(table, called.tolist(), strict=True))
+
+
+def test_a_reward_adapter_reads_the_conversation_as_trl_renders_it_for_a_reward_model(model_dir, tmp_path):
+    """TRL 1.16 renders ``{"messages": prompt + completion}`` through its own ``apply_chat_template`` for a
+    reward model, the completion being every turn and tool message."""
+    from trl.data_utils import apply_chat_template
+
+    trainer, rollout = rollout_of(model_dir, tmp_path, True, tools=TOOLS)
+    tokenizer = trainer.tokenizer
+    rows = trainer.parts.scorer.reward_rows(rollout)
+    for row, turns in enumerate(rollout.turns):
+        example = {"messages": [*rollout.prompt_messages[row], *turns]}
+        text = apply_chat_template(example, tokenizer)["text"]
+        assert rows[row] == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert any(len(turns) > 1 for turns in rollout.turns)  # tool messages among them
