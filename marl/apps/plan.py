@@ -51,6 +51,14 @@ class PlanArguments:
             "policies (the product of the lists) train at once on the one base."
         },
     )
+    tool_calls: bool = field(
+        default=False,
+        metadata={
+            "help": "The run calls tools (train-rloo --tool or --environment): plan its later turns too, "
+            "each row decoding after the longest conversation the limits allow (--prompt_length, counted "
+            "with the tools' descriptions, plus --response_length)."
+        },
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -92,6 +100,7 @@ def run_plan(arguments: PlanArguments, config: RLOOConfig) -> MemoryPlan:
         memory_gb=arguments.memory_gb,
         prompt_length=arguments.prompt_length,
         num_processes=arguments.num_processes,
+        tool_turns=arguments.tool_calls,
     )
     systems = ("trl-rloo", "ppo") if arguments.compare else ()
     sweep = f"the sweep of {policies} policies" if policies > 1 else "the run"

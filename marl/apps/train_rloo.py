@@ -217,7 +217,15 @@ def build_rloo_trainer(script: ScriptArguments, config: RLOOConfig, command: str
     state = PartialState(cpu=not torch.cuda.is_available())
     check_sharded_launch(config.parallelism, state.num_processes)  # before the model loads
     # --fit auto: the memory settings chosen from the plan, before the model loads (they decide how it loads)
-    fit = fit_run(config, train_dataset, state.device, state.num_processes, [m.config for m in members])
+    box = None
+    if tools:  # a template without tool calls and plain-text prompts are refused before the model loads
+        from marl.rollout.toolbox import ToolBox, check_tool_dataset, prepare_tool_template
+
+        check_tool_dataset(train_dataset, script.dataset_name)
+        prepare_tool_template(load_tokenizer(resolve_model_path(config.model_name_or_path)))
+        box = ToolBox(**tools)  # --fit counts the prompts as rendered with the tools, and the later turns
+    members_configs = [m.config for m in members]
+    fit = fit_run(config, train_dataset, state.device, state.num_processes, members_configs, box)
     if fit is not None and state.is_main_process:
         for line in fit.lines():
             print(f"marl: {line}", file=sys.stderr)

@@ -123,6 +123,7 @@ SHARED_FIELDS: dict[str, str] = {
     "response_length": _DECODE,
     "stop_token": _DECODE,
     "stop_token_id": _DECODE,
+    "max_tool_calling_iterations": "a sweep trains without tools",
     "token_level_kl": "it is the older spelling of kl_placement: sweep kl_placement",
     "logging_steps": _RUN + ", logged together so that the policies' curves line up",
     "report_to": _RUN,

@@ -135,6 +135,27 @@ class Samples:
         """Rows per prompt (``k``), read from the first prompt's group."""
         return int((self.prompt_index == self.prompt_index[0]).sum())
 
+    def prompts_shared(self) -> bool:
+        """Whether every row's prompt is its group's first row's (with environments, a row's ``reset`` may add
+        its own text to its prompt: such rows cannot be packed by prompt).
+
+        Example:
+            >>> ids, ones = torch.tensor([[5], [6], [5], [7]]), torch.ones(4, 1)
+            >>> groups = torch.tensor([0, 1, 0, 1])
+            >>> rows = Samples([], [], ids, ones, ones, ones, ones, ones, groups, [None] * 4)
+            >>> rows.prompts_shared(), rows.select(torch.tensor([0, 2])).prompts_shared()
+            (False, True)
+        """
+        first: dict[int, int] = {}
+        for row, group in enumerate(self.prompt_index.tolist()):
+            same_as = first.setdefault(group, row)
+            if not (
+                torch.equal(self.prompt_ids[row], self.prompt_ids[same_as])
+                and torch.equal(self.prompt_mask[row], self.prompt_mask[same_as])
+            ):
+                return False
+        return True
+
     def pack(self, mask_dtype: torch.dtype) -> PackedRows:
         """These rows packed by prompt (:mod:`marl.model.rows`): each prompt once, then its completions."""
         return pack_rows(

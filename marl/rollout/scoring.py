@@ -100,6 +100,8 @@ class Scorer:
         """``samples`` packed by prompt when :meth:`can_pack` says so, else ``None``."""
         if not self.can_pack(samples.prompt_mask, samples.response_ids, samples.prompt_index):
             return None
+        if samples.tool_mask is not None and not samples.prompts_shared():  # an environment changed a prompt
+            return None
         return samples.pack(packing_mask_dtype(self.model))
 
     def chunks(self, samples: Samples) -> Iterator[tuple[torch.Tensor, Samples, PackedRows | None]]:

@@ -171,11 +171,25 @@ def check_tool_prompts(box: ToolBox, prompts: Sequence[Prompt], name: str) -> No
     turns and the tools' results are messages) or an example naming no environment."""
     for index, prompt in enumerate(prompts):
         if prompt.messages is None:
-            raise DataError(
-                f"{name} row {index}: tools need conversations, a list of {{'role', 'content'}} messages; "
-                "give the 'prompt' column messages, e.g. [{'role': 'user', 'content': text}]"
-            )
+            raise not_a_conversation(name, index)
     box.check_examples([prompt.columns for prompt in prompts], name)
+
+
+def check_tool_dataset(dataset: Any, name: str) -> None:
+    """:func:`check_tool_prompts`' refusal of plain-text prompts, on a dataset's ``prompt`` column."""
+    from marl.data.prompts import is_conversation
+
+    column = dataset["prompt"] if "prompt" in dataset.column_names else [None]
+    for index, prompt in enumerate(column):
+        if not is_conversation(prompt):
+            raise not_a_conversation(name, index)
+
+
+def not_a_conversation(name: str, index: int) -> DataError:
+    return DataError(
+        f"{name} row {index}: tools need conversations, a list of {{'role', 'content'}} messages; give the "
+        "'prompt' column messages, e.g. [{'role': 'user', 'content': text}]"
+    )
 
 
 def environment_reward(kind: type) -> Callable[..., list[float | None]]:
@@ -215,7 +229,8 @@ def prepare_tool_template(tokenizer: Any) -> str | None:
         raise ConfigError(
             "tools need a chat template that renders tool calls and tool results (Qwen2.5/Qwen3's or "
             "Llama-3.1's, e.g. trl.chat_template_utils.qwen2_5_chat_template); this tokenizer's does not. "
-            "Set tokenizer.chat_template to one"
+            "Give it one: tokenizer.chat_template, saved in the model's folder "
+            "(docs/guides/agents-with-tools.md)"
         )
     if (
         getattr(tokenizer, "response_template", None) is None

@@ -606,6 +606,7 @@ CASES += [
     Case(PLAN, ["--prompt_length", "0"], r"--prompt_length and --num_processes must be 1 or more"),
     Case(PLAN, ["--num_processes", "0"], r"--prompt_length and --num_processes must be 1 or more"),
     Case(PLAN, ["--compare", "maybe"], r"--compare.*got maybe"),
+    Case(PLAN, ["--tool_calls", "sometimes"], r"--tool_calls.*got sometimes"),
     Case(PLAN, ["--model_name_or_path", "{files}/not-a-model"], r"not-a-model is not a model folder"),
     Case(PLAN, ["--model_name_or_path", "{files}/bad-config"], r"cannot read the model config .*bad-config"),
     Case(PLAN, ["--model_name_or_path", "{files}/missing"], r"no such model folder: .*missing"),

@@ -53,6 +53,16 @@ class Calculator:
         return float(self.calls > 0)
 
 
+def bare(a, b):
+    return a
+
+
+class NoReset:
+    def look(self) -> str:
+        """Look around."""
+        return "nothing"
+
+
 BY_NAME = {"calculator": Calculator}
 NOT_CALLABLE_ENTRY = {"calculator": Calculator, "abacus": 3}
 number = 3
@@ -69,6 +79,7 @@ def files(tmp_path_factory, tiny_llama_dir):
     named = [{"prompt": messages, "environment": "calculator"} for messages in conversations]
     write_jsonl(root / "named.jsonl", named)
     write_jsonl(root / "misnamed.jsonl", [{**row, "environment": "chess"} for row in named])
+    write_jsonl(root / "texts.jsonl", [{"prompt": question} for question in QUESTIONS])
     return {"root": root, "tools": str(root / "my_tools.py"), "base": str(tiny_llama_dir)}
 
 
@@ -139,7 +150,23 @@ WRONG = {
         "prompts",
         r"environment=None is not one of environment_factory's \['calculator'\]",
     ),
-    "env-unknown-name": (["--environment", "{tools}:BY_NAME"], "misnamed", r"environment='chess' is not one of"),
+    "tool-undescribed": (
+        ["--tool", "{tools}:bare"],
+        "prompts",
+        r"--tool .*:bare: the model cannot be told how",
+    ),
+    "env-no-reset": (
+        ["--environment", "{tools}:NoReset"],
+        "prompts",
+        r"made a NoReset without a reset method",
+    ),
+    "template": (["--tool", "{tools}:add"], "prompts", r"tools need a chat template that renders tool calls"),
+    "plain-text": (["--tool", "{tools}:add"], "texts", r"row 0: tools need conversations"),
+    "env-unknown-name": (
+        ["--environment", "{tools}:BY_NAME"],
+        "misnamed",
+        r"environment='chess' is not one of",
+    ),
 }
 
 

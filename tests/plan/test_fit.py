@@ -156,3 +156,21 @@ def test_the_command_prints_each_change_and_records_it(tiny_llama_dir, tmp_path,
             "per_device_train_batch_size": [2, 4],
             "gradient_accumulation_steps": [2, 1],
         }
+
+
+def test_fit_with_tools_counts_their_descriptions_in_the_prompts_and_the_later_turns(tmp_path):
+    """``--fit auto`` with tools plans the prompts as the chat template renders them with the tools'
+    descriptions, and the later turns' decode (:class:`marl.plan.PlanTarget` ``tool_turns``)."""
+    from datasets import Dataset
+
+    from marl.rollout.toolbox import ToolBox
+
+    from support.tool_agents import add, save_tool_model
+
+    model_dir = save_tool_model("qwen2", tmp_path / "qwen2")
+    config = tiny_config(tmp_path / "run", model_name_or_path=str(model_dir))
+    prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": "What is 2 + 3?"}]]})
+    _, plain = fit_target(config, prompts, "cpu", memory_gb=8)
+    _, with_tools = fit_target(config, prompts, "cpu", memory_gb=8, tools=ToolBox([add]))
+    assert not plain.tool_turns and with_tools.tool_turns
+    assert with_tools.prompt_length > plain.prompt_length  # the tools' descriptions are in the prompt

@@ -274,3 +274,23 @@ def test_the_graph_samplers_buffers_are_planned_as_it_allocates_them(family, fam
         assert rounding == allocated - allocated * 6 * 28 // (8 * 42)
     sharded = plan_memory(with_changes(config, parallelism="fsdp2"), model_config, target)
     assert "graph sampler's buffers" not in sharded.phase("update").parts  # decodes with the static loop
+
+
+def test_a_run_with_tools_plans_a_later_turn_after_the_longest_conversation(config_only, tmp_path):
+    """Each row of a later turn decodes on its own after up to prompt + response_length tokens: more than
+    turn 1 (each prompt once for its k rows), even than prompts that long; scoring and the update, whose
+    completions hold the tools' results within response_length, stay as they are."""
+    import dataclasses
+
+    model_config = load_model_config(str(config_only))
+    config = tiny_rloo_config(
+        tmp_path, rloo_k=4, per_device_train_batch_size=8, local_rollout_forward_batch_size=8
+    )
+    plain = plan_memory(config, model_config, TARGET)
+    tools = plan_memory(config, model_config, dataclasses.replace(TARGET, tool_turns=True))
+    longest = TARGET.prompt_length + config.response_length
+    long_prompts = plan_memory(config, model_config, PlanTarget(device="cpu", prompt_length=longest))
+    sampling = [plan.phase("sampling").parts["KV cache + sampling"] for plan in (plain, long_prompts, tools)]
+    assert sampling[0] < sampling[1] < sampling[2]
+    for phase in ("scoring", "update"):
+        assert tools.phase(phase).total == plain.phase(phase).total

@@ -88,8 +88,8 @@ def k_major(each: list[Samples], k: int, count: int) -> Samples:
         values = [getattr(samples, field.name) for samples in each]
         if field.name == "prompt_index":
             fields[field.name] = torch.arange(count).repeat(k)
-        elif values[0] is None:
-            fields[field.name] = None
+        elif values[0] is None or (isinstance(values[0], list) and not values[0]):  # a field left unset
+            fields[field.name] = values[0]
         elif isinstance(values[0], torch.Tensor):
             fields[field.name] = torch.stack(values, dim=1).reshape(k * count, *values[0].shape[1:])
         else:
