@@ -18,7 +18,7 @@ The bundled model lacks two things an agent needs:
 - a chat template with tool calls: its ChatML template has none, so the tokenizer gets TRL's
   ``trl.chat_template_utils.qwen2_5_chat_template``, ChatML with Qwen2.5's Hermes-format tool calls
   (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, the results in ``<tool_response>``);
-- the habit of calling tools: a 135M model that never saw one rarely writes a tool call, and RL cannot
+- the habit of calling tools: a 135M model that never saw a tool call does not write one, and RL cannot
   reinforce what it never samples. So a short warm start comes first: ``--warm_start_steps`` supervised steps
   on the policy LoRA, on conversations about other numbers in which the assistant calls the tool and then
   answers (the loss on the assistant's tokens only).
