@@ -322,6 +322,8 @@ def tool_rollout(
             row.logprobs = None if row.logprobs is None else row.logprobs + [0.0] * len(suffix)
             continuing.append(row)
             contexts.append(Prompt(tuple(context), ""))
+        if not any_process(bool(contexts)):  # every result was too long to append, on every process
+            break
         # A process with nothing to decode decodes a row it throws away while another process decodes.
         batch = sampler.batch(contexts or [Prompt(tuple(rows[0].prompt_ids), "")])
         turn = sampler.sample(batch, 1)

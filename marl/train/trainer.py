@@ -573,8 +573,9 @@ def sample_table(trainer: RLOOTrainer, rollout: Rollout) -> dict[str, float]:
     else:
         samples, scores = rollout, rollout.scores.tolist()
         extra = rollout.reward_log.extra if rollout.reward_log is not None else {}
-    # with tools, each completion's turns and tool results
+    # with tools, each completion's turns and tool results after its question (not the tools' descriptions)
     completions = [conversation_text(turns) for turns in samples.turns] or samples.completions
-    rows = run_dir.sample_rows(samples.prompt_texts, completions, scores, extra)[:SAMPLE_TABLE_ROWS]
+    prompts = [prompt_text(m) for m in samples.prompt_messages] if samples.turns else samples.prompt_texts
+    rows = run_dir.sample_rows(prompts, completions, scores, extra)[:SAMPLE_TABLE_ROWS]
     run_dir.write_sample_table(trainer.output_dir, trainer.state.update, rows)
     return held_out
