@@ -115,9 +115,11 @@ class RLOOTrainer:
         dataset_source: where the prompts came from (e.g. ``dataset_name``, ``dataset_train_split``,
             ``prompt_column``), recorded in ``rloo_config.json`` under ``"dataset"`` with the prompt counts;
             ``marl evaluate`` reads it to tell held-out prompts from training prompts.
-        tools, environment_factory: functions the policy may call, and environments whose methods are tools,
-            as TRL's ``GRPOTrainer`` takes them (:mod:`marl.rollout.tool_calls`): each completion is decoded
-            turn by turn, the tools' results between its turns masked out of the loss and the KL.
+        tools: functions the policy may call, as TRL's ``GRPOTrainer`` takes them
+            (:mod:`marl.rollout.tool_calls`): each completion is decoded turn by turn, the tools' results
+            between its turns masked out of the loss and the KL.
+        environment_factory: makes one environment per completion (or a dict of factories chosen by the
+            ``environment`` column), whose methods are its tools (:mod:`marl.rollout.toolbox`).
 
     Attributes:
         parts: the :class:`marl.train.training_parts.TrainingParts` the run trains with (the parallelism,
