@@ -26,9 +26,11 @@ def test_training_curves_png_from_metrics(tmp_path):
         }
         for u in range(1, 6)
     ]
-    assert len(logged_panels(records)) == len(PANELS) - 1  # no judge: no judge panel
+    assert len(logged_panels(records)) == len(PANELS) - 2  # no judge, no tools: neither's panel
     for record in records[::2]:  # a judge scores the held-out samples every other update
         record.update({"eval/score": 0.2, "eval/judge_score": 0.3})
+    for record in records:  # a run with tools
+        record.update({"tools/call_frequency": 0.5, "tools/failure_frequency": 0.0})
     metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
     assert read_metrics_file(metrics) == records
     assert logged_panels(records) == list(PANELS)
